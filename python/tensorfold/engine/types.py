@@ -1,0 +1,42 @@
+"""What goes into and comes out of Engine.generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None       # None: hash of the prompt's token ids
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0        # prompt tokens restored from a prompt-cache snapshot
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0           # request start -> first token
+    decode_s: float = 0.0
+    decode_tps: float = 0.0
+    drafted: int = 0              # drafted tokens sent to verification
+    accepted: int = 0             # drafted tokens accepted
+    verify_rounds: int = 0
+    token_hash: str = ""          # sha256 of the reply's token ids (hex, first 16)
+    finish_reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationEvent:
+    """One step of a generation. `text` is the new text since the last event (may be "")."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None   # None while running; "stop" | "length" at the end
+    stats: GenerationStats | None = None  # set on the final event
