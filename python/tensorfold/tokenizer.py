@@ -1,0 +1,409 @@
+"""Tokenizer, chat templates and streaming detokenization.
+
+`Tokenizer.from_dir(path)` reads a Hugging Face style model directory:
+
+- ``tokenizer.json`` (loaded with the `tokenizers` library),
+- the chat template from ``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``,
+- EOS/BOS ids from ``generation_config.json``, ``config.json`` and ``tokenizer_config.json``.
+
+`IncrementalDetokenizer` turns a stream of token ids into text pieces whose concatenation equals
+``tokenizer.decode(all_ids)``, decoding only a bounded window of recent tokens per step.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+__all__ = [
+    "Tokenizer",
+    "IncrementalDetokenizer",
+    "TemplateError",
+    "VALID_ROLES",
+    "validate_messages",
+]
+
+VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_REPLACEMENT = "\ufffd"
+
+
+class TemplateError(ValueError):
+    """A chat template could not be rendered (raise_exception() in the template, or a template bug)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(tok: Any) -> str | None:
+    """tokenizer_config's bos_token/eos_token: a string, or {"content": ...}, or None."""
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict):
+        content = tok.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _int_ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _pick_template(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {
+            t.get("name"): t.get("template")
+            for t in value
+            if isinstance(t, dict) and isinstance(t.get("template"), str)
+        }
+        if "default" in named:
+            return named["default"]
+        if len(named) == 1:
+            return next(iter(named.values()))
+    return None
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Check chat messages; return shallow copies. Raises ValueError with a one-line message."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of objects, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in VALID_ROLES:
+            raise ValueError(
+                f"messages[{i}].role must be one of {', '.join(sorted(VALID_ROLES))}, got {role!r}"
+            )
+        content = m.get("content")
+        if content is None:
+            if not (role == "assistant" and m.get("tool_calls")):
+                raise ValueError(f"messages[{i}].content is required")
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise ValueError(f"messages[{i}].content[{j}] must be an object")
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"messages[{i}].content[{j}].type must be 'text', got {part.get('type')!r}"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+        elif not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        out.append(dict(m))
+    return out
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(str(message))
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus the model directory's chat template and special ids."""
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        eos_ids: Iterable[int] = (),
+        bos_ids: Iterable[int] = (),
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ):
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+        self.bos_ids: frozenset[int] = frozenset(bos_ids)
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.added_ids: frozenset[int] = frozenset(added)
+        self._compiled = None
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
+        path = pathlib.Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        tok = _HFTokenizer.from_file(str(tj))
+        tcfg = _read_json(path / "tokenizer_config.json")
+        gcfg = _read_json(path / "generation_config.json")
+        mcfg = _read_json(path / "config.json")
+
+        template = None
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        else:
+            template = _pick_template(tcfg.get("chat_template"))
+            if template is None:
+                # some repos ship chat_template.json {"chat_template": ...}
+                template = _pick_template(_read_json(path / "chat_template.json").get("chat_template"))
+
+        eos_token = _token_content(tcfg.get("eos_token"))
+        bos_token = _token_content(tcfg.get("bos_token"))
+        pad_token = _token_content(tcfg.get("pad_token"))
+
+        eos: set[int] = set(_int_ids(gcfg.get("eos_token_id"))) | set(_int_ids(mcfg.get("eos_token_id")))
+        bos: set[int] = set(_int_ids(gcfg.get("bos_token_id"))) | set(_int_ids(mcfg.get("bos_token_id")))
+        if eos_token is not None and (i := tok.token_to_id(eos_token)) is not None:
+            eos.add(i)
+        if bos_token is not None and (i := tok.token_to_id(bos_token)) is not None:
+            bos.add(i)
+        return cls(
+            tok,
+            chat_template=template,
+            eos_ids=eos,
+            bos_ids=bos,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            pad_token=pad_token,
+        )
+
+    # -- basic ops ---------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no BOS/EOS added, but special token strings map to their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        if self.bos_token is not None and (i := self.token_to_id(self.bos_token)) is not None:
+            return i
+        return min(self.bos_ids) if self.bos_ids else None
+
+    # -- chat template -------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    @property
+    def has_thinking_toggle(self) -> bool:
+        return bool(self.chat_template) and "enable_thinking" in self.chat_template
+
+    @property
+    def think_tags(self) -> tuple[str, str] | None:
+        t = self.chat_template or ""
+        if (
+            self.token_to_id("<think>") is not None
+            and self.token_to_id("</think>") is not None
+            and "<think>" in t
+            and "</think>" in t
+        ):
+            return ("<think>", "</think>")
+        return None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (no chat_template.jinja or "
+                             "tokenizer_config.json chat_template); use a completions request instead")
+        msgs = validate_messages(messages)
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError("tools must be a list")
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
+        ctx: dict[str, Any] = {
+            "messages": msgs,
+            "tools": tools,
+            "add_generation_prompt": bool(add_generation_prompt),
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        if enable_thinking is not None:
+            ctx["enable_thinking"] = bool(enable_thinking)
+        ctx.update(kwargs)
+        import jinja2
+
+        try:
+            return self._compiled.render(**ctx)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template error: {e}") from None
+        except (TypeError, KeyError, AttributeError, IndexError) as e:
+            raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from None
+
+    def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, **kwargs))
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenizer: `add(id)` returns the newly final text.
+
+    Works like Hugging Face's / vLLM's prefix-offset detokenizer: only `ids[prefix:]` is decoded
+    (prefix = start of the previously emitted chunk, kept as context for decoders whose output
+    depends on the preceding token), and text whose tail is an incomplete UTF-8 sequence (decoded
+    as U+FFFD) is held back until it completes. If garbage bytes keep the tail incomplete for many
+    tokens, the window is cut at a token boundary that splits the decoded text exactly, so the
+    window stays bounded. The concatenation of everything returned equals
+    ``tokenizer.decode(token_ids)``.
+    """
+
+    # Grow the window beyond this many unread tokens only if no exact cut point exists.
+    MAX_PENDING = 16
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._pieces: list[str] = []
+        self._prefix = 0  # window start (context)
+        self._read = 0  # ids[:read] are fully emitted
+        self._emitted = 0  # chars of decode(ids[prefix:]) already emitted
+        self._text_cache: str | None = None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    @property
+    def text(self) -> str:
+        if self._text_cache is None:
+            self._text_cache = "".join(self._pieces)
+        return self._text_cache
+
+    def _out(self, s: str) -> str:
+        if s:
+            self._pieces.append(s)
+            self._text_cache = None
+        return s
+
+    def add(self, token_id: int) -> str:
+        ids = self.token_ids
+        ids.append(int(token_id))
+        new = self._decode(ids[self._prefix:])
+        if not new.endswith(_REPLACEMENT):
+            out = new[self._emitted:]
+            self._prefix, self._read = self._read, len(ids)
+            self._emitted = len(self._decode(ids[self._prefix:self._read]))
+            return self._out(out)
+        # Tail is (maybe) an incomplete multi-byte char: emit only what precedes it.
+        out = ""
+        safe = len(new.rstrip(_REPLACEMENT))
+        if safe > self._emitted:
+            out = new[self._emitted:safe]
+            self._emitted = safe
+        if len(ids) - self._read > self.MAX_PENDING:
+            out += self._cut(new)
+        return self._out(out)
+
+    def _cut(self, new: str) -> str:
+        """Move the window start to a token boundary >= 4 tokens back where the text splits exactly."""
+        ids = self.token_ids
+        p = self._prefix
+        for q in range(len(ids) - 4, self._read, -1):
+            head = self._decode(ids[p:q])
+            if new.startswith(head) and new == head + self._decode(ids[q:]):
+                out = ""
+                if self._emitted < len(head):  # head is final: bytes >= 4 tokens back can't change
+                    out = new[self._emitted:len(head)]
+                    self._emitted = len(head)
+                self._prefix = self._read = q
+                self._emitted -= len(head)
+                return out
+        return ""
+
+    def flush(self) -> str:
+        ids = self.token_ids
+        new = self._decode(ids[self._prefix:])
+        out = new[self._emitted:]
+        self._prefix = self._read = len(ids)
+        self._emitted = 0
+        return self._out(out)
+
+    def reset(self) -> None:
+        self.__init__(self._tok, self._skip)
