@@ -1,0 +1,25 @@
+// C++ op functions of the row-exact kernels (CPU primitives). Each returns a lazy MLX
+// array whose primitive runs on the CPU stream; see docs/kernels.md for the contract.
+#pragma once
+
+#include "mlx/array.h"
+
+namespace tensorfold {
+
+// x [..., M, K] (f32/bf16/f16) @ dequant(w)^T -> [..., M, N] in x's dtype.
+// w uint32 [N, K*bits/32]; scales, biases [N, K/group_size]. MLX affine format.
+mlx::core::array row_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                      const mlx::core::array& scales,
+                                      const mlx::core::array& biases, int group_size,
+                                      int bits);
+
+// x [..., M, K] @ w^T, w [N, K] -> [..., M, N] in x's dtype.
+mlx::core::array row_matmul(const mlx::core::array& x, const mlx::core::array& w);
+
+// q [B, Hq, M, D]; k, v [B, Hkv, cap, D]; offset int32 scalar array. Causal: query row i
+// sits at position offset+i and attends to keys 0..offset+i. Output [B, Hq, M, D].
+mlx::core::array row_attention(const mlx::core::array& q, const mlx::core::array& k,
+                               const mlx::core::array& v, const mlx::core::array& offset,
+                               float scale);
+
+} // namespace tensorfold

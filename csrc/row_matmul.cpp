@@ -1,0 +1,94 @@
+// row_matmul: CPU face. x @ w^T with w [N, K] in f32/bf16/f16, through the fixed-order GEMM
+// of cpu_rowgemm.h (the "loader" widens a slice of a weight row to fp32, exactly).
+#include <memory>
+#include <sstream>
+
+#include "cpu_common.h"
+#include "cpu_rowgemm.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "row_kernels.h"
+
+namespace mx = mlx::core;
+
+namespace tensorfold {
+
+namespace {
+
+using namespace tensorfold::cpu;
+
+class RowMatmul : public mx::UnaryPrimitive {
+ public:
+  explicit RowMatmul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_output_array(out);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                  out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const int64_t K = x.shape(-1);
+      const int64_t R = K ? static_cast<int64_t>(x.size()) / K : 0;
+      const int64_t N = out.shape(-1);
+      if (R == 0 || N == 0) return;
+      const FType xt = ftype_of(x.dtype(), "x");
+      const FType wt = ftype_of(w.dtype(), "w");
+      std::vector<float> xbuf;
+      const float* xf = x.data<float>();
+      if (xt != FType::f32) {
+        xbuf.resize(R * K);
+        convert_to_f32(x.data<void>(), xt, R * K, xbuf.data());
+        xf = xbuf.data();
+      }
+      const char* wp = static_cast<const char*>(w.data<void>());
+      const int64_t esz = (wt == FType::f32) ? 4 : 2;
+      auto loader = [&](int64_t n, int64_t k0, int64_t len, float* dst) {
+        convert_to_f32(wp + (n * K + k0) * esz, wt, len, dst);
+      };
+      row_gemm(xf, R, K, N, out.data<void>(), xt, loader);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(
+        "tensorfold row_matmul: the C++ primitive is CPU only; GPU faces go through "
+        "tensorfold.kernels.row_matmul (CUDA / Metal kernels).");
+  }
+
+  const char* name() const override { return "RowMatmul"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+};
+
+} // namespace
+
+mx::array row_matmul(const mx::array& x, const mx::array& w) {
+  if (w.ndim() != 2) throw std::invalid_argument("row_matmul: w must be 2-D [N, K]");
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    std::ostringstream msg;
+    msg << "row_matmul: x's last dimension must equal w.shape[1] (" << w.shape(1) << ")";
+    throw std::invalid_argument(msg.str());
+  }
+  if (w.shape(1) % 16 != 0) throw std::invalid_argument("row_matmul: K must be a multiple of 16");
+  cpu::ftype_of(x.dtype(), "x");
+  cpu::ftype_of(w.dtype(), "w");
+  auto s = cpu::cpu_stream();
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, x.dtype(), std::make_shared<RowMatmul>(s),
+                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+}
+
+} // namespace tensorfold

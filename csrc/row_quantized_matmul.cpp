@@ -1,0 +1,205 @@
+// row_quantized_matmul: CPU face. MLX affine quantisation, w_hat = fma(scale, q, bias) in
+// fp32, then the fixed-order GEMM of cpu_rowgemm.h. Row-exact by construction: the
+// arithmetic of out[r, n] depends only on x[r, :], column n's weights and K.
+//
+// Packing (same as MLX): the bytes of a row of w form a little-endian bit stream and
+// element k occupies bits [k*bits, (k+1)*bits). For 2/4/8 bits this is "uint32 words,
+// lowest bits first"; 3/5/6 bits pack 8 (3, 5) or 4 (6) values into 3/5/3 bytes, so
+// values straddle bytes and words -- still the same bit stream.
+#include <memory>
+#include <sstream>
+
+#include "cpu_common.h"
+#include "cpu_rowgemm.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "row_kernels.h"
+
+namespace mx = mlx::core;
+
+namespace tensorfold {
+
+namespace {
+
+using namespace tensorfold::cpu;
+
+// Writes the 8 quantised integers of elements k..k+7 (k % 8 == 0) of a row, as floats.
+template <int bits>
+inline void unpack8(const uint8_t* row, int64_t k, float* q) {
+  const uint8_t* p = row + (k * bits) / 8; // byte aligned because k % 8 == 0
+#if TF_AVX2
+  if constexpr (bits == 4) {
+    uint32_t u;
+    std::memcpy(&u, p, 4);
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u)), sh),
+                                 _mm256_set1_epi32(0xf));
+    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
+    return;
+  } else if constexpr (bits == 8) {
+    uint64_t u;
+    std::memcpy(&u, p, 8);
+    __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(u)));
+    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
+    return;
+  } else if constexpr (bits == 2) {
+    uint16_t u;
+    std::memcpy(&u, p, 2);
+    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(u), sh),
+                                 _mm256_set1_epi32(0x3));
+    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
+    return;
+  }
+#endif
+  uint64_t u = 0;
+  std::memcpy(&u, p, bits); // 8 values * bits = `bits` bytes
+  constexpr uint64_t mask = (uint64_t(1) << bits) - 1;
+  for (int j = 0; j < 8; ++j) {
+    q[j] = static_cast<float>((u >> (j * bits)) & mask);
+  }
+}
+
+template <int bits>
+void run_qmm(const float* xf, int64_t R, int64_t K, int64_t N, const uint8_t* w,
+             const void* scales, const void* biases, FType st, int group_size, void* out,
+             FType ot) {
+  const int64_t row_bytes = K * bits / 8;
+  const int64_t n_groups = K / group_size;
+  auto loader = [&](int64_t n, int64_t k0, int64_t len, float* dst) {
+    const uint8_t* row = w + n * row_bytes;
+    alignas(32) float q[8];
+    for (int64_t k = k0; k < k0 + len; k += group_size) {
+      const int64_t g = k / group_size;
+      const v8 s = v8_set1(load_scalar(scales, st, n * n_groups + g));
+      const v8 b = v8_set1(load_scalar(biases, st, n * n_groups + g));
+      for (int64_t j = 0; j < group_size; j += 8) {
+        unpack8<bits>(row, k + j, q);
+        v8_store(dst + (k - k0) + j, v8_fma(s, v8_load(q), b)); // scale*q + bias, fused
+      }
+    }
+  };
+  row_gemm(xf, R, K, N, out, ot, loader);
+}
+
+class RowQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  RowQuantizedMatmul(mx::Stream s, int group_size, int bits)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& biases = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_input_array(scales);
+    enc.set_input_array(biases);
+    enc.set_output_array(out);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                  scales = mx::array::unsafe_weak_copy(scales),
+                  biases = mx::array::unsafe_weak_copy(biases),
+                  out = mx::array::unsafe_weak_copy(out), gs = group_size_,
+                  bits = bits_]() mutable {
+      const int64_t K = x.shape(-1);
+      const int64_t R = K ? static_cast<int64_t>(x.size()) / K : 0;
+      const int64_t N = out.shape(-1);
+      if (R == 0 || N == 0) return;
+      const FType xt = ftype_of(x.dtype(), "x");
+      const FType st = ftype_of(scales.dtype(), "scales");
+      std::vector<float> xbuf;
+      const float* xf = x.data<float>();
+      if (xt != FType::f32) {
+        xbuf.resize(R * K);
+        convert_to_f32(x.data<void>(), xt, R * K, xbuf.data());
+        xf = xbuf.data();
+      }
+      const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+      const void* sp = scales.data<void>();
+      const void* bp = biases.data<void>();
+      void* op = out.data<void>();
+      switch (bits) {
+        case 2: run_qmm<2>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        case 3: run_qmm<3>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        case 4: run_qmm<4>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        case 5: run_qmm<5>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        case 6: run_qmm<6>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        case 8: run_qmm<8>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
+        default: throw std::invalid_argument("row_quantized_matmul: unsupported bits");
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(
+        "tensorfold row_quantized_matmul: the C++ primitive is CPU only; GPU faces go "
+        "through tensorfold.kernels.row_quantized_matmul (CUDA / Metal kernels).");
+  }
+
+  const char* name() const override { return "RowQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RowQuantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+} // namespace
+
+mx::array row_quantized_matmul(const mx::array& x, const mx::array& w,
+                               const mx::array& scales, const mx::array& biases,
+                               int group_size, int bits) {
+  auto fail = [](const std::string& msg) {
+    throw std::invalid_argument("row_quantized_matmul: " + msg);
+  };
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    fail("bits must be one of 2, 3, 4, 5, 6, 8");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    fail("group_size must be 32, 64 or 128");
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
+  if (x.ndim() < 1) fail("x must have at least one dimension");
+  const int64_t N = w.shape(0);
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (x.shape(-1) != K) {
+    std::ostringstream msg;
+    msg << "x's last dimension " << x.shape(-1) << " does not match w (K=" << K << ")";
+    fail(msg.str());
+  }
+  if (K % group_size != 0) fail("K must be a multiple of group_size");
+  if (scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      biases.shape() != scales.shape()) {
+    fail("scales and biases must be [N, K / group_size]");
+  }
+  cpu::ftype_of(x.dtype(), "x");
+  cpu::ftype_of(scales.dtype(), "scales");
+  if (biases.dtype() != scales.dtype()) fail("biases must have the dtype of scales");
+  auto s = cpu::cpu_stream();
+  auto xc = mx::contiguous(x, false, s);
+  auto wc = mx::contiguous(w, false, s);
+  auto sc = mx::contiguous(scales, false, s);
+  auto bc = mx::contiguous(biases, false, s);
+  auto shape = x.shape();
+  shape.back() = static_cast<int>(N);
+  return mx::array(shape, x.dtype(),
+                   std::make_shared<RowQuantizedMatmul>(s, group_size, bits),
+                   {xc, wc, sc, bc});
+}
+
+} // namespace tensorfold
