@@ -1,0 +1,7 @@
+"""Generation engine. Imports go one way: server -> engine -> models -> kernels."""
+
+from .engine import Engine
+from .prefill import PrefillMode
+from .types import GenerationEvent, GenerationStats, SamplingParams
+
+__all__ = ["Engine", "PrefillMode", "GenerationEvent", "GenerationStats", "SamplingParams"]

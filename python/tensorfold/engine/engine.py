@@ -1,0 +1,249 @@
+"""The exact generation engine: grid prefill, row-exact decode, keyed sampling, drafts.
+
+    eng = Engine("path/to/model")
+    for ev in eng.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=64):
+        print(ev.text, end="")
+
+Not thread-safe: one thread owns an Engine (and MLX)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.memory import SnapshotStore
+from ..errors import RequestError
+from ..models import load_model
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .prefill import PrefillMode, prefill
+from .proposers import ContextCopy, DraftModel, Proposer
+from .rowcheck import row_check
+from .sampling import prompt_seed, sample
+from .stops import StopMatcher
+from .types import GenerationEvent, GenerationStats, SamplingParams
+
+log = logging.getLogger("tensorfold")
+
+
+class Engine:
+    def __init__(self, model_path, *, drafter=None, drafts: bool = True, context: int | None = None,
+                 prompt_cache_gib: float = 2.0, snapshot_dir=None, thinking: bool | None = None,
+                 prefill_mode: PrefillMode = PrefillMode(), draft_width: int = 8):
+        self.model_path = Path(model_path)
+        self.model_name = self.model_path.resolve().name
+        self.model = load_model(self.model_path)
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        cfg = self.model.cfg
+        self.context_length = min(context or cfg.max_position, cfg.max_position)
+        self.thinking = thinking
+        self.mode = prefill_mode
+        self.draft_width = draft_width
+        self.cache_key = self.mode.key
+        self.snapshots = SnapshotStore(int(prompt_cache_gib * 2**30))
+        self.snapshot_dir = snapshot_dir
+        self.generation_defaults = self._read_generation_defaults()
+        self.drafter = None
+        if drafter is not None:
+            dm = load_model(drafter)
+            if dm.cfg.vocab_size != cfg.vocab_size and Tokenizer.from_dir(drafter).vocab_size != self.tokenizer.vocab_size:
+                raise RequestError(f"drafter {drafter} has another tokenizer than the model", param="drafter")
+            self.drafter = DraftModel(dm, self.mode)
+        self.drafts_enabled = drafts
+        self.row_exact = None
+        if drafts:
+            self.row_exact = row_check(self.model, k=min(draft_width + 1, 16))
+            if not self.row_exact:
+                log.warning("row_check failed on this backend: the decode kernels are not row-exact "
+                            "here, so drafting is DISABLED (replies stay exact, only slower)")
+                self.drafts_enabled = False
+
+    # ---- settings ---------------------------------------------------------------------------
+    def _read_generation_defaults(self) -> dict:
+        out = {}
+        f = self.model_path / "generation_config.json"
+        if f.is_file():
+            try:
+                g = json.loads(f.read_text())
+            except ValueError:
+                g = {}
+            for k in ("temperature", "top_p", "top_k", "min_p"):
+                if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool):
+                    out[k] = g[k]
+            if g.get("do_sample") is False:
+                out["temperature"] = 0.0
+        return out
+
+    # ---- prompt -----------------------------------------------------------------------------
+    def prompt_ids(self, messages=None, prompt=None, enable_thinking=None, tools=None) -> list[int]:
+        if (messages is None) == (prompt is None):
+            raise RequestError("give exactly one of messages or prompt", param="messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("messages must be a non-empty list", param="messages")
+            think = self.thinking if enable_thinking is None else enable_thinking
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          enable_thinking=think, tools=tools)
+            except ValueError as e:
+                raise RequestError(str(e), param="messages") from None
+            return self.tokenizer.encode(text)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(f"token ids must be in [0, {vocab})", param="prompt")
+        else:
+            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        return ids
+
+    # ---- prefill with the prompt cache --------------------------------------------------------
+    def _prefill(self, ids: list[int], progress=None):
+        cache = self.model.new_cache()
+        arr = np.asarray(ids, dtype=np.int64)
+        entry, g = self.snapshots.lookup(self.cache_key, arr, self.mode.grid, len(ids) - 1)
+        if entry is not None and g > 0:
+            cache.restore([(k[..., :g, :], v[..., :g, :]) for k, v in entry.kv], g)
+        cached = cache.offset
+        last_point = [0]
+
+        def on_grid_point(p):
+            last_point[0] = p
+
+        logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress)
+        p = last_point[0]
+        if p > cached:   # keep the prompt's last new grid point
+            self.snapshots.add(self.cache_key, ids[:p], cache.snapshot(p))
+        return cache, logits, cached
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, messages=None, prompt=None, *, max_tokens: int = 256,
+                 sampling: SamplingParams | None = None, stop=None, draft: bool = True,
+                 enable_thinking=None, tools=None, cancel=None, progress=None,
+                 proposers: list[Proposer] | None = None):
+        """Yield GenerationEvents; the last one has finish_reason and stats."""
+        t0 = time.perf_counter()
+        p = sampling or SamplingParams()
+        if p.temperature < 0 or not (0 < p.top_p <= 1) or p.top_k < 0 or not (0 <= p.min_p <= 1):
+            raise RequestError("sampling parameters out of range", param="temperature")
+        if isinstance(stop, str):
+            stop = [stop]
+        ids = self.prompt_ids(messages, prompt, enable_thinking, tools)
+        n_prompt = len(ids)
+        if n_prompt + 1 > self.context_length:
+            raise RequestError(
+                f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
+                param="messages" if messages is not None else "prompt", code="context_length_exceeded")
+        if max_tokens is None or max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        max_tokens = min(max_tokens, self.context_length - n_prompt)
+        seed = p.seed if p.seed is not None else prompt_seed(ids)
+
+        stats = GenerationStats(prompt_tokens=n_prompt)
+        cache, logits, stats.cached_tokens = self._prefill(ids, progress)
+        stats.prefill_s = time.perf_counter() - t0
+
+        if proposers is None:
+            proposers = []
+            if draft and self.drafts_enabled:
+                proposers.append(ContextCopy())
+                if self.drafter is not None:
+                    proposers.append(self.drafter)
+        elif not (draft and (self.drafts_enabled or self.row_exact is None)):
+            proposers = []
+
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stopper = StopMatcher(stop)
+        eos = self.tokenizer.eos_ids
+        tokens = list(ids)
+        reply: list[int] = []
+        finish = None
+        t_first = None
+
+        def accept(tok: int):
+            """Append one generated token; returns (event text, finish reason or None)."""
+            nonlocal t_first
+            reply.append(tok)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tok in eos:
+                return stopper.flush() if False else "", "stop"
+            text, stopped = stopper.push(detok.add(tok))
+            if stopped:
+                return text, "stop"
+            if len(reply) >= max_tokens:
+                return text + stopper.push(detok.flush())[0] + stopper.flush(), "length"
+            return text, None
+
+        first = sample(np.asarray(logits.astype(mx.float32)), seed, n_prompt, p)
+        tokens.append(first)
+        text, finish = accept(first)
+        stats.ttft_s = time.perf_counter() - t0
+        yield GenerationEvent(text=text, token_ids=[first])
+
+        while finish is None:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            room = min(max_tokens - len(reply), self.context_length - len(tokens)) - 1
+            drafts, who = [], None
+            for prop in proposers:
+                if room <= 0 or not prop.active(len(tokens)):
+                    continue
+                drafts = prop.propose(tokens, min(prop.width, self.draft_width, room))[:room]
+                if drafts:
+                    who = prop
+                    break
+            feed = [tokens[-1]] + drafts
+            rows = self.model.forward(mx.array([feed]), cache, exact=True, all_logits=True)
+            rows = np.asarray(rows.astype(mx.float32))
+            base = len(tokens)
+            out, n_acc = [], 0
+            for j in range(len(feed)):
+                s = sample(rows[j], seed, base + j, p)
+                out.append(s)
+                if j < len(drafts) and drafts[j] == s:
+                    n_acc += 1
+                    continue
+                break
+            cache.trim(base + n_acc)
+            if who is not None:
+                stats.drafted += len(drafts)
+                stats.accepted += n_acc
+                stats.verify_rounds += 1
+                who.feedback(len(tokens), len(drafts), n_acc)
+            pieces, new = [], []
+            for tok in out:
+                tokens.append(tok)
+                new.append(tok)
+                text, finish = accept(tok)
+                pieces.append(text)
+                if finish is not None:
+                    break
+            yield GenerationEvent(text="".join(pieces), token_ids=new)
+
+        now = time.perf_counter()
+        stats.completion_tokens = len(reply)
+        stats.decode_s = now - (t_first or now)
+        stats.decode_tps = (len(reply) - 1) / stats.decode_s if stats.decode_s > 0 and len(reply) > 1 else 0.0
+        stats.token_hash = hashlib.sha256(np.asarray(reply, dtype=np.int64).tobytes()).hexdigest()[:16]
+        stats.finish_reason = finish
+        yield GenerationEvent(text="", token_ids=[], finish_reason=finish, stats=stats)
+
+    def generate_text(self, *args, **kwargs) -> tuple[str, list[int], GenerationStats]:
+        """Run generate to the end: (text, reply token ids, stats)."""
+        text, ids, stats = [], [], None
+        for ev in self.generate(*args, **kwargs):
+            text.append(ev.text)
+            ids += ev.token_ids
+            stats = ev.stats or stats
+        return "".join(text), ids, stats

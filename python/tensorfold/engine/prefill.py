@@ -1,0 +1,52 @@
+"""Grid prefill: the one place where prompt chunking is decided.
+
+Chunk boundaries sit at multiples of the grid size counted from token 0 of the prompt, whatever
+was restored from a snapshot (snapshots exist only at grid points). So a chunk's input — the
+cached KV before it and its own tokens — is the same whether the prompt came fresh or resumed,
+and so are its bits. The mode (name, grid) is part of every prompt-cache key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class PrefillMode:
+    name: str = "grid"
+    grid: int = 2048
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.grid}"
+
+
+def grid_chunks(start: int, end: int, grid: int) -> list[tuple[int, int]]:
+    """[(s, e)] covering [start, end), cut at every multiple of `grid`. `start` must be a grid point."""
+    if start % grid:
+        raise ValueError(f"prefill must start on a grid point, got {start}")
+    out, s = [], start
+    while s < end:
+        e = min((s // grid + 1) * grid, end)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def prefill(model, cache, ids: list[int], mode: PrefillMode,
+            on_grid_point: Callable[[int], None] | None = None,
+            progress: Callable[[int, int], None] | None = None):
+    """Prefill ids[cache.offset:] through MLX's own forward; returns the last row's logits [vocab]."""
+    chunks = grid_chunks(cache.offset, len(ids), mode.grid)
+    logits = None
+    for s, e in chunks:
+        last = e == len(ids)
+        logits = model.forward(mx.array([ids[s:e]]), cache, exact=False, logits=last)
+        mx.eval(cache.arrays() + ([logits] if last else []))
+        if e % mode.grid == 0 and on_grid_point is not None:
+            on_grid_point(e)
+        if progress is not None:
+            progress(e, len(ids))
+    return logits[0]

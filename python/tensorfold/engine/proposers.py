@@ -1,0 +1,115 @@
+"""Draft proposers for speculative decoding.
+
+A proposer only guesses. The target verifies every guess in one row-exact call and keeps a draft
+only while it equals the target's own keyed sample at that position, so what a proposer says can
+change speed, never the reply."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class Proposer:
+    name = "proposer"
+    max_width = 8
+
+    def __init__(self):
+        self.width = 4
+        self.misses = 0          # consecutive rounds with nothing accepted
+        self.silent_until = -1   # token count before which this proposer stays quiet
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def feedback(self, n_tokens: int, drafted: int, accepted: int) -> None:
+        """Adapt the width to acceptance; silence a proposer that keeps missing."""
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.width = min(self.width + 2, self.max_width)
+            self.misses = 0
+        elif accepted == 0:
+            self.width = max(1, self.width // 2)
+            self.misses += 1
+            if self.misses >= 4:
+                self.silent_until = n_tokens + 16 * self.misses
+        else:
+            self.width = max(1, min(self.max_width, accepted + 1))
+            self.misses = 0
+
+    def active(self, n_tokens: int) -> bool:
+        return n_tokens >= self.silent_until
+
+
+class ContextCopy(Proposer):
+    """n-gram suffix match over prompt and reply so far: copy what followed the latest match."""
+    name = "context"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 2):
+        super().__init__()
+        self.nmax, self.nmin = ngram_max, ngram_min
+        self._seen: list[int] = []
+        self._index: dict[tuple, int] = {}   # n-gram -> end position of its latest occurrence
+
+    def _sync(self, tokens: list[int]) -> None:
+        n = len(self._seen)
+        if n > len(tokens) or (n and self._seen[-1] != tokens[n - 1]):   # a new sequence
+            self._seen, self._index, n = [], {}, 0
+        for end in range(max(n, 1), len(tokens) + 1):
+            for m in range(self.nmin, self.nmax + 1):
+                if end - m >= 0 and end < len(tokens):
+                    # only index occurrences that have a continuation
+                    self._index[tuple(tokens[end - m:end])] = end
+        self._seen = list(tokens)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        self._sync(tokens)
+        for m in range(self.nmax, self.nmin - 1, -1):
+            if len(tokens) < m + 1:
+                continue
+            pos = self._index.get(tuple(tokens[-m:]))
+            if pos is not None and pos < len(tokens):
+                return tokens[pos: pos + k]
+        return []
+
+
+class DraftModel(Proposer):
+    """A smaller checkpoint with the same tokenizer, run greedily with its own KV cache."""
+    name = "draft-model"
+
+    def __init__(self, model, mode):
+        super().__init__()
+        self.model, self.mode = model, mode
+        self.cache = model.new_cache()
+        self.fed: list[int] = []
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        from .prefill import prefill
+        # keep the longest common prefix of what the cache holds, feed the rest
+        n = 0
+        lim = min(len(self.fed), len(tokens) - 1)
+        while n < lim and self.fed[n] == tokens[n]:
+            n += 1
+        if n < len(self.fed):
+            if n == 0:
+                self.cache = self.model.new_cache()
+            else:
+                self.cache.trim(n)
+            self.fed = self.fed[:n]
+        todo = tokens[n:]
+        if len(todo) > 1:
+            # catch up on the prompt (or a long accepted run) through the grid prefill
+            if self.cache.offset % self.mode.grid:
+                for t in todo[:-1]:
+                    self.model.forward(mx.array([[t]]), self.cache, exact=False, logits=False)
+            else:
+                prefill(self.model, self.cache, tokens[:-1], self.mode)
+            self.fed = list(tokens[:-1])
+        out: list[int] = []
+        last = tokens[-1]
+        for _ in range(k):
+            logits = self.model.forward(mx.array([[last]]), self.cache, exact=False)
+            self.fed.append(last)
+            last = int(mx.argmax(logits[0]).item())
+            out.append(last)
+        return out

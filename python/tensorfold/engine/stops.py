@@ -1,0 +1,36 @@
+"""Stop strings found on the detokenized text, across token boundaries.
+
+Text that could still be the start of a stop string is held back, so nothing past a stop
+string is ever emitted."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str] | None):
+        self.stops = [s for s in (stops or []) if s]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Feed new text; returns (text safe to emit, stopped)."""
+        if not self.stops:
+            return text, False
+        self.held += text
+        hits = [(i, s) for s in self.stops if (i := self.held.find(s)) >= 0]
+        if hits:
+            i = min(h[0] for h in hits)
+            out, self.held = self.held[:i], ""
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.held)), 0, -1):
+                if self.held.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        cut = len(self.held) - keep
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out

@@ -1,0 +1,151 @@
+"""Dense decoder family: llama, qwen2 (qkv bias), qwen3 (q/k RMSNorm). One module, two paths.
+
+- Prefill (`exact=False`): MLX's own ops, as mlx-lm's llama/qwen2/qwen3 compute them
+  (quantized_matmul / matmul, fast.rms_norm, fast.rope, fast.scaled_dot_product_attention).
+- Decode (`exact=True`): every matmul (LM head included) and the attention go through the
+  row-exact kernels; norms, RoPE and elementwise ops are per-row by construction. Row i's bits
+  then do not depend on how many rows share the call — what makes drafted == serial.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import mlx.core as mx
+
+from .config import ModelConfig
+from .kv import KVCache
+from .loader import Linear, take_linear, take_vector
+
+_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate, up):
+    return gate * mx.sigmoid(gate) * up
+
+
+def make_rope(cfg: ModelConfig):
+    """RoPE exactly as mlx-lm's initialize_rope builds it (default, linear, llama3)."""
+    dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    rtype = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    if rtype == "llama3":
+        factor = sc["factor"]
+        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        low_wl, high_wl = old / low, old / high
+        freqs = base ** (mx.arange(0, dims, 2) / dims)
+        wavelens = 2 * mx.pi * freqs
+        freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+        medium = (wavelens > high_wl) & (wavelens < low_wl)
+        smooth = (old / wavelens - low) / (high - low)
+        freqs = mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+        return lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=None, scale=1.0,
+                                              offset=offset, freqs=freqs)
+    scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
+    return lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=base, scale=scale,
+                                          offset=offset)
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, w: dict, i: int):
+        p = f"model.layers.{i}"
+        bias = cfg.attention_bias
+        self.q = take_linear(cfg, w, f"{p}.self_attn.q_proj", bias=bias)
+        self.k = take_linear(cfg, w, f"{p}.self_attn.k_proj", bias=bias)
+        self.v = take_linear(cfg, w, f"{p}.self_attn.v_proj", bias=bias)
+        self.o = take_linear(cfg, w, f"{p}.self_attn.o_proj")
+        self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
+        self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
+        self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
+        self.in_norm = take_vector(cfg, w, f"{p}.input_layernorm.weight", cfg.hidden_size)
+        self.post_norm = take_vector(cfg, w, f"{p}.post_attention_layernorm.weight", cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = take_vector(cfg, w, f"{p}.self_attn.q_norm.weight", cfg.head_dim)
+            self.k_norm = take_vector(cfg, w, f"{p}.self_attn.k_norm.weight", cfg.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
+
+
+class DenseModel:
+    def __init__(self, cfg: ModelConfig, weights: dict):
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.embed = take_linear(cfg, weights, "model.embed_tokens")
+        self.layers = [Layer(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.norm = take_vector(cfg, weights, "model.norm.weight", cfg.hidden_size)
+        self.lm_head = self.embed if cfg.tie_embeddings else take_linear(cfg, weights, "lm_head")
+        self.rope = make_rope(cfg)
+        self.scale = cfg.head_dim ** -0.5
+        self.eps = cfg.rms_norm_eps
+        # the activation dtype: what the embedding produces
+        self.dtype = (self.embed.scales.dtype if self.embed.quantized else self.embed.weight.dtype)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
+
+    def parameters(self) -> list[mx.array]:
+        out = []
+        for lin in self._linears():
+            out += [a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None]
+        out.append(self.norm)
+        for ly in self.layers:
+            out += [a for a in (ly.in_norm, ly.post_norm, ly.q_norm, ly.k_norm) if a is not None]
+        return out
+
+    def _linears(self) -> list[Linear]:
+        lins = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for ly in self.layers:
+            lins += [ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down]
+        return lins
+
+    def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool):
+        B, L, _ = x.shape
+        lin = Linear.exact if exact else Linear.__call__
+        H, Hk, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        q = lin(ly.q, x).reshape(B, L, H, hd)
+        k = lin(ly.k, x).reshape(B, L, Hk, hd)
+        v = lin(ly.v, x).reshape(B, L, Hk, hd)
+        if ly.q_norm is not None:
+            q = mx.fast.rms_norm(q, ly.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, ly.k_norm, self.eps)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        off = cache.offset
+        q, k = self.rope(q, off), self.rope(k, off)
+        kb, vb = cache.write(i, k, v)
+        if exact:
+            from .. import kernels
+            o = kernels.row_attention(q, kb, vb, off, self.scale)
+        else:
+            o = mx.fast.scaled_dot_product_attention(
+                q, kb[..., : off + L, :], vb[..., : off + L, :], scale=self.scale,
+                mask="causal" if L > 1 else None)
+        o = o.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+        return lin(ly.o, o)
+
+    def forward(self, ids: mx.array, cache: KVCache, *, exact: bool, all_logits: bool = False,
+                logits: bool = True):
+        """Run ids [1, L] at positions cache.offset.. and advance the cache by L.
+
+        Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None."""
+        L = ids.shape[1]
+        cache.reserve(cache.offset + L)
+        lin = Linear.exact if exact else Linear.__call__
+        h = self.embed.embed(ids)
+        for i, ly in enumerate(self.layers):
+            h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, exact)
+            x = mx.fast.rms_norm(h, ly.post_norm, self.eps)
+            h = h + lin(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)))
+        cache.offset += L
+        if not logits:
+            return None
+        if not all_logits:
+            h = h[:, -1:, :]
+        h = mx.fast.rms_norm(h, self.norm, self.eps)
+        head = (lambda t: self.lm_head.exact(t)) if exact else (
+            (lambda t: mx.quantized_matmul(t, self.lm_head.weight, self.lm_head.scales, self.lm_head.biases,
+                                           transpose=True, group_size=self.lm_head.group_size,
+                                           bits=self.lm_head.bits))
+            if self.lm_head.quantized else (lambda t: t @ self.lm_head.weight.T))
+        return head(h)[0]

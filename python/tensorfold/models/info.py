@@ -1,0 +1,57 @@
+"""`tensorfold info`: describe a checkpoint from its config.json alone."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .config import ModelConfig
+
+
+def _kind(module: str) -> str:
+    if module == "model.embed_tokens":
+        return "embedding"
+    if module == "lm_head":
+        return "lm_head"
+    return "attention" if ".self_attn." in module else "mlp"
+
+
+def quant_summary(cfg: ModelConfig) -> "OrderedDict[str, str]":
+    kinds: "OrderedDict[str, set]" = OrderedDict()
+    for name in cfg.linear_shapes():
+        q = cfg.quant_for(name)
+        kinds.setdefault(_kind(name), set()).add(
+            f"{q[1]}-bit/g{q[0]}" if q else cfg.dtype)
+    return OrderedDict((k, ", ".join(sorted(v))) for k, v in kinds.items())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def describe(path) -> str:
+    """A human-readable description; raises CheckpointError for what we cannot serve."""
+    cfg = ModelConfig.from_dir(path)
+    rows = [
+        ("path", str(cfg.path)),
+        ("family", cfg.family),
+        ("layers", cfg.num_layers),
+        ("hidden size", cfg.hidden_size),
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("head dim", cfg.head_dim),
+        ("intermediate size", cfg.intermediate_size),
+        ("vocab", cfg.vocab_size),
+        ("max positions", cfg.max_position),
+        ("tied embeddings", "yes" if cfg.tie_embeddings else "no"),
+        ("dtype", cfg.dtype),
+    ]
+    for kind, q in quant_summary(cfg).items():
+        rows.append((f"weights: {kind}", q))
+    params = cfg.param_count()
+    rows += [
+        ("parameters", f"{params:,} ({params / 1e9:.2f}B)" if params >= 1e8 else f"{params:,}"),
+        ("memory: weights", _gib(cfg.weight_bytes())),
+        ("memory: KV cache, 32k tokens", _gib(cfg.kv_bytes(32768))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,69 @@
+"""The per-sequence KV cache: fixed-step growth, and nothing depends on its capacity.
+
+Keys/values for positions [0, offset) are valid. Both forward paths read only valid positions
+(prefill slices to offset + L, the row-exact attention takes offset as an input), so a cache
+grown in another pattern, or trimmed after rejected drafts, gives the same bits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+STEP = 256
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, step: int = STEP):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.step = dtype, step
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.offset = 0
+        self.capacity = 0
+
+    def reserve(self, n: int) -> None:
+        """Make room for positions [0, n)."""
+        if n <= self.capacity:
+            return
+        cap = -(-n // self.step) * self.step
+        shape = (1, self.num_kv_heads, cap, self.head_dim)
+        for i in range(self.num_layers):
+            k, v = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+            if self.keys[i] is not None and self.offset:
+                k[..., : self.offset, :] = self.keys[i][..., : self.offset, :]
+                v[..., : self.offset, :] = self.values[i][..., : self.offset, :]
+            self.keys[i], self.values[i] = k, v
+        self.capacity = cap
+
+    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store rows at [offset, offset + L) for one layer; returns the full buffers."""
+        L = k.shape[2]
+        self.keys[layer][..., self.offset: self.offset + L, :] = k
+        self.values[layer][..., self.offset: self.offset + L, :] = v
+        return self.keys[layer], self.values[layer]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.keys + self.values if a is not None]
+
+    def trim(self, n: int) -> None:
+        """Forget positions >= n (rejected drafts). Stale rows are never read again."""
+        if n > self.offset:
+            raise ValueError("cannot trim forward")
+        self.offset = n
+
+    def snapshot(self, n: int) -> list[tuple[mx.array, mx.array]]:
+        """Copies of the first n positions of every layer (a prompt-cache snapshot)."""
+        if n > self.offset:
+            raise ValueError("snapshot beyond offset")
+        return [(mx.array(self.keys[i][..., :n, :]), mx.array(self.values[i][..., :n, :]))
+                for i in range(self.num_layers)]
+
+    def restore(self, snap: list[tuple[mx.array, mx.array]], n: int) -> None:
+        self.offset = 0
+        self.capacity = 0
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.reserve(n)
+        for i, (k, v) in enumerate(snap):
+            self.keys[i][..., :n, :] = k
+            self.values[i][..., :n, :] = v
+        self.offset = n

@@ -1,0 +1,124 @@
+"""Read a model directory's weights (Hugging Face or mlx-community layout) lazily through MLX."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import CheckpointError
+from .config import ModelConfig
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        files = sorted({path / f for f in wmap.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{path}: weight file {f.name} listed in the index is missing")
+    return files
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of the checkpoint, lazily (MLX maps them on first use)."""
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(path):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+    return weights
+
+
+class Linear:
+    """A matmul weight, quantized (MLX affine) or not, with an optional bias.
+
+    `__call__` is MLX's own op, exactly as mlx.nn.Linear / QuantizedLinear compute it (the prefill
+    path). `exact` is the row-exact kernel (the decode path)."""
+
+    __slots__ = ("weight", "scales", "biases", "bias", "group_size", "bits", "shape")
+
+    def __init__(self, weight, scales=None, biases=None, bias=None, group_size=None, bits=None, shape=None):
+        self.weight, self.scales, self.biases, self.bias = weight, scales, biases, bias
+        self.group_size, self.bits, self.shape = group_size, bits, shape
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    def __call__(self, x):
+        if self.quantized:
+            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+            return y + self.bias if self.bias is not None else y
+        if self.bias is not None:
+            return mx.addmm(self.bias, x, self.weight.T)
+        return x @ self.weight.T
+
+    def exact(self, x):
+        from .. import kernels
+        if self.quantized:
+            y = kernels.row_quantized_matmul(x, self.weight, self.scales, self.biases,
+                                             self.group_size, self.bits)
+        else:
+            y = kernels.row_matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+    def embed(self, ids):
+        """Rows of the weight (an embedding table), as mlx.nn.(Quantized)Embedding computes them."""
+        if self.quantized:
+            return mx.dequantize(self.weight[ids], scales=self.scales[ids], biases=self.biases[ids],
+                                 group_size=self.group_size, bits=self.bits)
+        return self.weight[ids]
+
+
+def take_linear(cfg: ModelConfig, weights: dict, name: str, *, bias: bool = False) -> Linear:
+    out_dim, in_dim = cfg.linear_shapes()[name]
+    w = weights.get(f"{name}.weight")
+    if w is None:
+        raise CheckpointError(f"{cfg.path}: missing tensor {name}.weight")
+    b = weights.get(f"{name}.bias") if bias else None
+    if bias and b is None:
+        raise CheckpointError(f"{cfg.path}: missing tensor {name}.bias")
+    if b is not None and tuple(b.shape) != (out_dim,):
+        raise CheckpointError(f"{cfg.path}: {name}.bias has shape {tuple(b.shape)}, expected {(out_dim,)}")
+    scales = weights.get(f"{name}.scales")
+    if scales is None:
+        if tuple(w.shape) != (out_dim, in_dim):
+            raise CheckpointError(
+                f"{cfg.path}: {name}.weight has shape {tuple(w.shape)}, expected {(out_dim, in_dim)}")
+        if w.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+            raise CheckpointError(f"{cfg.path}: {name}.weight has unsupported dtype {w.dtype}")
+        return Linear(w, bias=b, shape=(out_dim, in_dim))
+    q = cfg.quant_for(name)
+    if q is None:
+        raise CheckpointError(f"{cfg.path}: {name} is quantized but config.json has no quantization for it")
+    gs, bits = q
+    biases = weights.get(f"{name}.biases")
+    want_w = (out_dim, in_dim * bits // 32)
+    want_s = (out_dim, in_dim // gs)
+    if w.dtype != mx.uint32 or tuple(w.shape) != want_w or tuple(scales.shape) != want_s \
+            or biases is None or tuple(biases.shape) != want_s:
+        raise CheckpointError(
+            f"{cfg.path}: {name} does not match {bits}-bit group-{gs} quantization of a "
+            f"{out_dim}x{in_dim} weight (weight {tuple(w.shape)} {w.dtype}, scales {tuple(scales.shape)})")
+    return Linear(w, scales, biases, bias=b, group_size=gs, bits=bits, shape=(out_dim, in_dim))
+
+
+def take_vector(cfg: ModelConfig, weights: dict, name: str, size: int):
+    t = weights.get(name)
+    if t is None:
+        raise CheckpointError(f"{cfg.path}: missing tensor {name}")
+    if tuple(t.shape) != (size,):
+        raise CheckpointError(f"{cfg.path}: {name} has shape {tuple(t.shape)}, expected {(size,)}")
+    return t
