@@ -1,0 +1,44 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+DEFAULT_TINYCODE = "/work/shared/models/tinycode-4bit"
+
+
+def find_tinycode() -> pathlib.Path | None:
+    """$TF_TINYCODE, else the shared copy, else the packaged tensorfold/data/tinycode-4bit."""
+    env = os.environ.get("TF_TINYCODE")
+    candidates = [pathlib.Path(env)] if env else []
+    candidates.append(pathlib.Path(DEFAULT_TINYCODE))
+    try:
+        import tensorfold
+
+        candidates.append(pathlib.Path(tensorfold.__file__).parent / "data" / "tinycode-4bit")
+    except ImportError:
+        pass
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c
+    return None
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Small random-weight checkpoints, {name: path}; see tensorfold.testing.DEFAULT_SET."""
+    from tensorfold.testing import write_default_set
+
+    return write_default_set(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tinycode_path() -> pathlib.Path:
+    """The real trained tinycode-4bit model (skips if no copy is found)."""
+    path = find_tinycode()
+    if path is None:
+        pytest.skip("tinycode-4bit not found (set TF_TINYCODE)")
+    return path

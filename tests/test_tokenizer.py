@@ -1,0 +1,331 @@
+import json
+import random
+import shutil
+
+import pytest
+
+from tensorfold.testing import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer_json
+from tensorfold.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+
+MULTIBYTE = "héllo wörld — 你好，世界 😀🎉👩‍💻 naïve café ∑∫√ 日本語のテキスト 🇯🇵"
+
+
+def _write_tok_dir(path, *, template=CHAT_TEMPLATE, tcfg=None, gcfg=None, mcfg=None, jinja=True):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(build_tokenizer_json())
+    if jinja and template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    base = {"eos_token": "<|im_end|>", "bos_token": None}
+    if not jinja and template is not None:
+        base["chat_template"] = template
+    base.update(tcfg or {})
+    (path / "tokenizer_config.json").write_text(json.dumps(base))
+    if gcfg is not None:
+        (path / "generation_config.json").write_text(json.dumps(gcfg))
+    if mcfg is not None:
+        (path / "config.json").write_text(json.dumps(mcfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = _write_tok_dir(tmp_path_factory.mktemp("tok"), gcfg={"eos_token_id": [2, 0]})
+    return Tokenizer.from_dir(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# basics
+
+
+def test_round_trip(tok):
+    for text in ["", "hello world", "def f(x):\n    return x + 1\n", MULTIBYTE, "  spaces\t\ttabs\n\n"]:
+        ids = tok.encode(text)
+        assert all(isinstance(i, int) for i in ids)
+        assert tok.decode(ids) == text
+
+
+def test_special_tokens(tok):
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.encode(s) == [i]
+        assert tok.id_to_token(i) == s
+        assert tok.token_to_id(s) == i
+    assert tok.special_ids == frozenset(range(len(SPECIAL_TOKENS)))
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+    # nothing added automatically
+    assert tok.encode("hi")[0] not in tok.special_ids
+    assert tok.vocab_size == len(json.loads(build_tokenizer_json())["model"]["vocab"])
+    assert tok.think_tags == ("<think>", "</think>")
+    assert tok.has_thinking_toggle
+
+
+# ---------------------------------------------------------------------------------------------
+# chat template
+
+
+def test_chatml_basic(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = tok.apply_chat_template(msgs)
+    assert out == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    )
+    # list-of-parts content renders the same as the string
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    ids = tok.encode(out)
+    assert ids.count(1) == 3 and ids.count(2) == 2
+
+
+def test_chatml_thinking_toggle(tok):
+    msgs = [{"role": "user", "content": "Hi"}]
+    default = tok.apply_chat_template(msgs)
+    assert default.endswith("<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, enable_thinking=True) == default
+    off = tok.apply_chat_template(msgs, enable_thinking=False)
+    assert off == default + "<think>\n\n</think>\n\n"
+    # no generation prompt → no empty think block
+    assert "<think>" not in tok.apply_chat_template(msgs, add_generation_prompt=False, enable_thinking=False)
+
+
+def test_chatml_strips_earlier_thinking(tok):
+    msgs = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    out = tok.apply_chat_template(msgs)
+    assert "add them" not in out
+    assert "<|im_start|>assistant\n4<|im_end|>\n" in out
+
+
+def test_chatml_tools_tool_calls(tok):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Météo in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    msgs = [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "sunny"},
+    ]
+    out = tok.apply_chat_template(msgs, tools=tools)
+    assert out.startswith("<|im_start|>system\nYou help.\n\n# Tools")
+    assert json.dumps(tools[0], ensure_ascii=False) in out  # tojson, not HTML-escaped, unicode kept
+    assert "Météo" in out
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in out
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in out
+    assert out.endswith("<|im_start|>assistant\n")
+
+
+def test_tojson_indent_and_kwargs(tmp_path):
+    t = Tokenizer.from_dir(
+        _write_tok_dir(
+            tmp_path,
+            template="{{ messages[0] | tojson(indent=2) }}|{{ extra }}|{{ strftime_now('%Y') | length }}|"
+            "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}",
+        )
+    )
+    out = t.apply_chat_template([{"role": "user", "content": "é<b>"}, {"role": "user", "content": "x"}], extra=7)
+    assert out == json.dumps({"role": "user", "content": "é<b>"}, indent=2, ensure_ascii=False) + "|7|4|user"
+
+
+def test_raise_exception_is_clean_error(tmp_path):
+    tmpl = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path, template=tmpl))
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(TemplateError, match="^first message must be from the user$"):
+        t.apply_chat_template([{"role": "assistant", "content": "x"}])
+    assert issubclass(TemplateError, ValueError)
+
+
+def test_template_bugs_become_template_errors(tmp_path):
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path, template="{{ messages[0].content.nope() }}"))
+    with pytest.raises(TemplateError):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+    t2 = Tokenizer.from_dir(_write_tok_dir(tmp_path / "b", template="{% if %}"))
+    with pytest.raises(TemplateError):
+        t2.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hello",
+        [],
+        ["hello"],
+        [{"role": "robot", "content": "x"}],
+        [{"content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+    ],
+)
+def test_bad_messages(tok, messages):
+    with pytest.raises(ValueError) as ei:
+        tok.apply_chat_template(messages)
+    assert "\n" not in str(ei.value)
+    assert not isinstance(ei.value, TemplateError)
+
+
+def test_no_template(tmp_path):
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path, template=None))
+    assert not t.has_chat_template and t.think_tags is None and not t.has_thinking_toggle
+    with pytest.raises(ValueError, match="no chat template"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_sources(tmp_path):
+    # tokenizer_config string
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "a", template="A{{ bos_token }}", jinja=False))
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "A"
+    # list of named templates → "default"
+    t = Tokenizer.from_dir(
+        _write_tok_dir(
+            tmp_path / "b",
+            template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+            jinja=False,
+        )
+    )
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "D"
+    # chat_template.jinja wins over tokenizer_config
+    d = _write_tok_dir(tmp_path / "c", template="J")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "C"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "x"}]) == "J"
+    # a template without <think> → no think tags even though the tokens exist
+    assert Tokenizer.from_dir(d).think_tags is None
+
+
+def test_eos_bos_union(tmp_path):
+    d = _write_tok_dir(
+        tmp_path,
+        tcfg={"eos_token": {"content": "<|endoftext|>", "special": True}, "bos_token": "<|im_start|>"},
+        gcfg={"eos_token_id": 2, "bos_token_id": 4},
+        mcfg={"eos_token_id": [3], "bos_token_id": 4},
+    )
+    t = Tokenizer.from_dir(d)
+    assert t.eos_ids == frozenset({0, 2, 3})
+    assert t.bos_ids == frozenset({1, 4})
+    assert t.eos_token == "<|endoftext|>" and t.bos_token == "<|im_start|>"
+    assert t.bos_id == 1
+    assert isinstance(t.eos_ids, frozenset)
+    # bos_token is passed to the template
+    d2 = _write_tok_dir(tmp_path / "x", template="{{ bos_token }}|{{ eos_token }}", tcfg={"bos_token": "<|im_start|>"})
+    assert Tokenizer.from_dir(d2).apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>|<|im_end|>"
+    # only tokenizer_config
+    t3 = Tokenizer.from_dir(_write_tok_dir(tmp_path / "y"))
+    assert t3.eos_ids == frozenset({2}) and t3.bos_ids == frozenset()
+
+
+def test_missing_tokenizer(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental detokenization
+
+
+def _stream(tok, ids, **kw):
+    d = IncrementalDetokenizer(tok, **kw)
+    pieces = [d.add(i) for i in ids]
+    pieces.append(d.flush())
+    assert d.text == "".join(pieces)
+    assert d.token_ids == list(ids)
+    return pieces
+
+
+def test_incremental_multibyte(tok):
+    ids = tok.encode(MULTIBYTE)
+    # the small BPE splits multi-byte chars across byte tokens
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == MULTIBYTE
+    assert not any("\ufffd" in p for p in pieces)  # never emits a half character
+    assert pieces[-1] == ""  # everything was final before flush
+
+
+def test_incremental_random_text(tok):
+    rng = random.Random(0)
+    alphabet = list("abcdefgh ijk\n\t()=:_.,'\"") + list("éü中文字😀🎉") + ["def ", "return ", "<|im_end|>"]
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+        ids = tok.encode(text)
+        assert "".join(_stream(tok, ids)) == tok.decode(ids) == text
+        assert "".join(_stream(tok, ids, skip_special_tokens=True)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_random_token_sequences(tok):
+    """Arbitrary id sequences, including invalid UTF-8 byte soup: output == full decode."""
+    rng = random.Random(1)
+    V = tok.vocab_size
+    for _ in range(500):
+        ids = [rng.randrange(V) if rng.random() < 0.5 else rng.randrange(5, 5 + 256) for _ in range(rng.randrange(1, 80))]
+        assert "".join(_stream(tok, ids)) == tok.decode(ids)
+
+
+def test_incremental_window_is_bounded(tok):
+    rng = random.Random(2)
+    d = IncrementalDetokenizer(tok)
+    ids = [rng.randrange(5, 5 + 256) for _ in range(3000)]  # mostly raw bytes, lots of broken UTF-8
+    worst = 0
+    for i in ids:
+        d.add(i)
+        worst = max(worst, len(d.token_ids) - d._prefix)
+    d.flush()
+    assert d.text == tok.decode(ids)
+    assert worst <= IncrementalDetokenizer.MAX_PENDING + 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the real tinycode model
+
+
+def test_tinycode_tokenizer(tinycode_path):
+    t = Tokenizer.from_dir(tinycode_path)
+    assert t.vocab_size == 8192
+    assert t.eos_ids == frozenset({0, 2})
+    assert t.think_tags is None and not t.has_thinking_toggle
+    code = (
+        "import json\n\n\ndef dumps(obj, *, indent=None):\n"
+        '    """Serialize ``obj`` to a JSON formatted ``str``."""\n'
+        "    return json.dumps(obj, indent=indent)  # naïve 😀\n"
+    )
+    ids = t.encode(code)
+    assert len(ids) < len(code)
+    assert t.decode(ids) == code
+    assert "".join(_stream(t, ids)) == code
+    out = t.apply_chat_template([{"role": "user", "content": "Show the function dumps from json."}])
+    assert out == "<|im_start|>user\nShow the function dumps from json.<|im_end|>\n<|im_start|>assistant\n"
+    ids = t.encode(out)
+    assert ids[0] == 1 and 2 in ids
+    assert t.decode(ids) == out
+
+
+def test_tinycode_tokenizer_config_fallback(tinycode_path, tmp_path):
+    """Without chat_template.jinja the same directory still loads (template from tokenizer_config if any)."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
+        shutil.copy(tinycode_path / f, tmp_path / f)
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.eos_ids == frozenset({0, 2})
+    assert t.encode("<|im_start|>") == [1]
