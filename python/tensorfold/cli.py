@@ -1,0 +1,230 @@
+"""The `tensorfold` command: `serve` an OpenAI-compatible server, `info` about a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from . import __version__
+
+EMBEDDED_NAME = "tinycode-4bit"
+EMBEDDED_ABOUT = ("15.7M-parameter Qwen3-architecture model trained on the Python 3.12 standard library; "
+                  "try \"Show the function dumps from json.\"")
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+log = logging.getLogger("tensorfold")
+
+
+class _Help(argparse.HelpFormatter):
+    """Show "(default: X)" for options whose default means something."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in h
+                and action.option_strings):
+            h += " (default: %(default)s)"
+        return h
+
+
+class CliError(Exception):
+    """A one-line error for the user; exit code 2."""
+
+
+def embedded_model_path() -> Path:
+    return Path(__file__).resolve().parent / "data" / EMBEDDED_NAME
+
+
+def resolve_model(model: str | None) -> tuple[Path, bool]:
+    """A local directory for MODEL (None: the embedded model), downloading a Hugging Face id if needed.
+    Returns (path, embedded)."""
+    if model is None:
+        p = embedded_model_path()
+        if not (p / "config.json").is_file():
+            raise CliError(f"the embedded model is missing from this installation ({p})")
+        return p, True
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p.resolve(), False
+    if p.exists():
+        raise CliError(f"{model} is not a directory (expected a model directory with config.json)")
+    if not _HF_ID.match(model) or model.startswith((".", "~")):
+        raise CliError(f"no such model directory: {model}")
+    return _download(model), False
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CliError(f"no such model directory: {repo_id} (and huggingface_hub is not installed to "
+                       f"download it)") from None
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.md"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: try the network below
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CliError(f"{repo_id} is not a local directory and could not be downloaded from Hugging Face "
+                       f"({type(e).__name__}: {msg[:200]})") from None
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tensorfold",
+        description="TensorFold: an exact, fast LLM server on MLX (OpenAI-compatible HTTP API).")
+    p.add_argument("--version", action="version", version=f"tensorfold {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL at http://HOST:PORT/v1 (chat/completions, completions, models) and /health.",
+        formatter_class=_Help)
+    s.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a local model directory or a Hugging Face id (downloaded when online); "
+                        f"default: the embedded {EMBEDDED_NAME} model")
+    g = s.add_argument_group("network")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8080, help="port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer KEY); default: $TENSORFOLD_API_KEY, "
+                        "or no key")
+    g.add_argument("--name", "--alias", dest="name", default=None,
+                   help="model name reported by /v1/models and accepted in requests (default: the "
+                        "model directory's name)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level")
+    g = s.add_argument_group("model")
+    g.add_argument("--context", type=int, default=None,
+                   help="context length in tokens (default: the model's)")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable the model's thinking mode by default (requests may override with "
+                        "chat_template_kwargs.enable_thinking; default: the chat template's)")
+    g.add_argument("--no-drafts", action="store_true", help="turn speculative drafting off")
+    g.add_argument("--drafter", default=None, metavar="PATH", help="a draft model directory")
+    g.add_argument("--prompt-cache-gib", type=float, default=2.0, help="prompt cache size in GiB")
+    g.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                   help="directory for prompt-cache snapshots on disk ('none' disables)")
+    g = s.add_argument_group("request defaults")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens for requests that give none (default: up to the context length)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default temperature (default: generation_config.json's, else 0 = greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default top_p (default: generation_config.json's)")
+    g.add_argument("--top-k", type=int, default=None, help="default top_k (default: generation_config.json's)")
+    g.add_argument("--min-p", type=float, default=None, help="default min_p (default: generation_config.json's)")
+    s.set_defaults(func=cmd_serve)
+
+    i = sub.add_parser("info", help="describe a checkpoint (architecture, quantization, memory)",
+                       description="Describe the checkpoint at PATH without loading its weights.")
+    i.add_argument("path", nargs="?", metavar="PATH",
+                   help=f"a model directory or Hugging Face id (default: the embedded {EMBEDDED_NAME} model)")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+def _check_serve_args(a) -> None:
+    if not 0 <= a.port <= 65535:
+        raise CliError(f"--port must be between 0 and 65535, got {a.port}")
+    if a.context is not None and a.context < 1:
+        raise CliError(f"--context must be positive, got {a.context}")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise CliError(f"--max-tokens must be positive, got {a.max_tokens}")
+    if a.temperature is not None and a.temperature < 0:
+        raise CliError(f"--temperature must be >= 0, got {a.temperature}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise CliError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.top_k is not None and a.top_k < 0:
+        raise CliError(f"--top-k must be >= 0, got {a.top_k}")
+    if a.min_p is not None and not 0 <= a.min_p <= 1:
+        raise CliError(f"--min-p must be in [0, 1], got {a.min_p}")
+    if a.prompt_cache_gib < 0:
+        raise CliError(f"--prompt-cache-gib must be >= 0, got {a.prompt_cache_gib}")
+    if a.drafter is not None and not Path(a.drafter).expanduser().is_dir():
+        raise CliError(f"no such drafter directory: {a.drafter}")
+
+
+def _setup_logging(level: str) -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(h)
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def cmd_serve(a) -> int:
+    _check_serve_args(a)
+    _setup_logging(a.log_level)
+    path, embedded = resolve_model(a.model)
+    if embedded:
+        log.info("no MODEL given: serving the embedded default model %s (%s) from %s",
+                 EMBEDDED_NAME, EMBEDDED_ABOUT, path)
+    else:
+        log.info("serving %s", path)
+
+    import uvicorn
+
+    from .server import EngineWorker, create_app
+
+    kwargs = dict(drafter=a.drafter, drafts=not a.no_drafts, context=a.context,
+                  prompt_cache_gib=a.prompt_cache_gib, thinking=a.thinking)
+    if a.snapshot_dir is not None:
+        kwargs["snapshot_dir"] = None if a.snapshot_dir.lower() == "none" else a.snapshot_dir
+
+    def build():
+        from .engine import Engine
+        return Engine(str(path), **kwargs)
+
+    worker = EngineWorker(build)
+    try:
+        eng = worker.wait_ready()
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot load {path}: {e}") from None
+    api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY") or None
+    defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                    max_tokens=a.max_tokens, thinking=a.thinking)
+    app = create_app(worker, model_name=a.name, api_key=api_key, defaults=defaults)
+    log.info("model %s: context %d tokens; OpenAI API at http://%s:%d/v1%s", app.state.model_name,
+             eng.context_length, a.host, a.port, " (API key required)" if api_key else "")
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    server.run()
+    worker.stop()
+    return 0 if getattr(server, "started", True) else 1
+
+
+def cmd_info(a) -> int:
+    path, _ = resolve_model(a.path)
+    from .models.info import describe
+    print(describe(path))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    from .errors import TensorFoldError
+    try:
+        return args.func(args)
+    except (CliError, TensorFoldError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of one EngineWorker."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import RequestError
+from .protocol import parse_json, parse_request, sampling_with_defaults
+from .reasoning import ReasoningSplitter
+from .responses import ReplyBuilder, error_body, sse
+from .worker import EngineWorker, Job
+
+log = logging.getLogger("tensorfold.server")
+
+_HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
+               422: "invalid_value"}
+
+
+def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
+               defaults: dict | None = None, aliases=()) -> FastAPI:
+    """Build the app around `engine`: an Engine, an `EngineWorker`, or a zero-argument factory that builds
+    the Engine (it then runs on the worker thread, which MLX needs: its streams belong to one thread).
+
+    defaults: server-wide request defaults - temperature/top_p/top_k/min_p (override the engine's
+    generation_defaults), max_tokens (used when a request gives none) and thinking (enable_thinking used
+    when a request gives none). The app stops the worker on shutdown."""
+    worker = engine if isinstance(engine, EngineWorker) else EngineWorker(engine)
+    eng = worker.wait_ready()
+    name = model_name or eng.model_name
+    accepted = {name, eng.model_name, str(eng.model_path), *aliases}
+    ctx = int(eng.context_length)
+    opts = dict(getattr(eng, "generation_defaults", None) or {})
+    opts.update({k: v for k, v in (defaults or {}).items() if v is not None})
+    tags = getattr(getattr(eng, "tokenizer", None), "think_tags", None)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="TensorFold", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.worker = worker
+    app.state.model_name = name
+
+    # -- errors: always {"error": {...}}, never FastAPI's shapes or a traceback ---------------------
+    @app.exception_handler(RequestError)
+    async def _request_error(_req, e: RequestError):
+        return JSONResponse(e.to_dict(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req, e: RequestValidationError):
+        errs = e.errors()
+        loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
+        msg = errs[0].get("msg", "invalid request") if errs else "invalid request"
+        return JSONResponse(error_body(f"Invalid request: {msg}", param=loc or None, code="invalid_value"),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), code=_HTTP_CODES.get(e.status_code)),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _any_error(_req, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"Internal server error: {type(e).__name__}", type="server_error",
+                                       code="internal_error"), status_code=500)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def check_key(request: Request) -> None:
+        if not api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise RequestError("Incorrect API key provided." if given else "Missing API key.",
+                               code="invalid_api_key", status=401)
+
+    def check_model(model) -> None:
+        if isinstance(model, str) and model and model not in accepted:
+            raise RequestError(f"The model '{model}' does not exist; this server serves '{name}'.",
+                               param="model", code="model_not_found", status=404)
+
+    async def watch(request: Request, job: Job) -> None:
+        """Cancel the job (and wake its handler) when the client goes away."""
+        try:
+            while not job.cancel.is_set():
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    job.items.put_nowait(("gone", None))
+                    return
+                await asyncio.sleep(0.1)
+        except asyncio.CancelledError:
+            pass
+
+    # -- endpoints ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "context_length": ctx,
+                "busy": worker.current is not None, **worker.stats}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request):
+        check_key(request)
+        check_model(model)
+        return _model_card()
+
+    def _model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "tensorfold",
+                "context_length": ctx}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    async def handle(request: Request, kind: str):
+        check_key(request)
+        data = parse_json(await request.body())
+        check_model(data.get("model"))
+        req = parse_request(data, kind, context_length=ctx)
+        kwargs = dict(max_tokens=req.max_tokens or int(opts.get("max_tokens") or ctx),
+                      sampling=sampling_with_defaults(req, data, opts), stop=req.stop, draft=req.draft)
+        if kind == "chat":
+            thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
+            kwargs.update(messages=req.messages, enable_thinking=thinking)
+        else:
+            kwargs.update(prompt=req.prompt)
+        job = worker.submit(kwargs, chat=kind == "chat")
+        watcher = asyncio.create_task(watch(request, job))
+        try:
+            first = await job.items.get()
+        except BaseException:
+            job.cancel.set()
+            watcher.cancel()
+            raise
+        if first[0] == "error":
+            watcher.cancel()
+            raise first[1]
+        if first[0] in ("gone", "end"):
+            watcher.cancel()
+            return Response(status_code=499)    # the client left before anything was generated
+        reply = ReplyBuilder(kind, name)
+        splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
+        if req.stream:
+            return StreamingResponse(stream(job, first, reply, splitter, req.include_usage, watcher),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await collect(job, first, reply, splitter)
+        finally:
+            watcher.cancel()
+
+    async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter):
+        reasoning, content, finish, stats = [], [], None, None
+        while True:
+            kind, ev = item
+            if kind == "error":
+                raise ev
+            if kind != "event":
+                break
+            r, c = splitter.feed(ev.text, final=ev.finish_reason is not None)
+            reasoning.append(r)
+            content.append(c)
+            finish = ev.finish_reason or finish
+            stats = ev.stats or stats
+            item = await job.items.get()
+        if kind == "gone":
+            return Response(status_code=499)
+        r, c = splitter.feed("", final=True)
+        reasoning.append(r)
+        content.append(c)
+        _log_done(reply.kind, stats, finish)
+        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats))
+
+    async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, include_usage: bool,
+                     watcher: asyncio.Task):
+        finish, stats, done = None, None, False
+        try:
+            if reply.kind == "chat":
+                yield sse(reply.chunk(role=True, content=""))
+            while True:
+                kind, ev = item
+                if kind == "error":
+                    yield sse(ev.to_dict())
+                    break
+                if kind != "event":
+                    break
+                finish = ev.finish_reason or finish
+                stats = ev.stats or stats
+                r, c = splitter.feed(ev.text, final=finish is not None)
+                if r or c:
+                    yield sse(reply.chunk(content=c or None, reasoning=r or None) if reply.kind == "chat"
+                              else reply.chunk(content=c))
+                if finish is not None:
+                    yield sse(reply.chunk(finish=finish, stats=stats))
+                    if include_usage:
+                        yield sse(reply.usage_chunk(stats))
+                    _log_done(reply.kind, stats, finish)
+                    break
+                item = await job.items.get()
+            yield sse("[DONE]")
+            done = True
+        finally:
+            if not done:
+                job.cancel.set()
+            watcher.cancel()
+
+    def _log_done(kind: str, stats, finish) -> None:
+        if stats is None:
+            return
+        log.info("%s: %d prompt tokens (%d cached), %d generated, finish=%s, ttft %.3fs, %.1f tok/s%s",
+                 kind, stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens, finish,
+                 stats.ttft_s, stats.decode_tps,
+                 f", drafts {stats.accepted}/{stats.drafted} accepted" if stats.drafted else "")
+
+    return app

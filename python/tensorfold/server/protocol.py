@@ -1,0 +1,218 @@
+"""Parse OpenAI-style request bodies into a validated `Request`; every problem is a `RequestError` (4xx)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..engine.types import SamplingParams
+from ..errors import RequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+@dataclass
+class Request:
+    kind: str                                   # "chat" | "completion"
+    model: str | None = None
+    messages: list | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None               # None: the server default
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    enable_thinking: bool | None = None
+    draft: bool = True
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError("Request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def _bad(param: str, what: str) -> RequestError:
+    return RequestError(f"Invalid value for '{param}': {what}", param=param, code="invalid_value")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(d: dict, key: str, *, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(key, f"expected a number, got {json.dumps(v)[:40]}.")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise _bad(key, f"must be {'>' if lo_open else '>='} {lo}, got {v}.")
+    if hi is not None and v > hi:
+        raise _bad(key, f"must be <= {hi}, got {v}.")
+    return float(v)
+
+
+def _int(d: dict, key: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise _bad(key, f"expected an integer, got {json.dumps(v)[:40]}.")
+    return v
+
+
+def _bool(d: dict, key: str, default):
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"expected a boolean, got {json.dumps(v)[:40]}.")
+    return v
+
+
+def _messages(v) -> list:
+    if v is None:
+        raise RequestError("Missing required parameter: 'messages'.", param="messages",
+                           code="missing_required_parameter")
+    if not isinstance(v, list):
+        raise _bad("messages", "expected an array of message objects.")
+    if not v:
+        raise _bad("messages", "must contain at least one message.")
+    out = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(p, "expected a message object.")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"{p}.role", "missing or not a string.")
+        if role not in ROLES:
+            raise _bad(f"{p}.role", f"unknown role {role!r} (expected one of {', '.join(ROLES)}).")
+        c = m.get("content")
+        if c is None:
+            if role != "assistant":             # an assistant turn may carry only tool_calls
+                raise _bad(f"{p}.content", "missing.")
+        elif isinstance(c, list):
+            for j, part in enumerate(c):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(f"{p}.content[{j}]", "expected a content part object with a 'type'.")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise _bad(f"{p}.content[{j}].text", "expected a string.")
+                if part["type"] != "text":
+                    raise _bad(f"{p}.content[{j}].type", f"unsupported content part {part['type']!r}.")
+        elif not isinstance(c, str):
+            raise _bad(f"{p}.content", "expected a string or an array of content parts.")
+        out.append(m)
+    return out
+
+
+def _prompt(v):
+    if v is None:
+        raise RequestError("Missing required parameter: 'prompt'.", param="prompt",
+                           code="missing_required_parameter")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]                                # a batch of one
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise _bad("prompt", "must not be empty.")
+        if all(_is_int(t) for t in v):
+            if any(t < 0 for t in v):
+                raise _bad("prompt", "token ids must be non-negative.")
+            return list(v)
+        if all(isinstance(t, (str, list)) for t in v):
+            raise _bad("prompt", "only one prompt per request is supported.")
+    raise _bad("prompt", "expected a string or an array of token ids.")
+
+
+def _stop(v) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad("stop", "expected a string or an array of strings.")
+    v = [s for s in v if s]
+    return v or None
+
+
+def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
+    """Validate an OpenAI body for `kind` ("chat" or "completion"). Unknown fields are ignored."""
+    r = Request(kind=kind)
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "expected a string.")
+    r.model = model or None
+    if kind == "chat":
+        r.messages = _messages(data.get("messages"))
+    else:
+        r.prompt = _prompt(data.get("prompt"))
+
+    mt = _int(data, "max_completion_tokens")
+    key = "max_completion_tokens"
+    if mt is None:
+        mt, key = _int(data, "max_tokens"), "max_tokens"
+    if mt is not None:
+        if mt < 1:
+            raise _bad(key, f"must be at least 1, got {mt}.")
+        if mt > context_length:
+            raise RequestError(f"Invalid value for '{key}': {mt} is more than the model's context "
+                               f"length ({context_length} tokens).", param=key, code="invalid_value")
+    r.max_tokens = mt
+
+    n = _int(data, "n")
+    if n is not None and n != 1:
+        raise _bad("n", f"only n=1 is supported, got {n}.")
+
+    s = r.sampling
+    t = _number(data, "temperature", lo=0.0)
+    if t is not None:
+        s.temperature = t
+    p = _number(data, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    if p is not None:
+        s.top_p = p
+    k = _int(data, "top_k")
+    if k is not None:
+        if k < -1:
+            raise _bad("top_k", f"must be >= 0 (or -1 for off), got {k}.")
+        s.top_k = max(k, 0)
+    mp = _number(data, "min_p", lo=0.0, hi=1.0)
+    if mp is not None:
+        s.min_p = mp
+    seed = _int(data, "seed")
+    if seed is not None:
+        s.seed = seed
+
+    r.stop = _stop(data.get("stop"))
+    r.stream = _bool(data, "stream", False)
+    so = data.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("stream_options", "expected an object.")
+        r.include_usage = _bool(so, "include_usage", False)
+    ctk = data.get("chat_template_kwargs")
+    if ctk is not None:
+        if not isinstance(ctk, dict):
+            raise _bad("chat_template_kwargs", "expected an object.")
+        r.enable_thinking = _bool(ctk, "enable_thinking", None)
+    r.draft = _bool(data, "draft", True)
+    return r
+
+
+def sampling_with_defaults(req: Request, data: dict, defaults: dict) -> SamplingParams:
+    """Fill the fields the request did not set from the server defaults."""
+    s = req.sampling
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if data.get(name) is None and defaults.get(name) is not None:
+            setattr(s, name, type(getattr(SamplingParams(), name))(defaults[name]))
+    return s

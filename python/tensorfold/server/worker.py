@@ -1,0 +1,161 @@
+"""The one thread that owns the Engine (and MLX): a FIFO of jobs, events handed back to asyncio handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import RequestError
+from .progress import ProgressLine
+from .reasoning import prompt_opens_think
+
+log = logging.getLogger("tensorfold.server")
+
+_STOP = object()
+
+
+@dataclass
+class Job:
+    """One request. The worker calls `engine.generate(**kwargs)` and posts ("event", ev) items, then
+    ("error", RequestError) or ("end", None) through `loop.call_soon_threadsafe`."""
+    kwargs: dict
+    loop: asyncio.AbstractEventLoop
+    chat: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+    items: asyncio.Queue = field(default_factory=asyncio.Queue)
+    id: int = 0
+    in_think: bool = False      # set by the worker before the first event (chat: prompt opened a think block)
+
+    def post(self, kind: str, value=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
+        except RuntimeError:    # the event loop is gone (server shutting down)
+            self.cancel.set()
+
+
+class EngineWorker:
+    """Builds the engine on its own thread (MLX streams are per thread) and serves jobs in order."""
+
+    def __init__(self, engine_or_factory, *, name: str = "tensorfold-engine"):
+        if callable(engine_or_factory) and not hasattr(engine_or_factory, "generate"):
+            self._factory = engine_or_factory
+        else:
+            self._factory = lambda: engine_or_factory
+        self.engine = None
+        self._q: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.current: Job | None = None
+        self.stats = {"served": 0, "cancelled": 0, "skipped": 0, "errors": 0, "queued": 0}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.progress = ProgressLine()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "EngineWorker":
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None):
+        """Block until the engine is built; re-raise the error if building it failed."""
+        self.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self.engine
+
+    def stop(self, timeout: float = 10.0) -> None:
+        cur = self.current
+        if cur is not None:
+            cur.cancel.set()
+        self._q.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def submit(self, kwargs: dict, *, chat: bool = False) -> Job:
+        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), chat=chat, id=next(self._ids))
+        with self._lock:
+            self.stats["queued"] += 1
+        self._q.put(job)
+        return job
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - handed to wait_ready()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            job = self._q.get()
+            if job is _STOP:
+                return
+            with self._lock:
+                self.stats["queued"] -= 1
+            if job.cancel.is_set():     # the client left while queued: skip it
+                with self._lock:
+                    self.stats["skipped"] += 1
+                job.post("end")
+                continue
+            self.current = job
+            try:
+                self._serve(job)
+            finally:
+                self.current = None
+
+    def _serve(self, job: Job) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        try:
+            if job.chat:
+                job.in_think = self._opens_think(job.kwargs)
+            total = 0
+            kwargs = dict(job.kwargs, cancel=job.cancel, progress=self.progress.prefill)
+            self.progress.begin()
+            for ev in eng.generate(**kwargs):
+                total += len(ev.token_ids)
+                self.progress.decode(total, time.perf_counter() - t0)
+                job.post("event", ev)
+                if job.cancel.is_set():
+                    break
+        except RequestError as e:
+            with self._lock:
+                self.stats["errors"] += 1
+            job.post("error", e)
+            return
+        except Exception as e:  # noqa: BLE001 - never kill the worker
+            log.exception("generation failed")
+            with self._lock:
+                self.stats["errors"] += 1
+            job.post("error", RequestError(f"Internal error during generation: {type(e).__name__}: {e}",
+                                           type="server_error", code="internal_error", status=500))
+            return
+        finally:
+            self.progress.end()
+        with self._lock:
+            self.stats["cancelled" if job.cancel.is_set() else "served"] += 1
+        job.post("end")
+
+    def _opens_think(self, kwargs: dict) -> bool:
+        tok = getattr(self.engine, "tokenizer", None)
+        tags = getattr(tok, "think_tags", None)
+        if not tags or not kwargs.get("messages"):
+            return False
+        try:
+            text = tok.apply_chat_template(kwargs["messages"], add_generation_prompt=True,
+                                           enable_thinking=kwargs.get("enable_thinking"))
+            if not isinstance(text, str):
+                text = tok.decode(list(text)[-64:])
+        except Exception:  # noqa: BLE001 - the engine reports bad messages itself
+            return False
+        return prompt_opens_think(text, tags)
