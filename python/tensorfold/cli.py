@@ -48,6 +48,8 @@ def resolve_model(model: str | None) -> tuple[Path, bool]:
         return p, True
     p = Path(model).expanduser()
     if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise CliError(f"{model} is not a model directory (no config.json)")
         return p.resolve(), False
     if p.exists():
         raise CliError(f"{model} is not a directory (expected a model directory with config.json)")

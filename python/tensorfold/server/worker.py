@@ -151,9 +151,12 @@ class EngineWorker:
         tags = getattr(tok, "think_tags", None)
         if not tags or not kwargs.get("messages"):
             return False
+        think = kwargs.get("enable_thinking")
+        if think is None:
+            think = getattr(self.engine, "thinking", None)     # the engine's default, as it will render
         try:
             text = tok.apply_chat_template(kwargs["messages"], add_generation_prompt=True,
-                                           enable_thinking=kwargs.get("enable_thinking"))
+                                           enable_thinking=think)
             if not isinstance(text, str):
                 text = tok.decode(list(text)[-64:])
         except Exception:  # noqa: BLE001 - the engine reports bad messages itself

@@ -1,0 +1,98 @@
+"""The `tensorfold` command: help, one-line errors with exit code 2, and serving the embedded model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+CMD = [sys.executable, "-m", "tensorfold"]
+
+
+def run(*args, env=None, timeout=60):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run(CMD + list(args), capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def test_help():
+    r = run("--help")
+    assert r.returncode == 0 and "serve" in r.stdout and "info" in r.stdout
+    r = run("serve", "--help")
+    assert r.returncode == 0
+    for opt in ("--host", "--port", "--name", "--alias", "--context", "--max-tokens", "--temperature", "--top-p",
+                "--top-k", "--min-p", "--thinking", "--no-thinking", "--no-drafts", "--drafter",
+                "--prompt-cache-gib", "--snapshot-dir", "--api-key", "MODEL"):
+        assert opt in r.stdout, opt
+    r = run("info", "--help")
+    assert r.returncode == 0 and "PATH" in r.stdout
+    assert run().returncode == 2        # no command: usage on stderr
+
+
+def _one_line_error(r):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_serve_unknown_path_is_one_line_exit_2(tmp_path):
+    assert "/nonexistent" in _one_line_error(run("serve", "/nonexistent"))
+    _one_line_error(run("serve", str(tmp_path)))                          # a directory but not a model
+    _one_line_error(run("serve", "./relative/missing"))
+    # a Hugging Face id that cannot be fetched (offline)
+    line = _one_line_error(run("serve", "no-such-org/no-such-model-xyz", env={"HF_HUB_OFFLINE": "1"}))
+    assert "no-such-org/no-such-model-xyz" in line
+    _one_line_error(run("serve", "--port", "99999"))
+
+
+def test_info():
+    r = run("info")
+    assert r.returncode == 0 and "qwen3" in r.stdout and "4-bit" in r.stdout, r.stderr
+    _one_line_error(run("info", "/nonexistent"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_embedded_model_answers_with_code(tmp_path):
+    openai = pytest.importorskip("openai")
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    p = subprocess.Popen(CMD + ["serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tinycode-4bit"]
+        r = client.chat.completions.create(
+            model="tinycode-4bit", temperature=0, max_tokens=80,
+            messages=[{"role": "user", "content": "Show the function dumps from json."}])
+        assert "def dumps" in r.choices[0].message.content, r.choices[0].message.content
+    finally:
+        p.terminate()
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        log.close()
+    out = (tmp_path / "serve.log").read_text()
+    first = out.strip().splitlines()[0]
+    assert "embedded" in first and "tinycode-4bit" in first, out
+    assert "Traceback" not in out, out

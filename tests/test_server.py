@@ -1,0 +1,524 @@
+"""The OpenAI-compatible server, end to end: real uvicorn servers on tiny checkpoints, the official openai client.
+
+Server mechanics that need exact timing (client disconnects, queue skipping, errors inside a stream,
+reasoning split) use `ScriptedEngine`, a stand-in with the Engine interface; everything else runs the real
+Engine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from tensorfold.engine.types import GenerationEvent, GenerationStats  # noqa: E402
+from tensorfold.errors import RequestError  # noqa: E402
+from tensorfold.server import EngineWorker, create_app  # noqa: E402
+from tensorfold.server.reasoning import ReasoningSplitter, prompt_opens_think  # noqa: E402
+
+KEY = "test-key"
+USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+# -- harness ---------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def running(app):
+    """Serve `app` with uvicorn on 127.0.0.1 on a free port in a background thread; yields the port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def engine_factory(path, **kw):
+    def build():
+        from tensorfold.engine import Engine
+        return Engine(str(path), **kw)
+    return build
+
+
+@contextlib.contextmanager
+def real_server(path, *, api_key=KEY, engine_kw=None, **app_kw):
+    worker = EngineWorker(engine_factory(path, **(engine_kw or {})))
+    app = create_app(worker, api_key=api_key, **app_kw)
+    with running(app) as port:
+        yield Server(port, app, worker)
+
+
+class Server:
+    def __init__(self, port, app, worker):
+        self.port, self.app, self.worker = port, app, worker
+        self.base = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        self.name = app.state.model_name
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    def post(self, path, body, *, key=KEY, **kw):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(self.base + path, content=content, headers=headers, timeout=120, **kw)
+
+    def chat(self, messages=USER, **kw):
+        kw.setdefault("max_tokens", 12)
+        kw.setdefault("temperature", 0)
+        return self.client.chat.completions.create(model=self.name, messages=messages, **kw)
+
+    def complete(self, prompt, **kw):
+        kw.setdefault("max_tokens", 12)
+        kw.setdefault("temperature", 0)
+        return self.client.completions.create(model=self.name, prompt=prompt, **kw)
+
+    def health(self):
+        return httpx.get(self.base + "/health", timeout=10).json()
+
+
+def chat_text(r) -> str:
+    return r.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tensorfold.testing import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("srv") / "tiny-qwen3", family="qwen3", layout="mlx",
+                            bits=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    with real_server(ckpt) as s:
+        yield s
+
+
+# -- basics ----------------------------------------------------------------------------------------
+
+def test_health_and_models(srv):
+    h = srv.health()
+    assert h["status"] == "ok" and h["model"] == "tiny-qwen3"
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen3"]
+    assert srv.client.models.retrieve("tiny-qwen3").id == "tiny-qwen3"
+
+
+def test_chat_shape_usage_and_tensorfold_block(srv):
+    r = srv.chat(max_tokens=10)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == srv.name
+    c = r.choices[0]
+    assert c.index == 0 and c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert c.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 10
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0
+    tf = r.model_extra["tensorfold"]
+    assert set(tf) == {"prefill_s", "ttft_s", "decode_tps", "drafted", "accepted", "token_hash"}
+    assert len(tf["token_hash"]) == 16
+    # the same request again is the same reply, token for token
+    r2 = srv.chat(max_tokens=10)
+    assert chat_text(r2) == chat_text(r) and r2.model_extra["tensorfold"]["token_hash"] == tf["token_hash"]
+
+
+def test_chat_stream_equals_non_stream(srv):
+    full = srv.chat(max_tokens=16)
+    chunks = list(srv.chat(max_tokens=16, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat_text(full)
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == full.usage.completion_tokens
+    assert usage.usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.model_extra["tensorfold"]["token_hash"] == full.model_extra["tensorfold"]["token_hash"]
+    # without include_usage: no usage chunk
+    chunks = list(srv.chat(max_tokens=16, stream=True))
+    assert all(ch.usage is None for ch in chunks) and chunks[-1].choices[0].finish_reason
+
+
+def test_completions_text_token_ids_and_stream(srv, ckpt):
+    from tensorfold.tokenizer import Tokenizer
+    prompt = "def fibonacci(n):\n    "
+    r = srv.complete(prompt, max_tokens=12)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    ids = Tokenizer.from_dir(ckpt).encode(prompt)
+    r_ids = srv.complete(ids, max_tokens=12)
+    assert r_ids.choices[0].text == r.choices[0].text
+    assert r_ids.usage.prompt_tokens == r.usage.prompt_tokens == len(ids)
+    chunks = list(srv.complete(prompt, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_strings(srv):
+    base = chat_text(srv.chat(max_tokens=24))
+    k = next(i for i in range(3, len(base) - 2) if base.find(base[i:i + 2]) == i and base[i:i + 2].strip())
+    stop = base[k:k + 2]
+    for stream in (False, True):
+        if stream:
+            chunks = list(srv.chat(max_tokens=24, stop=[stop, "\x00never"], stream=True))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            r = srv.chat(max_tokens=24, stop=stop)
+            text, finish = chat_text(r), r.choices[0].finish_reason
+        assert text == base[:k] and finish == "stop"
+
+
+def test_seeds(srv):
+    def sample(seed):
+        return chat_text(srv.chat(max_tokens=16, temperature=1.0, seed=seed))
+    a = sample(1)
+    assert sample(1) == a
+    assert sample(2) != a
+    r = srv.complete("x = ", max_tokens=16, temperature=1.0, seed=7)
+    assert srv.complete("x = ", max_tokens=16, temperature=1.0, seed=7).choices[0].text == r.choices[0].text
+
+
+def test_cached_tokens_reported(srv):
+    grid = srv.engine.mode.grid
+    prompt = " ".join(f"w{i}" for i in range(grid))   # more than one grid point of tokens
+    first = srv.complete(prompt, max_tokens=4)
+    second = srv.complete(prompt + " more", max_tokens=4)
+    assert first.usage.prompt_tokens > grid
+    assert second.usage.prompt_tokens_details.cached_tokens == grid
+    again = srv.complete(prompt, max_tokens=4)
+    assert again.choices[0].text == first.choices[0].text
+
+
+def test_enable_thinking_is_passed_to_the_template(srv):
+    on = srv.chat(max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    off = srv.chat(max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens    # "<think>\n\n</think>\n\n" added
+
+
+# -- exactness through HTTP ------------------------------------------------------------------------
+
+def test_drafted_equals_serial(srv):
+    # a repetitive prompt gives the context-copy proposer something to propose
+    msgs = [{"role": "user", "content": "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"}]
+    for kind in ("chat", "completion"):
+        if kind == "chat":
+            d = srv.chat(msgs, max_tokens=40)
+            s = srv.chat(msgs, max_tokens=40, extra_body={"draft": False})
+            td, ts = chat_text(d), chat_text(s)
+        else:
+            d = srv.complete(msgs[0]["content"], max_tokens=40)
+            s = srv.complete(msgs[0]["content"], max_tokens=40, extra_body={"draft": False})
+            td, ts = d.choices[0].text, s.choices[0].text
+        assert td == ts
+        assert d.model_extra["tensorfold"]["token_hash"] == s.model_extra["tensorfold"]["token_hash"]
+        assert s.model_extra["tensorfold"]["drafted"] == 0
+        if srv.engine.drafts_enabled:
+            assert d.model_extra["tensorfold"]["drafted"] > 0
+
+
+def test_conversation_resumed_equals_fresh(ckpt):
+    turns = ["Write a function that adds two numbers.", "Now make it subtract.", "Add a docstring."]
+    replies = []
+    with real_server(ckpt) as s:
+        msgs = []
+        for t in turns:
+            msgs.append({"role": "user", "content": t})
+            r = s.chat(list(msgs), max_tokens=16, temperature=0.7, seed=5)
+            replies.append((chat_text(r), r.model_extra["tensorfold"]["token_hash"]))
+            msgs.append({"role": "assistant", "content": chat_text(r)})
+    msgs = []
+    for t, want in zip(turns, replies):
+        msgs.append({"role": "user", "content": t})
+        with real_server(ckpt) as fresh:
+            r = fresh.chat(list(msgs), max_tokens=16, temperature=0.7, seed=5)
+        assert (chat_text(r), r.model_extra["tensorfold"]["token_hash"]) == want
+        msgs.append({"role": "assistant", "content": want[0]})
+
+
+def test_concurrent_clients_get_their_solo_answers(srv):
+    reqs = [dict(messages=[{"role": "user", "content": f"Task number {i}: say something."}], max_tokens=10 + i,
+                 temperature=(0 if i % 2 else 0.9), seed=i, stream=bool(i % 3 == 0)) for i in range(6)]
+
+    def run(kw):
+        r = srv.chat(**kw)
+        if kw.get("stream"):
+            return "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices)
+        return chat_text(r)
+
+    solo = [run(kw) for kw in reqs]
+    got = [None] * len(reqs)
+
+    def worker(i):
+        got[i] = run(reqs[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == solo
+
+
+# -- bad input: 4xx with an OpenAI error body, and the server keeps serving ---------------------------
+
+def _msg(**kw):
+    return {"model": "tiny-qwen3", "messages": USER, "max_tokens": 4, **kw}
+
+
+BAD = [
+    ("malformed json", "/v1/chat/completions", '{"messages": [', 400, None, "invalid_json"),
+    ("not an object", "/v1/chat/completions", "[1, 2]", 400, None, "invalid_json"),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny-qwen3"}, 400, "messages", None),
+    ("empty messages", "/v1/chat/completions", _msg(messages=[]), 400, "messages", None),
+    ("messages not a list", "/v1/chat/completions", _msg(messages="hi"), 400, "messages", None),
+    ("message not an object", "/v1/chat/completions", _msg(messages=["hi"]), 400, "messages[0]", None),
+    ("unknown role", "/v1/chat/completions", _msg(messages=[{"role": "robot", "content": "x"}]), 400,
+     "messages[0].role", None),
+    ("content wrong type", "/v1/chat/completions", _msg(messages=[{"role": "user", "content": 5}]), 400,
+     "messages[0].content", None),
+    ("negative max_tokens", "/v1/chat/completions", _msg(max_tokens=-5), 400, "max_tokens", None),
+    ("zero max_completion_tokens", "/v1/chat/completions", _msg(max_completion_tokens=0), 400,
+     "max_completion_tokens", None),
+    ("huge max_tokens", "/v1/chat/completions", _msg(max_tokens=10**9), 400, "max_tokens", None),
+    ("max_tokens wrong type", "/v1/chat/completions", _msg(max_tokens="ten"), 400, "max_tokens", None),
+    ("n > 1", "/v1/chat/completions", _msg(n=2), 400, "n", None),
+    ("negative temperature", "/v1/chat/completions", _msg(temperature=-0.5), 400, "temperature", None),
+    ("temperature wrong type", "/v1/chat/completions", _msg(temperature="hot"), 400, "temperature", None),
+    ("top_p out of range", "/v1/chat/completions", _msg(top_p=1.5), 400, "top_p", None),
+    ("stop wrong type", "/v1/chat/completions", _msg(stop=[1, 2]), 400, "stop", None),
+    ("stream wrong type", "/v1/chat/completions", _msg(stream="yes"), 400, "stream", None),
+    ("seed wrong type", "/v1/chat/completions", _msg(seed="abc"), 400, "seed", None),
+    ("unknown model", "/v1/chat/completions", _msg(model="gpt-9"), 404, "model", "model_not_found"),
+    ("missing prompt", "/v1/completions", {"model": "tiny-qwen3"}, 400, "prompt", None),
+    ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "prompt", None),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+]
+
+
+def _check_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and "Traceback" not in r.text
+    if param is not None:
+        assert body["error"]["param"] == param
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(srv, name, path, body, status, param, code):
+    _check_error(srv.post(path, body), status, param, code)
+    assert chat_text(srv.chat(max_tokens=2))     # still serving
+
+
+def test_prompt_longer_than_context(srv):
+    long = "word " * (srv.engine.context_length + 10)
+    for stream in (False, True):
+        e = _check_error(srv.post("/v1/completions", {"prompt": long, "max_tokens": 2, "stream": stream}), 400)
+        assert e["code"] == "context_length_exceeded"
+        e = _check_error(srv.post("/v1/chat/completions", _msg(messages=[{"role": "user", "content": long}],
+                                                                stream=stream)), 400)
+        assert e["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as ei:
+        srv.complete(long, max_tokens=2)
+    assert ei.value.code == "context_length_exceeded"
+    assert srv.complete("ok", max_tokens=2).choices[0].text is not None
+
+
+def test_auth_and_not_found(srv):
+    e = _check_error(srv.post("/v1/chat/completions", _msg(), key="wrong"), 401, code="invalid_api_key")
+    assert "key" in e["message"].lower()
+    _check_error(srv.post("/v1/chat/completions", _msg(), key=None), 401, code="invalid_api_key")
+    _check_error(httpx.get(srv.base + "/v1/models"), 401, code="invalid_api_key")
+    bad = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        bad.chat.completions.create(model=srv.name, messages=USER, max_tokens=2)
+    assert ei.value.code == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as ei:
+        srv.client.chat.completions.create(model="no-such-model", messages=USER, max_tokens=2)
+    assert ei.value.code == "model_not_found"
+    _check_error(httpx.get(srv.base + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    _check_error(httpx.get(srv.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}), 405)
+    assert chat_text(srv.chat(max_tokens=2))
+
+
+# -- server mechanics with a scripted stand-in engine -----------------------------------------------
+
+class ScriptedEngine:
+    """The Engine interface; replies with `script` (a list of text pieces, one per token), `delay` seconds per
+    token; `fail_after` raises after that many tokens."""
+
+    def __init__(self, script=("hello", " world"), *, delay=0.0, fail_after=None, think_tags=None,
+                 prompt_suffix=""):
+        self.model_path, self.model_name, self.context_length = "/models/scripted", "scripted", 4096
+        self.generation_defaults = {}
+        self.script, self.delay, self.fail_after = list(script), delay, fail_after
+        self.tokenizer = type("Tok", (), {"think_tags": think_tags, "apply_chat_template":
+                                          lambda _s, m, **kw: "<|im_start|>assistant\n" + prompt_suffix})()
+        self.started, self.finished, self.tokens = [], [], {}
+
+    def generate(self, messages=None, prompt=None, max_tokens=256, sampling=None, stop=None, draft=True,
+                 enable_thinking=None, cancel=None, progress=None):
+        tag = (messages or [{}])[-1].get("content") if messages else prompt
+        self.started.append(tag)
+        if progress:
+            progress(3, 3)
+        n, finish = 0, "stop"
+        for i, piece in enumerate(self.script[:max_tokens]):
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            if self.fail_after is not None and i >= self.fail_after:
+                raise RuntimeError("boom")
+            time.sleep(self.delay)
+            n += 1
+            self.tokens[tag] = n
+            yield GenerationEvent(text=piece, token_ids=[i])
+        else:
+            finish = "length" if len(self.script) > max_tokens else "stop"
+        self.finished.append((tag, finish))
+        yield GenerationEvent(finish_reason=finish, stats=GenerationStats(prompt_tokens=3, completion_tokens=n,
+                                                                           finish_reason=finish))
+
+
+@contextlib.contextmanager
+def scripted_server(engine, **kw):
+    app = create_app(engine, **kw)
+    with running(app) as port:
+        yield Server(port, app, app.state.worker)
+
+
+def _wait(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def test_error_inside_an_open_stream():
+    eng = ScriptedEngine(["a", "b", "c"], fail_after=2)
+    with scripted_server(eng, api_key=KEY) as s:
+        r = s.post("/v1/chat/completions", {"messages": USER, "stream": True})
+        assert r.status_code == 200
+        events = [e[len("data: "):] for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])
+        assert set(err) == {"error"} and err["error"]["type"] == "server_error" and "boom" in err["error"]["message"]
+        assert "Traceback" not in r.text
+        # not streaming: a 500 with the error body; then the server keeps serving
+        _check_error(s.post("/v1/chat/completions", {"messages": USER}), 500)
+        eng.fail_after = None
+        assert chat_text(s.chat(max_tokens=3)) == "abc"
+
+
+def test_stream_disconnect_cancels_the_generation():
+    eng = ScriptedEngine(["x"] * 400, delay=0.01)
+    with scripted_server(eng, api_key=KEY) as s:
+        with httpx.stream("POST", s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"messages": [{"role": "user", "content": "long"}], "stream": True}) as r:
+            for line in r.iter_lines():
+                if '"x"' in line:
+                    break       # got a token: hang up
+        _wait(lambda: s.health()["cancelled"] == 1)
+        assert not s.health()["busy"] and eng.tokens["long"] < 100
+        eng.delay = 0
+        assert chat_text(s.chat(max_tokens=2)) == "xx"
+
+
+def test_non_stream_disconnect_cancels_and_queued_clients_who_left_are_skipped():
+    eng = ScriptedEngine(["x"] * 300, delay=0.01)
+    with scripted_server(eng, api_key=KEY) as s:
+        def call(tag, timeout):
+            try:
+                httpx.post(s.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"messages": [{"role": "user", "content": tag}]}, timeout=timeout)
+            except httpx.TimeoutException:
+                pass
+        a = threading.Thread(target=call, args=("first", 0.5))       # runs, then its client leaves
+        a.start()
+        _wait(lambda: eng.started == ["first"])
+        b = threading.Thread(target=call, args=("second", 0.2))      # leaves while still queued
+        b.start()
+        a.join()
+        b.join()
+        _wait(lambda: s.health()["skipped"] == 1 and s.health()["cancelled"] == 1)
+        assert eng.started == ["first"] and eng.tokens["first"] < 150 and not eng.finished
+        eng.delay = 0
+        assert chat_text(s.chat(max_tokens=3)) == "xxx"
+        assert eng.started == ["first", USER[0]["content"]]
+
+
+def test_reasoning_content_split():
+    script = ["<think>", "Let me ", "think", ".</th", "ink>", "\n\n", "The ", "answer."]
+    eng = ScriptedEngine(script, think_tags=("<think>", "</think>"))
+    with scripted_server(eng, api_key=KEY) as s:
+        r = s.chat(max_tokens=100)
+        assert r.choices[0].message.content == "The answer."
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Let me think."
+        chunks = list(s.chat(max_tokens=100, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(d.content or "" for d in deltas) == "The answer."
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Let me think."
+        # completions are raw text
+        assert s.complete("p", max_tokens=100).choices[0].text == "".join(script)
+    # a template that opens the think block in the prompt: the reply starts inside it
+    eng = ScriptedEngine(["plan", "</think>", "\n", "done"], think_tags=("<think>", "</think>"),
+                         prompt_suffix="<think>\n")
+    with scripted_server(eng) as s:
+        r = s.chat(max_tokens=100)
+        assert r.choices[0].message.content == "done"
+        assert r.choices[0].message.model_extra["reasoning_content"] == "plan"
+
+
+def test_reasoning_splitter_units():
+    tags = ("<think>", "</think>")
+    assert ReasoningSplitter(None).feed("<think>a</think>b", final=True) == ("", "<think>a</think>b")
+    assert ReasoningSplitter(tags).feed("plain text", final=True) == ("", "plain text")
+    sp = ReasoningSplitter(tags)
+    out = [sp.feed(c) for c in "  <think>ab</think>\ncd"] + [sp.feed("", final=True)]
+    assert ("".join(r for r, _ in out), "".join(c for _, c in out)) == ("ab", "cd")
+    sp = ReasoningSplitter(tags, in_think=True)
+    assert sp.feed("never closed <", final=False) == ("never closed ", "")
+    assert sp.feed("", final=True) == ("<", "")
+    assert prompt_opens_think("<|im_start|>assistant\n<think>\n", tags)
+    assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n", tags)
+    assert not prompt_opens_think("<|im_start|>assistant\n", tags)
+
+
+def test_server_defaults_and_name(ckpt):
+    with real_server(ckpt, api_key=None, model_name="my-alias", defaults={"max_tokens": 3}) as s:
+        assert [m.id for m in s.client.models.list().data] == ["my-alias"]
+        r = s.client.chat.completions.create(model="my-alias", messages=USER)     # no max_tokens: the default
+        assert r.model == "my-alias" and r.usage.completion_tokens <= 3
+        # the directory name is accepted too; no key needed on a server without one
+        assert s.post("/v1/chat/completions", _msg(), key=None).status_code == 200
