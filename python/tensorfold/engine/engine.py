@@ -129,7 +129,7 @@ class Engine:
     def generate(self, messages=None, prompt=None, *, max_tokens: int = 256,
                  sampling: SamplingParams | None = None, stop=None, draft: bool = True,
                  enable_thinking=None, tools=None, cancel=None, progress=None,
-                 proposers: list[Proposer] | None = None):
+                 ignore_eos: bool = False, proposers: list[Proposer] | None = None):
         """Yield GenerationEvents; the last one has finish_reason and stats."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
@@ -163,7 +163,7 @@ class Engine:
 
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopMatcher(stop)
-        eos = self.tokenizer.eos_ids
+        eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         tokens = list(ids)
         reply: list[int] = []
         finish = None
@@ -176,7 +176,7 @@ class Engine:
             if t_first is None:
                 t_first = time.perf_counter()
             if tok in eos:
-                return stopper.flush() if False else "", "stop"
+                return stopper.push(detok.flush())[0] + stopper.flush(), "stop"
             text, stopped = stopper.push(detok.add(tok))
             if stopped:
                 return text, "stop"

@@ -1,0 +1,110 @@
+"""TensorFold vs mlx-lm on the same checkpoint, side by side in one process.
+
+    python bench/bench_engine.py --model PATH [--prompts 512,2048] [--decode 128]
+    python bench/bench_engine.py --shape small-4bit          # writes a random checkpoint first
+
+Prints prompt tok/s, serial and drafted decode tok/s, acceptance and peak memory for both, and
+the ratios. Every timed result is evaluated (MLX is lazy); each figure is a median of --repeat."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def mlx_lm_run(model, tok, prompt, n_decode):
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.reset_peak_memory()
+    last = None
+    t0 = time.perf_counter()
+    for r in stream_generate(model, tok, prompt, max_tokens=n_decode, sampler=make_sampler(0.0)):
+        last = r
+    wall = time.perf_counter() - t0
+    return dict(prompt_tps=last.prompt_tps, decode_tps=last.generation_tps,
+                peak_gb=mx.get_peak_memory() / 1e9, tokens=last.generation_tokens, wall=wall)
+
+
+def ours_run(eng, prompt, n_decode, draft):
+    from tensorfold.engine import SamplingParams
+
+    mx.reset_peak_memory()
+    eng.snapshots._entries.clear()          # time a fresh prefill
+    t0 = time.perf_counter()
+    _, ids, st = eng.generate_text(prompt=prompt, max_tokens=n_decode, draft=draft, ignore_eos=True,
+                                   sampling=SamplingParams(temperature=0.0))
+    wall = time.perf_counter() - t0
+    return dict(prompt_tps=len(prompt) / st.prefill_s, decode_tps=st.decode_tps,
+                peak_gb=mx.get_peak_memory() / 1e9, tokens=len(ids), wall=wall,
+                accept=(st.accepted / st.drafted) if st.drafted else 0.0,
+                per_round=(st.completion_tokens / max(1, st.verify_rounds)) if st.verify_rounds else 1.0)
+
+
+def med(runs, key):
+    return statistics.median(r[key] for r in runs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--shape", help="write a random checkpoint of this shape (bench/shapes.py)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prompts", default="512,2048")
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--copy-prompt", action="store_true",
+                    help="repetitive prompt (drafting can accept) instead of random ids")
+    args = ap.parse_args(argv)
+
+    import mlx_lm
+    from tensorfold.engine import Engine
+
+    path = args.model
+    if args.shape:
+        import shapes
+        name = args.shape
+        path = shapes.write(name.removesuffix("-4bit").removesuffix("-bf16"),
+                            Path(tempfile.mkdtemp()) / name,
+                            bits=None if name.endswith("-bf16") else 4, layers=args.layers)
+    eng = Engine(path)
+    ref, tok = mlx_lm.load(str(path))
+    tok._eos_token_ids = set()   # decode the full length on both sides
+    vocab = eng.model.cfg.vocab_size
+    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}")
+    print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "
+          "| ours drafted | accept | tok/round | peak GB mlx-lm | ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for n in [int(x) for x in args.prompts.split(",")]:
+        if args.copy_prompt:
+            base = rng.integers(3, min(vocab, 500), size=64).tolist()
+            prompt = (base * (n // 64 + 1))[:n]
+        else:
+            prompt = rng.integers(3, min(vocab, 500), size=n).tolist()
+        # warm up both (compilation, allocation)
+        mlx_lm_run(ref, tok, prompt[:64], 4)
+        ours_run(eng, prompt[:64], 4, False)
+        ref_runs, ser_runs, dr_runs = [], [], []
+        for _ in range(args.repeat):
+            ref_runs.append(mlx_lm_run(ref, tok, prompt, args.decode))
+            ser_runs.append(ours_run(eng, prompt, args.decode, False))
+            dr_runs.append(ours_run(eng, prompt, args.decode, True))
+        rp, op = med(ref_runs, "prompt_tps"), med(ser_runs, "prompt_tps")
+        rd, od, dd = med(ref_runs, "decode_tps"), med(ser_runs, "decode_tps"), med(dr_runs, "decode_tps")
+        print(f"| {n} | {rp:.0f} | {op:.0f} | {op / rp:.2f} | {rd:.1f} | {od:.1f} | {od / rd:.2f} | "
+              f"{dd:.1f} | {med(dr_runs, 'accept'):.2f} | {med(dr_runs, 'per_round'):.2f} | "
+              f"{med(ref_runs, 'peak_gb'):.2f} | {med(ser_runs, 'peak_gb'):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

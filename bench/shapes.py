@@ -1,0 +1,100 @@
+"""Benchmark checkpoints of real model shapes, random weights, written tensor by tensor.
+
+    python bench/shapes.py qwen3-8b-4bit /tmp/q8b       # Qwen3-8B shapes, MLX affine 4-bit g64
+
+Weights are drawn with mx.random on the default device (fast on a GPU) and quantized per tensor,
+so peak host memory stays near one tensor. The tokenizer is tensorfold.testing's small BPE; the
+config's vocab is the real one (rows past the tokenizer are simply never produced by it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+SHAPES = {
+    "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
+                     vocab=151936),
+    "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
+                       vocab=151936),
+    "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=32768),
+}
+
+
+def write(name: str, out: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0,
+          layers: int | None = None) -> Path:
+    from tensorfold.testing import write_checkpoint
+
+    s = dict(SHAPES[name])
+    if layers:
+        s["layers"] = layers
+    out = Path(out)
+    # tokenizer, template, generation config from the tiny generator; we overwrite config + weights
+    write_checkpoint(out, family="qwen3", layout="hf", hidden=64, layers=1, heads=2, kv_heads=1,
+                     intermediate=64)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+               num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+               intermediate_size=s["intermediate"], vocab_size=s["vocab"], tie_word_embeddings=False,
+               max_position_embeddings=131072)
+    if bits:
+        cfg["quantization"] = cfg["quantization_config"] = {"group_size": group_size, "bits": bits,
+                                                            "mode": "affine"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx.random.seed(seed)
+    d, hd = s["hidden"], s["head_dim"]
+
+    def lin(o, i, std):
+        w = (mx.random.normal((o, i)) * std).astype(mx.bfloat16)
+        if not bits:
+            return {"weight": w}
+        q, sc, b = mx.quantize(w, group_size=group_size, bits=bits)
+        return {"weight": q, "scales": sc, "biases": b}
+
+    shard, n, index = {}, 0, {}
+
+    def flush(final=False):
+        nonlocal shard, n
+        if shard and (final or sum(a.nbytes for a in shard.values()) > 2**30):
+            n += 1
+            fname = f"model-{n:05d}.safetensors"
+            mx.save_safetensors(str(out / fname), shard, metadata={"format": "mlx"})
+            index.update({k: fname for k in shard})
+            shard = {}
+
+    def put(prefix, tensors):
+        for k, v in tensors.items():
+            shard[f"{prefix}.{k}"] = v
+        mx.eval(list(shard.values()))
+
+    put("model.embed_tokens", lin(s["vocab"], d, 1.0))
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}"
+        put(f"{p}.self_attn.q_proj", lin(s["heads"] * hd, d, d ** -0.5))
+        put(f"{p}.self_attn.k_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
+        put(f"{p}.self_attn.v_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
+        put(f"{p}.self_attn.o_proj", lin(d, s["heads"] * hd, (s["heads"] * hd) ** -0.5 / 4))
+        put(f"{p}.mlp.gate_proj", lin(s["intermediate"], d, d ** -0.5))
+        put(f"{p}.mlp.up_proj", lin(s["intermediate"], d, d ** -0.5))
+        put(f"{p}.mlp.down_proj", lin(d, s["intermediate"], s["intermediate"] ** -0.5 / 4))
+        for nm, size in (("input_layernorm", d), ("post_attention_layernorm", d),
+                         ("self_attn.q_norm", hd), ("self_attn.k_norm", hd)):
+            shard[f"{p}.{nm}.weight"] = mx.ones((size,), mx.bfloat16)
+        flush()
+    shard["model.norm.weight"] = mx.ones((d,), mx.bfloat16)
+    put("lm_head", lin(s["vocab"], d, d ** -0.5 * 4))
+    flush(final=True)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return out
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    bits = None if name.endswith("-bf16") else 4
+    base = name.removesuffix("-bf16").removesuffix("-4bit")
+    layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    print(write(base, Path(out), bits=bits, layers=layers))

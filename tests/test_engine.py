@@ -1,0 +1,228 @@
+"""The engine's promises, end to end: drafted == serial, resumed == fresh, row_check.
+
+One harness (`run_case`) serves every family; later families add checkpoints, not copies."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold.engine import Engine, PrefillMode, SamplingParams
+from tensorfold.engine.proposers import ContextCopy, DraftModel, Proposer
+from tensorfold.models import load_model
+
+GRID = 16   # a small grid makes "several grid cells" cheap; the 2,048 grid has its own tests
+
+
+class MixProposer(Proposer):
+    """Test-only: proposes the serial answer's true tokens mixed with wrong ones, so that the
+    accept, partial-accept and reject paths all run."""
+    name = "mix"
+
+    def __init__(self, prompt_len: int, truth: list[int], vocab: int, seed: int, p_wrong: float = 0.3):
+        super().__init__()
+        self.n0, self.truth, self.vocab = prompt_len, truth, vocab
+        self.rng = np.random.default_rng(seed)
+        self.p_wrong = p_wrong
+
+    def propose(self, tokens, k):
+        pos = len(tokens) - self.n0          # index in the reply of the next token
+        out = list(self.truth[pos: pos + int(self.rng.integers(1, 9))])
+        for i in range(len(out)):
+            if self.rng.random() < self.p_wrong:
+                out[i] = int((out[i] + 1 + self.rng.integers(0, self.vocab - 1)) % self.vocab)
+        return out
+
+    def feedback(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    mode = PrefillMode(grid=GRID)
+    return {
+        "q4": Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=mode),
+        "bf16": Engine(checkpoints["qwen3_hf_bf16"], prefill_mode=mode),
+        "qwen2": Engine(checkpoints["qwen2_mlx_4bit_tied"], prefill_mode=mode),
+    }
+
+
+@pytest.fixture(scope="module")
+def drafter(checkpoints):
+    return load_model(checkpoints["qwen3_mlx_8bit"])
+
+
+def _case(i: int):
+    rng = np.random.default_rng(1000 + i)
+    plen = int(rng.choice([1, 2, 5, 15, 16, 17, 33, 47, 70]))
+    greedy = rng.random() < 0.35
+    p = SamplingParams(
+        temperature=0.0 if greedy else float(rng.choice([0.5, 0.9, 1.3])),
+        top_p=float(rng.choice([1.0, 0.9, 0.6])), top_k=int(rng.choice([0, 0, 20])),
+        min_p=float(rng.choice([0.0, 0.0, 0.05])),
+        seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**31)))
+    proposer = ["context", "draft-model", "mix"][i % 3]
+    model = ["q4", "bf16", "qwen2"][(i // 3) % 3]
+    return dict(plen=plen, params=p, proposer=proposer, model=model, seed=int(rng.integers(0, 2**31)),
+                max_tokens=int(rng.integers(8, 40)))
+
+
+def run_case(eng, drafter_model, *, plen, params, proposer, seed, max_tokens, stop=None):
+    vocab = eng.model.cfg.vocab_size
+    prompt = np.random.default_rng(seed).integers(3, vocab, size=plen).tolist()
+    ser_text, serial, ser_stats = eng.generate_text(prompt=prompt, max_tokens=max_tokens, sampling=params,
+                                                    stop=stop, draft=False)
+    if proposer == "context":
+        props = [ContextCopy()]
+    elif proposer == "draft-model":
+        props = [DraftModel(drafter_model, eng.mode)]
+    else:
+        props = [MixProposer(plen, serial, vocab, seed)]
+    text, drafted, stats = eng.generate_text(prompt=prompt, max_tokens=max_tokens, sampling=params,
+                                             stop=stop, draft=True, proposers=props)
+    assert drafted == serial
+    assert text == ser_text
+    assert stats.token_hash == ser_stats.token_hash
+    return stats
+
+
+@pytest.mark.parametrize("i", range(54))
+def test_drafted_equals_serial(engines, drafter, i):
+    c = _case(i)
+    eng = engines[c.pop("model")]
+    stats = run_case(eng, drafter, **c)
+    if c["proposer"] == "mix" and stats.completion_tokens > 3:
+        assert stats.drafted > 0
+
+
+def test_all_paths_ran(engines, drafter):
+    """Across mix cases: full accepts, partial accepts and rejects all happened."""
+    seen = set()
+    eng = engines["q4"]
+    vocab = eng.model.cfg.vocab_size
+    for i in range(6):
+        prompt = np.random.default_rng(i).integers(3, vocab, size=9).tolist()
+        p = SamplingParams(temperature=1.0, seed=i)
+        _, serial, _ = eng.generate_text(prompt=prompt, max_tokens=30, sampling=p, draft=False)
+        mix = MixProposer(len(prompt), serial, vocab, i)
+        rounds = []
+        orig = mix.propose
+
+        def spy(tokens, k, orig=orig):
+            d = orig(tokens, k)
+            rounds.append((len(tokens), d))
+            return d
+        mix.propose = spy
+        _, ids, st = eng.generate_text(prompt=prompt, max_tokens=30, sampling=p, proposers=[mix])
+        assert ids == serial
+        for n, d in rounds:
+            pos = n - len(prompt)
+            acc = 0
+            while acc < len(d) and pos + acc < len(serial) and d[acc] == serial[pos + acc]:
+                acc += 1
+            seen.add("full" if acc == len(d) else "reject" if acc == 0 else "partial")
+    assert seen == {"full", "partial", "reject"}
+
+
+def test_context_copy_accepts_on_repetitive_text(engines):
+    """Greedy random models fall into loops: the context proposer must get accepts there."""
+    eng = engines["q4"]
+    prompt = [5, 6, 7, 8] * 6
+    _, ids, st = eng.generate_text(prompt=prompt, max_tokens=60, sampling=SamplingParams(temperature=0))
+    _, ids0, _ = eng.generate_text(prompt=prompt, max_tokens=60, sampling=SamplingParams(temperature=0),
+                                   draft=False)
+    assert ids == ids0
+    assert st.accepted > 0
+
+
+def test_stop_strings_drafted_equals_serial(tinycode_path):
+    eng = Engine(tinycode_path)
+    msgs = [{"role": "user", "content": "Show the function dumps from json."}]
+    for stop in (["\n"], ["skipkeys"], ['"""', "def "], ["ensure_ascii=True"]):
+        a = eng.generate_text(messages=msgs, max_tokens=120, stop=stop, draft=False)
+        b = eng.generate_text(messages=msgs, max_tokens=120, stop=stop, draft=True)
+        assert a[0] == b[0] and a[1] == b[1]
+        assert not any(s in a[0] for s in stop)
+        assert a[2].finish_reason == "stop"
+
+
+def test_fresh_equals_restored_grid_point(checkpoints):
+    """Prefill of a sequence == the same sequence prefilled after restoring a grid-point snapshot."""
+    mode = PrefillMode(grid=GRID)
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=mode)
+    vocab = eng.model.cfg.vocab_size
+    rng = np.random.default_rng(7)
+    first = rng.integers(3, vocab, size=53).tolist()
+    _, reply, st1 = eng.generate_text(prompt=first, max_tokens=12, sampling=SamplingParams(temperature=0.9, seed=3))
+    assert st1.cached_tokens == 0
+    second = first + reply + rng.integers(3, vocab, size=21).tolist()
+    resumed = eng.generate_text(prompt=second, max_tokens=20, sampling=SamplingParams(temperature=0.9, seed=3))
+    assert resumed[2].cached_tokens == 48          # the last grid point of the first prompt
+    fresh = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=mode).generate_text(
+        prompt=second, max_tokens=20, sampling=SamplingParams(temperature=0.9, seed=3))
+    assert fresh[2].cached_tokens == 0
+    assert resumed[1] == fresh[1] and resumed[0] == fresh[0]
+    # and the logits themselves, bit for bit, at every grid point of the first prompt
+    from tensorfold.engine.prefill import prefill
+    m = eng.model
+    c = m.new_cache()
+    want = prefill(m, c, second, mode)
+    for g in range(GRID, 53, GRID):
+        c2 = m.new_cache()
+        c2.restore(c.snapshot(g), g)
+        assert mx.array_equal(prefill(m, c2, second, mode), want).item()
+
+
+def test_real_grid_2048_resume(checkpoints):
+    """The default 2,048 grid across several cells: resumed == fresh."""
+    path = checkpoints["qwen3_mlx_4bit"]
+    eng = Engine(path)
+    assert eng.mode.grid == 2048
+    vocab = eng.model.cfg.vocab_size
+    rng = np.random.default_rng(11)
+    first = rng.integers(3, vocab, size=4500).tolist()
+    p = SamplingParams(temperature=0.7, seed=5)
+    _, reply, _ = eng.generate_text(prompt=first, max_tokens=8, sampling=p)
+    second = first + reply + rng.integers(3, vocab, size=30).tolist()
+    a = eng.generate_text(prompt=second, max_tokens=8, sampling=p)
+    b = Engine(path, drafts=False).generate_text(prompt=second, max_tokens=8, sampling=p)
+    assert a[2].cached_tokens == 4096 and b[2].cached_tokens == 0
+    assert a[1] == b[1]
+
+
+def test_row_check_disables_drafting_loudly(checkpoints, monkeypatch, caplog):
+    import tensorfold.kernels as k
+    real = k.row_quantized_matmul
+
+    def not_row_exact(x, *a, **kw):   # row results depend on M: what MLX's own CUDA ops do
+        y = real(x, *a, **kw)
+        return y + (x.shape[-2] - 1) * 1e-2
+
+    monkeypatch.setattr(k, "row_quantized_matmul", not_row_exact)
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        eng = Engine(checkpoints["qwen3_mlx_4bit"])
+    assert eng.row_exact is False and eng.drafts_enabled is False
+    assert "drafting is DISABLED" in caplog.text
+    _, ids, st = eng.generate_text(prompt=[5, 6, 7, 8] * 4, max_tokens=20)
+    assert st.drafted == 0
+
+
+def test_default_seed_is_the_prompt(engines):
+    eng = engines["q4"]
+    p = SamplingParams(temperature=1.0)
+    a = eng.generate_text(prompt=[3, 4, 5], max_tokens=10, sampling=p)[1]
+    b = eng.generate_text(prompt=[3, 4, 5], max_tokens=10, sampling=p)[1]
+    assert a == b
+
+
+def test_max_tokens_and_context_limit(checkpoints):
+    from tensorfold.errors import RequestError
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], context=40)
+    _, ids, st = eng.generate_text(prompt=list(range(3, 33)), max_tokens=100)
+    assert len(ids) == 10 and st.finish_reason == "length"
+    with pytest.raises(RequestError) as e:
+        eng.generate_text(prompt=list(range(3, 43)), max_tokens=5)
+    assert e.value.code == "context_length_exceeded"

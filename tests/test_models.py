@@ -1,0 +1,136 @@
+"""Checkpoints: our prefill logits equal mlx-lm's; info from config.json alone; bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold.errors import CheckpointError
+from tensorfold.models import load_model
+from tensorfold.models.info import describe
+
+
+def _prompt(vocab, n, seed=0):
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+@pytest.mark.parametrize("name", [
+    "qwen3_hf_bf16", "qwen3_mlx_4bit", "qwen3_mlx_8bit", "llama_hf_llama3_rope",
+    "qwen2_mlx_4bit_tied", "qwen3_mlx_mixed", "qwen3_hf_sharded"])
+def test_prefill_logits_equal_mlx_lm(checkpoints, name):
+    """Same ops as mlx-lm's llama/qwen2/qwen3 -> bitwise equal logits (last row and all rows)."""
+    import mlx_lm
+
+    path = checkpoints[name]
+    ours = load_model(path)
+    ref, _ = mlx_lm.load(str(path))
+    ids = _prompt(ours.cfg.vocab_size, 37, seed=len(name))
+    x = mx.array([ids])
+    cache = ours.new_cache()
+    last = ours.forward(x, cache, exact=False)
+    want = ref(x)[0]
+    assert cache.offset == len(ids)
+    assert mx.array_equal(last[0], want[-1]).item()
+    cache = ours.new_cache()
+    rows = ours.forward(x, cache, exact=False, all_logits=True)
+    assert mx.array_equal(rows, want).item()
+
+
+def test_chunked_prefill_matches_mlx_lm_cache(checkpoints):
+    """Our KV cache and mlx-lm's KVCache give the same bits chunk by chunk."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = checkpoints["qwen3_mlx_4bit"]
+    ours = load_model(path)
+    ref, _ = mlx_lm.load(str(path))
+    ids = _prompt(ours.cfg.vocab_size, 300, seed=1)
+    c, rc = ours.new_cache(), make_prompt_cache(ref)
+    for s, e in [(0, 128), (128, 256), (256, 300)]:
+        a = ours.forward(mx.array([ids[s:e]]), c, exact=False)
+        b = ref(mx.array([ids[s:e]]), cache=rc)[0, -1:]
+        assert mx.array_equal(a, b).item()
+
+
+def test_exact_decode_close_to_prefill(checkpoints):
+    """The row-exact decode path computes the same function (not the same bits) as MLX's ops."""
+    for name in ("qwen3_hf_bf16", "qwen3_mlx_4bit", "qwen2_mlx_4bit_tied", "qwen3_mlx_mixed"):
+        m = load_model(checkpoints[name])
+        ids = _prompt(m.cfg.vocab_size, 20, seed=3)
+        a = m.forward(mx.array([ids]), m.new_cache(), exact=False, all_logits=True).astype(mx.float32)
+        c = m.new_cache()
+        m.forward(mx.array([ids[:12]]), c, exact=False, logits=False)
+        b = m.forward(mx.array([ids[12:]]), c, exact=True, all_logits=True).astype(mx.float32)
+        err = mx.abs(a[12:] - b).max().item() / (mx.abs(a[12:]).max().item() + 1e-6)
+        assert err < 0.05, (name, err)   # bf16 activations; different (exact) kernels
+
+
+def test_info_reads_config_only(checkpoints, tmp_path):
+    path = checkpoints["qwen3_mlx_mixed"]
+    text = describe(path)
+    for want in ("qwen3", "layers", "KV heads", "4-bit/g64", "8-bit/g64", "6-bit/g32",
+                 "parameters", "KV cache, 32k tokens"):
+        assert want in text, want
+    # config alone: no weights at all still works
+    only = tmp_path / "only-config"
+    only.mkdir()
+    shutil.copy(path / "config.json", only / "config.json")
+    assert describe(only) == text.replace(str(path), str(only))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no-config", "no config.json"),
+    ("model-type", "unsupported model_type 'mamba'"),
+    ("bits", "unsupported quantization bits 7"),
+    ("mode", "unsupported quantization mode 'mxfp4'"),
+    ("no-weights", "no *.safetensors"),
+    ("shape", "has shape"),
+    ("missing-tensor", "missing tensor"),
+    ("bad-json", "not valid JSON"),
+    ("missing-shard", "is missing"),
+])
+def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, message):
+    src = checkpoints["qwen3_hf_sharded" if breakage == "missing-shard" else "qwen3_hf_bf16"]
+    d = _copy(src, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    if breakage == "no-config":
+        (d / "config.json").unlink()
+    elif breakage == "model-type":
+        cfg["model_type"] = "mamba"
+    elif breakage == "bits":
+        cfg["quantization"] = {"group_size": 64, "bits": 7}
+    elif breakage == "mode":
+        cfg["quantization"] = {"group_size": 64, "bits": 4, "mode": "mxfp4"}
+    elif breakage == "no-weights":
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+    elif breakage == "shape":
+        cfg["intermediate_size"] += 64
+    elif breakage == "missing-tensor":
+        w = mx.load(str(d / "model.safetensors"))
+        del w["model.layers.1.mlp.up_proj.weight"]
+        mx.save_safetensors(str(d / "model.safetensors"), w)
+    elif breakage == "bad-json":
+        (d / "config.json").write_text("{not json")
+    elif breakage == "missing-shard":
+        sorted(d.glob("model-*.safetensors"))[-1].unlink()
+    if breakage not in ("no-config", "bad-json"):
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_path():
+    with pytest.raises(CheckpointError, match="not found"):
+        load_model("/nonexistent/model")
