@@ -1,0 +1,60 @@
+"""Offline syntax / type check of the CUDA faces with nvcc (no GPU needed).
+
+Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
+tensorfold.kernels._cuda.standalone_source) for a few template configurations and runs
+`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v]
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+from tensorfold.kernels._cuda import standalone_source  # noqa: E402
+
+bf, f16, f32, u32, i32 = mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int32
+
+CASES = []
+for T in (bf, f16, f32):
+    for bits in (2, 3, 4, 5, 6, 8):
+        CASES.append(("row_qmm", dict(T=T, S=T, K=4096, N=4096, GS=64, BITS=bits),
+                      dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
+    CASES.append(("row_mm", dict(T=T, W=T, K=4096, N=151936),
+                  dict(x=T, w=T), dict(out=T)))
+    for D in (64, 80, 128, 256):
+        CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8),
+                      dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
+    CASES.append(("row_attn_merge", dict(T=T, D=128),
+                  dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+
+
+def main():
+    verbose = "-v" in sys.argv
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for idx, (name, tmpl, ins, outs) in enumerate(CASES):
+            path = os.path.join(tmp, f"k{idx}.cu")
+            with open(path, "w") as f:
+                f.write(standalone_source(name, tmpl, ins, outs))
+            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-c", path, "-o", path + ".o"]
+            if verbose:
+                cmd.append("-Xptxas=-v")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            tag = f"{name} {dict((k, str(v)) for k, v in tmpl.items())}"
+            if r.returncode != 0:
+                failed += 1
+                print("FAIL", tag)
+                print(r.stderr[-4000:])
+            else:
+                print("ok  ", tag)
+                if verbose and r.stderr:
+                    print(r.stderr.strip()[-600:])
+    print(f"{len(CASES) - failed}/{len(CASES)} compiled")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+// Row-exact causal GQA attention for MLX's CUDA backend (mx.fast.cuda_kernel, NVRTC JIT).
+// Sections are cut by "// @@" marker lines (see row_gemm.cu).
+//
+// Arithmetic of query row (b, h, i) at absolute position p = offset + i (fixed by p, D):
+//   keys are cut into spans of SPAN=256 starting at key 0, spans into chunks of C=64; the
+//   last chunk is cut at p (keys > p are never read for this row).
+//   chunk:  s_j = fma-chain over d ascending of q[d]*k_j[d], times scale
+//           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
+//           lc = butterfly sum over lanes of (e_lane + e_lane+32)
+//           oc[d] = fma-chain over j ascending of e_j * v_j[d]
+//   merge (chunks of a span ascending, then spans ascending, same formula):
+//           m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')
+//           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
+//   out = o / l, rounded once to q's dtype.
+// Kernel row_attn_partial: one block per (span, b*Hkv + hk, group of 8 query rows); warp w
+// owns one query row (rows of a GQA group share the K/V staged in shared memory).
+// Kernel row_attn_merge: one thread per (row, d) merges the row's spans in order.
+// M, the capacity and the offset only decide which blocks run and which rows they visit.
+
+// @@header
+#define TF_FULL_MASK 0xffffffffu
+#define TF_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float tf_to_float(float v) { return v; }
+__device__ __forceinline__ float tf_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float tf_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T tf_from_float(float v);
+template <> __device__ __forceinline__ float tf_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half tf_from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// @@body row_attn_partial
+// inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,
+//         scale_f [1] float32
+// output: part [B*HQ*M, nspan, D+2] float32  (o[0..D), m, l) -- only spans <= p/SPAN written
+// template: T, TK, D, HQ, HKV
+// launch: grid (nspan*256, B*HKV, ceil(HQ/HKV*M/8)), threadgroup (256,1,1),
+//         dynamic shared memory = (C*(D+1) + C*D + 8*C) * 4 bytes
+constexpr int C = 64;
+constexpr int SPAN = 256;
+constexpr int WARPS = 8;
+constexpr int DP = D + 1;
+constexpr int NT = (D + 31) / 32;
+constexpr int G = HQ / HKV;
+extern __shared__ float sm[];
+float* ks = sm;
+float* vs = ks + C * DP;
+float* es = vs + C * D;
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int nspan = (cap + SPAN - 1) / SPAN;
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int span = blockIdx.x;
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int r = blockIdx.z * WARPS + warp;
+const int off = offset[0];
+const int s0 = span * SPAN;
+const int maxp = min(off + M - 1, cap - 1);
+if (s0 > maxp) return; // uniform over the block
+const bool row_ok = r < G * M;
+const int g = row_ok ? r / M : 0;
+const int i = row_ok ? r % M : 0;
+const int h = hk * G + g;
+const int p = off + i;
+const bool active = row_ok && p >= s0 && p >= 0 && p < cap;
+const T* qrow = q + ((size_t)(b * HQ + h) * M + i) * D;
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+float mrun = TF_NEG_INF, lrun = 0.0f;
+float o[NT];
+#pragma unroll
+for (int t = 0; t < NT; ++t) o[t] = 0.0f;
+const int send = min(s0 + SPAN, maxp + 1);
+for (int c0 = s0; c0 < send; c0 += C) {
+  const int cn = min(C, send - c0);
+  __syncthreads();
+  for (int e = threadIdx.x; e < cn * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    ks[j * DP + d] = tf_to_float(k[kvbase + (size_t)(c0 + j) * D + d]);
+    vs[j * D + d] = tf_to_float(v[kvbase + (size_t)(c0 + j) * D + d]);
+  }
+  __syncthreads();
+  if (active && c0 <= p) {
+    const int n = min(C, p + 1 - c0);
+    float sa = TF_NEG_INF, sb = TF_NEG_INF;
+    if (lane < n) {
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), ks[lane * DP + d], acc);
+      sa = __fmul_rn(acc, scale_f[0]);
+    }
+    if (lane + 32 < n) {
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        acc = __fmaf_rn(tf_to_float(qrow[d]), ks[(lane + 32) * DP + d], acc);
+      }
+      sb = __fmul_rn(acc, scale_f[0]);
+    }
+    float mc = fmaxf(sa, sb);
+#pragma unroll
+    for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
+    const float ea = lane < n ? expf(__fsub_rn(sa, mc)) : 0.0f;
+    const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mc)) : 0.0f;
+    es[warp * C + lane] = ea;
+    es[warp * C + lane + 32] = eb;
+    float lc = __fadd_rn(ea, eb);
+#pragma unroll
+    for (int sh = 16; sh >= 1; sh >>= 1) lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, sh));
+    __syncwarp();
+    const float mn = fmaxf(mrun, mc);
+    const float fa = expf(__fsub_rn(mrun, mn));
+    const float fb = expf(__fsub_rn(mc, mn));
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int d = lane + 32 * t;
+      if (d < D) {
+        float oc = 0.0f;
+        for (int j = 0; j < n; ++j) oc = __fmaf_rn(es[warp * C + j], vs[j * D + d], oc);
+        o[t] = __fmaf_rn(oc, fb, __fmul_rn(o[t], fa));
+      }
+    }
+    lrun = __fadd_rn(__fmul_rn(lrun, fa), __fmul_rn(lc, fb));
+    mrun = mn;
+    __syncwarp();
+  }
+}
+if (active) {
+  float* dst = part + ((size_t)((b * HQ + h) * M + i) * nspan + span) * (D + 2);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) dst[d] = o[t];
+  }
+  if (lane == 0) {
+    dst[D] = mrun;
+    dst[D + 1] = lrun;
+  }
+}
+
+// @@body row_attn_merge
+// inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
+//         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
+// output: out [B, HQ, M, D] (T).  template: T, D
+// launch: grid (B*HQ*M*D, 1, 1), threadgroup (256, 1, 1).
+constexpr int SPAN = 256;
+const int M = q_shape[2];
+const int nrow = q_shape[0] * q_shape[1] * M;
+const int nspan = part_shape[1];
+const int cap_spans = nspan;
+const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+if (tid >= (size_t)nrow * D) return;
+const int row = (int)(tid / D);
+const int d = (int)(tid % D);
+const int i = row % M;
+const int p = offset[0] + i;
+const int cap = k_shape[2];
+float res;
+if (p < 0 || p >= cap) {
+  res = __int_as_float(0x7fc00000); // NaN: the row lies outside the KV buffer
+} else {
+  const int ns = min(p / SPAN + 1, cap_spans);
+  float mrun = TF_NEG_INF, lrun = 0.0f, o = 0.0f;
+  for (int s = 0; s < ns; ++s) {
+    const float* src = part + ((size_t)row * nspan + s) * (D + 2);
+    const float pm = src[D], pl = src[D + 1], po = src[d];
+    const float mn = fmaxf(mrun, pm);
+    const float fa = expf(__fsub_rn(mrun, mn));
+    const float fb = expf(__fsub_rn(pm, mn));
+    lrun = __fadd_rn(__fmul_rn(lrun, fa), __fmul_rn(pl, fb));
+    o = __fmaf_rn(po, fb, __fmul_rn(o, fa));
+    mrun = mn;
+  }
+  res = __fdiv_rn(o, lrun);
+}
+out[tid] = tf_from_float<T>(res);

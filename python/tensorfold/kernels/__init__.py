@@ -1,0 +1,143 @@
+"""Row-exact kernels: quantized matmul, dense matmul and causal attention.
+
+Contract (docs/kernels.md): row i of each op's output is bit-identical whether the call
+holds 1 row or M rows, whatever the other rows contain and whatever capacity the KV
+buffers have. Each op has three faces:
+
+* CPU  -- MLX primitives in the C++ extension (``tensorfold._ext``), multithreaded AVX2.
+* CUDA -- ``mx.fast.cuda_kernel`` over ``csrc/cuda/*.cu`` (installed to
+  ``tensorfold/_kernels/cuda``).
+* Metal -- ``mx.fast.metal_kernel`` over ``metal/row_ops.metal`` (never compiled or run
+  in this project's CI).
+
+The face follows the stream / device: a GPU stream (or GPU default device) uses CUDA when
+``mx.cuda.is_available()``, else Metal when ``mx.metal.is_available()``; everything else
+uses the CPU primitive.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import mlx.core as mx
+
+from tensorfold import _ext
+
+__all__ = [
+    "backend_face",
+    "row_quantized_matmul",
+    "row_matmul",
+    "row_attention",
+    "row_check_ops",
+]
+
+StreamLike = Optional[Union[mx.Stream, mx.Device]]
+
+
+def _cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def _metal_available() -> bool:
+    return hasattr(mx, "metal") and mx.metal.is_available()
+
+
+def _device_of(stream: StreamLike) -> mx.Device:
+    if stream is None:
+        return mx.default_device()
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    return stream
+
+
+def backend_face(stream: StreamLike = None) -> str:
+    """"cpu" | "cuda" | "metal": which face the row ops use for `stream` (default device)."""
+    dev = _device_of(stream)
+    if dev.type == mx.gpu:
+        if _cuda_available():
+            return "cuda"
+        if _metal_available():
+            return "metal"
+    return "cpu"
+
+
+def _gpu_stream(stream: StreamLike):
+    if isinstance(stream, mx.Stream):
+        return stream
+    return mx.default_stream(_device_of(stream))
+
+
+def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                         group_size: int = 64, bits: int = 4, *,
+                         stream: StreamLike = None) -> mx.array:
+    """Row-exact ``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``.
+
+    x [..., M, K] (float32 / bfloat16 / float16); w uint32 [N, K*bits/32]; scales and
+    biases [N, K/group_size]. Returns [..., M, N] in x's dtype, fp32 accumulation.
+    bits in {2, 3, 4, 5, 6, 8}; group_size in {32, 64, 128}.
+    """
+    face = backend_face(stream)
+    if face == "cuda":
+        from . import _cuda
+        return _cuda.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream))
+    if face == "metal":
+        from . import _metal
+        return _metal.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream))
+    return _ext.row_quantized_matmul(x, w, scales, biases, group_size, bits)
+
+
+def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
+    """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16)."""
+    face = backend_face(stream)
+    if face == "cuda":
+        from . import _cuda
+        return _cuda.matmul(x, w, _gpu_stream(stream))
+    if face == "metal":
+        from . import _metal
+        return _metal.matmul(x, w, _gpu_stream(stream))
+    return _ext.row_matmul(x, w)
+
+
+def _offset_array(offset, q: mx.array, k: mx.array) -> mx.array:
+    if isinstance(offset, mx.array):
+        if offset.size != 1:
+            raise ValueError("row_attention: offset must be a scalar")
+        return offset.reshape(1).astype(mx.int32)
+    offset = int(offset)
+    if offset < 0 or offset + q.shape[2] > k.shape[2]:
+        raise ValueError(
+            f"row_attention: rows {offset}..{offset + q.shape[2] - 1} do not fit a KV buffer "
+            f"of capacity {k.shape[2]}")
+    return mx.array([offset], dtype=mx.int32)
+
+
+def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *,
+                  stream: StreamLike = None) -> mx.array:
+    """Row-exact causal GQA attention over KV buffers.
+
+    q [B, Hq, M, D]; k, v [B, Hkv, cap, D] with the M new keys already written at
+    offset..offset+M-1. Query row i sits at position offset+i and attends to keys
+    0..offset+i. offset: int or int32 scalar array. Returns [B, Hq, M, D] in q's dtype.
+    Rows whose position falls outside the buffer come back NaN (an int offset is checked
+    up front and raises instead).
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("row_attention: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
+    off = _offset_array(offset, q, k)
+    face = backend_face(stream)
+    if face == "cuda":
+        from . import _cuda
+        return _cuda.attention(q, k, v, off, float(scale), _gpu_stream(stream))
+    if face == "metal":
+        from . import _metal
+        return _metal.attention(q, k, v, off, float(scale), _gpu_stream(stream))
+    return _ext.row_attention(q, k, v, off, float(scale))
+
+
+def row_check_ops() -> dict[str, Callable]:
+    """The row-exact ops by name, for callers that verify the contract at start-up."""
+    return {
+        "row_quantized_matmul": row_quantized_matmul,
+        "row_matmul": row_matmul,
+        "row_attention": row_attention,
+    }

@@ -1,0 +1,165 @@
+"""CUDA faces of the row-exact kernels: mx.fast.cuda_kernel (NVRTC JIT) over csrc/cuda/*.cu.
+
+Kernel objects are created lazily and only when ``mx.cuda.is_available()``. All shape
+constants passed as template arguments are weight / head shapes; the number of rows M,
+the KV capacity and the offset reach the kernels at run time (shapes / input arrays).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ._sources import sections
+
+_CUDA_TYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.uint32: "uint32_t",
+    mx.int32: "int32_t",
+}
+
+GEMM_ROWS_PER_BLOCK = 16
+GEMM_COLS_PER_BLOCK = 16
+GEMM_THREADS = 256
+GEMM_KT = 1024
+ATTN_C = 64
+ATTN_SPAN = 256
+ATTN_WARPS = 8
+
+# (input names, output names, file) of each kernel
+_KERNELS = {
+    "row_qmm": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
+    "row_mm": (["x", "w"], ["out"], "row_gemm.cu"),
+    "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
+    "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, shared_memory: int):
+    inputs, outputs, filename = _KERNELS[name]
+    sec = sections("cuda", filename)
+    return mx.fast.cuda_kernel(
+        name=f"tf_{name}",
+        input_names=inputs,
+        output_names=outputs,
+        source=sec[name],
+        header=sec["header"],
+        ensure_row_contiguous=True,
+        shared_memory=shared_memory,
+    )
+
+
+def _rows_bucket(rows: int) -> int:
+    b = 1
+    while b < min(rows, GEMM_ROWS_PER_BLOCK):
+        b *= 2
+    return b
+
+
+def _gemm_launch(R: int, N: int):
+    nblk = -(-N // GEMM_COLS_PER_BLOCK)
+    rblk = -(-R // GEMM_ROWS_PER_BLOCK)
+    smem = _rows_bucket(R) * GEMM_KT * 4  # launch size only; the code is the same for all M
+    return (nblk * GEMM_THREADS, rblk, 1), (GEMM_THREADS, 1, 1), smem
+
+
+def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
+    N = w.shape[0]
+    K = w.shape[1] * 32 // bits
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    R = x2.shape[0]
+    grid, tg, smem = _gemm_launch(R, N)
+    out = _kernel("row_qmm", smem)(
+        inputs=[x2, w, scales, biases],
+        template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
+                  ("GS", group_size), ("BITS", bits)],
+        grid=grid, threadgroup=tg,
+        output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
+    )[0]
+    return out.reshape(*lead, N)
+
+
+def matmul(x, w, stream):
+    N, K = w.shape
+    if K % 32 != 0:
+        raise ValueError("row_matmul (cuda): K must be a multiple of 32")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    R = x2.shape[0]
+    grid, tg, smem = _gemm_launch(R, N)
+    out = _kernel("row_mm", smem)(
+        inputs=[x2, w],
+        template=[("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N)],
+        grid=grid, threadgroup=tg,
+        output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
+    )[0]
+    return out.reshape(*lead, N)
+
+
+def attention(q, k, v, offset, scale, stream):
+    B, HQ, M, D = q.shape
+    HKV, cap = k.shape[1], k.shape[2]
+    nspan = -(-cap // ATTN_SPAN)
+    rows = (HQ // HKV) * M
+    smem = (ATTN_C * (D + 1) + ATTN_C * D + ATTN_WARPS * ATTN_C) * 4
+    scale_f = mx.array([scale], dtype=mx.float32)
+    part = _kernel("row_attn_partial", smem)(
+        inputs=[q, k, v, offset, scale_f],
+        template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)],
+        grid=(nspan * 32 * ATTN_WARPS, B * HKV, -(-rows // ATTN_WARPS)),
+        threadgroup=(32 * ATTN_WARPS, 1, 1),
+        output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
+        stream=stream,
+    )[0]
+    out = _kernel("row_attn_merge", 0)(
+        inputs=[part, offset, q, k],
+        template=[("T", q.dtype), ("D", D)],
+        grid=(B * HQ * M * D, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
+    )[0]
+    return out
+
+
+# ---------------------------------------------------------------- offline syntax check
+
+def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtypes: dict,
+                      shaped: tuple = ()) -> str:
+    """The kernel as MLX would generate it, as a plain .cu file for `nvcc -c` checks.
+
+    Mirrors mlx/backend/cuda/custom_kernel.cpp: header, then in namespace mlx::core::cu a
+    __global__ function with one pointer per input (+ `<name>_shape` if used), one per
+    output, template arguments as constexpr / using lines, then the body.
+    """
+    inputs, outputs, filename = _KERNELS[name]
+    sec = sections("cuda", filename)
+    prelude = (
+        "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+        "#include <cooperative_groups.h>\n"
+        "struct Shape { int32_t d[8]; __device__ int32_t operator[](int i) const "
+        "{ return d[i]; } };\n"
+    )
+    src = prelude + sec["header"] + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    params = []
+    for n in inputs:
+        params.append(f"const {_CUDA_TYPES[input_dtypes[n]]}* {n}")
+        if f"{n}_shape" in sec[name]:
+            params.append(f"const __grid_constant__ Shape {n}_shape")
+    for n in outputs:
+        params.append(f"{_CUDA_TYPES[output_dtypes[n]]}* {n}")
+    src += f"__global__ void custom_kernel_tf_{name}(" + ", ".join(params) + ") {\n"
+    for k, v in template.items():
+        if isinstance(v, bool):
+            src += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            src += f"  constexpr int {k} = {v};\n"
+        else:
+            src += f"  using {k} = {_CUDA_TYPES[v]};\n"
+    src += sec[name] + "}\n} // namespace mlx::core::cu\n"
+    return src
