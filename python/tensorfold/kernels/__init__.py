@@ -31,7 +31,7 @@ __all__ = [
     "row_check_ops",
 ]
 
-StreamLike = Optional[Union[mx.Stream, mx.Device]]
+StreamLike = Optional[Union[mx.Stream, mx.Device, mx.DeviceType]]
 
 
 def _cuda_available() -> bool:
@@ -47,7 +47,9 @@ def _device_of(stream: StreamLike) -> mx.Device:
         return mx.default_device()
     if isinstance(stream, mx.Stream):
         return stream.device
-    return stream
+    if isinstance(stream, mx.Device):
+        return stream
+    return mx.Device(stream)  # a DeviceType such as mx.cpu / mx.gpu
 
 
 def backend_face(stream: StreamLike = None) -> str:

@@ -1,0 +1,370 @@
+"""Property tests of the row-exact kernels (tensorfold.kernels), on the default device.
+
+Run as is on CPU (CI); run with a GPU default device to test the CUDA face:
+    python -c "import mlx.core as mx" && pytest tests/test_kernels.py
+(on a CUDA machine MLX's default device is the GPU.)
+
+Row-exact: row i of the output is bit-identical whether the call holds 1 row or M rows
+(M = 1..16), whatever the other rows hold, and (attention) whatever the KV capacity is and
+however a verify window is split into consecutive calls. Accuracy: error vs a float64
+numpy reference no worse than a small factor of MLX's own op on the same inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold import kernels as K
+
+DEVICES = [mx.default_device()]
+DTYPES = [mx.bfloat16, mx.float16, mx.float32]
+MAX_M = 16
+
+
+@pytest.fixture(params=DEVICES, ids=lambda d: f"{d.type}".split(".")[-1])
+def device(request):
+    prev = mx.default_device()
+    mx.set_default_device(request.param)
+    yield request.param
+    mx.set_default_device(prev)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _rng(*key):
+    return np.random.default_rng(abs(hash(key)) % (2**32))
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    """Fresh random values (never zeros)."""
+    a = rng.standard_normal(shape).astype(np.float32) * scale
+    a[a == 0] = 0.5
+    return mx.array(a).astype(dtype)
+
+
+def garbage(rng, shape, dtype):
+    """Large finite values."""
+    big = 100.0 if dtype == mx.float16 else 1e4
+    return mx.array(rng.uniform(-big, big, shape).astype(np.float32)).astype(dtype)
+
+
+def bits(a: mx.array) -> np.ndarray:
+    """Exact bit pattern of an array (for bitwise comparisons; NaN == NaN)."""
+    mx.eval(a)
+    if a.dtype in (mx.bfloat16, mx.float16):
+        return np.array(a.view(mx.uint16))
+    return np.array(a.astype(mx.float32)).view(np.uint32)
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def poison(nbytes: int):
+    """Leave NaN-filled buffers of this size in MLX's allocator cache, so an output whose
+    kernel skips elements shows garbage instead of lucky zeros."""
+    for _ in range(2):
+        p = mx.full((max(1, nbytes // 4),), float("nan"), dtype=mx.float32)
+        mx.eval(p)
+        del p
+
+
+def run(fn, *args, **kw):
+    out = fn(*args, **kw)
+    poison(out.nbytes)
+    out = fn(*args, **kw)
+    mx.eval(out)
+    return out
+
+
+def out_eps(dtype):
+    return {mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11, mx.float32: 2.0**-22}[dtype]
+
+
+def assert_rows_exact(op, x_all: mx.array, rng, n_out_rows_axis=-2):
+    """x_all [16, K]: for M = 1..16, op(x[:M]) rows == op(single row); garbage rows; batch."""
+    singles = [bits(run(op, x_all[i:i + 1])) for i in range(MAX_M)]
+    for M in range(1, MAX_M + 1):
+        got = bits(run(op, x_all[:M]))
+        for i in range(M):
+            assert np.array_equal(got[i:i + 1], singles[i]), f"row {i} differs at M={M}"
+    # Other rows hold garbage (large values): row i unchanged.
+    for i in (0, 5, MAX_M - 1):
+        g = garbage(rng, x_all.shape, x_all.dtype)
+        mixed = mx.concatenate([g[:i], x_all[i:i + 1], g[i + 1:]], axis=0)
+        got = bits(run(op, mixed))
+        assert np.array_equal(got[i:i + 1], singles[i]), f"row {i} depends on other rows"
+    # Leading batch dims flatten into rows.
+    got = bits(run(op, x_all.reshape(2, MAX_M // 2, x_all.shape[-1])))
+    got = got.reshape(MAX_M, -1)
+    for i in range(MAX_M):
+        assert np.array_equal(got[i:i + 1], singles[i]), f"row {i} differs in a batch"
+
+
+# ---------------------------------------------------------------- quantized matmul
+
+def make_quantized(rng, N, Kd, group_size, bits_, dtype):
+    w = rand(rng, (N, Kd), mx.float32, 0.05)
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits_)
+    return wq, s.astype(dtype), b.astype(dtype)
+
+
+QMM_CASES = [(b, g, d) for b in (4, 8) for g in (32, 64, 128) for d in DTYPES] + [
+    (b, 64, mx.bfloat16) for b in (2, 3, 5, 6)
+]
+
+
+@pytest.mark.parametrize("bits_,group_size,dtype", QMM_CASES,
+                         ids=[f"b{b}-g{g}-{str(d).split('.')[-1]}" for b, g, d in QMM_CASES])
+def test_quantized_matmul_row_exact(device, bits_, group_size, dtype):
+    rng = _rng("qmm", bits_, group_size, str(dtype))
+    N, Kd = 72, 256  # N not a multiple of the column tiles
+    wq, s, b = make_quantized(rng, N, Kd, group_size, bits_, dtype)
+    x = rand(rng, (MAX_M, Kd), dtype)
+    op = lambda xx: K.row_quantized_matmul(xx, wq, s, b, group_size, bits_)  # noqa: E731
+    assert op(x).shape == (MAX_M, N) and op(x).dtype == dtype
+    assert_rows_exact(op, x, rng)
+
+
+@pytest.mark.parametrize("bits_,group_size,dtype", QMM_CASES,
+                         ids=[f"b{b}-g{g}-{str(d).split('.')[-1]}" for b, g, d in QMM_CASES])
+def test_quantized_matmul_accuracy(device, bits_, group_size, dtype):
+    rng = _rng("qmm-acc", bits_, group_size, str(dtype))
+    N, Kd, M = 64, 512, 5
+    wq, s, b = make_quantized(rng, N, Kd, group_size, bits_, dtype)
+    x = rand(rng, (M, Kd), dtype)
+    w_hat = f64(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32),
+                              group_size=group_size, bits=bits_))
+    ref = f64(x) @ w_hat.T
+    ours = run(K.row_quantized_matmul, x, wq, s, b, group_size, bits_)
+    theirs = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group_size, bits=bits_)
+    assert ours.dtype == dtype
+    e_ours = np.abs(f64(ours) - ref).max()
+    e_mlx = np.abs(f64(theirs) - ref).max()
+    assert np.isfinite(e_ours)
+    assert e_ours <= 2.0 * e_mlx + out_eps(dtype) * np.abs(ref).max(), (e_ours, e_mlx)
+
+
+# ---------------------------------------------------------------- dense matmul
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("wdtype", ["same", "float32"])
+def test_matmul_row_exact(device, dtype, wdtype):
+    rng = _rng("mm", str(dtype), wdtype)
+    N, Kd = 72, 256
+    w = rand(rng, (N, Kd), dtype if wdtype == "same" else mx.float32, 0.05)
+    x = rand(rng, (MAX_M, Kd), dtype)
+    op = lambda xx: K.row_matmul(xx, w)  # noqa: E731
+    assert op(x).shape == (MAX_M, N) and op(x).dtype == dtype
+    assert_rows_exact(op, x, rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_matmul_accuracy(device, dtype):
+    rng = _rng("mm-acc", str(dtype))
+    N, Kd, M = 96, 1024, 7
+    w = rand(rng, (N, Kd), dtype, 0.05)
+    x = rand(rng, (M, Kd), dtype)
+    ref = f64(x) @ f64(w).T
+    ours = run(K.row_matmul, x, w)
+    theirs = x @ w.T
+    e_ours = np.abs(f64(ours) - ref).max()
+    e_mlx = np.abs(f64(theirs) - ref).max()
+    assert e_ours <= 2.0 * e_mlx + out_eps(dtype) * np.abs(ref).max(), (e_ours, e_mlx)
+
+
+# ---------------------------------------------------------------- attention
+
+def make_kv(rng, B, Hkv, cap, D, dtype, valid):
+    """KV buffers of capacity `cap`: random keys at 0..valid-1, NaN beyond (never read)."""
+    k = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
+    k[:, :, valid:] = np.nan
+    v[:, :, valid:] = np.nan
+    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+
+
+def with_capacity(a: mx.array, valid: int, cap: int, fill=np.nan) -> mx.array:
+    B, H, _, D = a.shape
+    pad = mx.full((B, H, cap - valid, D), fill, dtype=a.dtype)
+    return mx.concatenate([a[:, :, :valid], pad], axis=2)
+
+
+ATT_CASES = [
+    # (B, Hq, Hkv, D, offset, dtype)
+    (1, 4, 2, 64, 300, mx.bfloat16),
+    (2, 4, 1, 80, 129, mx.float16),
+    (1, 2, 2, 128, 255, mx.float32),
+    (1, 4, 2, 96, 0, mx.bfloat16),
+    (1, 2, 1, 256, 70, mx.bfloat16),
+]
+ATT_IDS = [f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-off{c[4]}-{str(c[5]).split('.')[-1]}"
+           for c in ATT_CASES]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,offset,dtype", ATT_CASES, ids=ATT_IDS)
+def test_attention_row_exact(device, B, Hq, Hkv, D, offset, dtype):
+    rng = _rng("att", B, Hq, Hkv, D, offset, str(dtype))
+    scale = D ** -0.5
+    cap = offset + MAX_M + 40
+    k, v = make_kv(rng, B, Hkv, cap, D, dtype, offset + MAX_M)
+    q = rand(rng, (B, Hq, MAX_M, D), dtype)
+
+    def att(qq, off, kk=k, vv=v):
+        return run(K.row_attention, qq, kk, vv, off, scale)
+
+    singles = [bits(att(q[:, :, i:i + 1], offset + i)) for i in range(MAX_M)]
+    # M = 1..16 rows in one call, starting at row 0 and at row 16-M.
+    for M in range(1, MAX_M + 1):
+        for start in sorted({0, MAX_M - M}):
+            got = bits(att(q[:, :, start:start + M], offset + start))
+            for i in range(M):
+                assert np.array_equal(got[:, :, i:i + 1], singles[start + i]), (M, start, i)
+    # Other query rows hold garbage.
+    for i in (0, 7, MAX_M - 1):
+        g = garbage(rng, q.shape, dtype)
+        mixed = mx.concatenate([g[:, :, :i], q[:, :, i:i + 1], g[:, :, i + 1:]], axis=2)
+        got = bits(att(mixed, offset))
+        assert np.array_equal(got[:, :, i:i + 1], singles[i]), f"row {i} depends on other rows"
+    # Capacity of the KV buffers does not matter (tight, larger, much larger; filled
+    # with NaN or with huge values beyond the valid keys).
+    full = bits(att(q, offset))
+    for extra, fill in ((0, np.nan), (1, 1e4), (517, np.nan), (1000, -3e4)):
+        c2 = offset + MAX_M + extra
+        k2 = with_capacity(k, offset + MAX_M, c2, fill)
+        v2 = with_capacity(v, offset + MAX_M, c2, fill)
+        assert np.array_equal(bits(att(q, offset, k2, v2)), full), f"capacity {c2}"
+    # offset as an int32 scalar array == offset as an int.
+    assert np.array_equal(bits(att(q, mx.array(offset, dtype=mx.int32))), full)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,offset,dtype", ATT_CASES[:3], ids=ATT_IDS[:3])
+def test_attention_window_splits(device, B, Hq, Hkv, D, offset, dtype):
+    """A verify window of W rows == every split of it into consecutive calls."""
+    rng = _rng("att-split", B, Hq, Hkv, D, offset, str(dtype))
+    W = 5
+    k, v = make_kv(rng, B, Hkv, offset + W + 3, D, dtype, offset + W)
+    q = rand(rng, (B, Hq, W, D), dtype)
+    whole = bits(run(K.row_attention, q, k, v, offset, D ** -0.5))
+    n_splits = 0
+    for cuts in itertools.product([0, 1], repeat=W - 1):
+        bounds = [0] + [j + 1 for j, c in enumerate(cuts) if c] + [W]
+        parts = [run(K.row_attention, q[:, :, a:b], k, v, offset + a, D ** -0.5)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        got = bits(mx.concatenate(parts, axis=2))
+        assert np.array_equal(got, whole), f"split {bounds}"
+        n_splits += 1
+    assert n_splits == 2 ** (W - 1)
+
+
+def attention_ref(q, k, v, offset, scale):
+    """float64 reference: row i attends to keys 0..offset+i (GQA)."""
+    q, k, v = f64(q), f64(k), f64(v)
+    B, Hq, M, D = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros_like(q)
+    for h in range(Hq):
+        kk, vv = k[:, h // G], v[:, h // G]
+        for i in range(M):
+            n = offset + i + 1
+            s = np.einsum("bd,bnd->bn", q[:, h, i], kk[:, :n]) * scale
+            s = np.exp(s - s.max(axis=-1, keepdims=True))
+            out[:, h, i] = np.einsum("bn,bnd->bd", s, vv[:, :n]) / s.sum(-1, keepdims=True)
+    return out
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,offset,dtype", ATT_CASES, ids=ATT_IDS)
+def test_attention_accuracy(device, B, Hq, Hkv, D, offset, dtype):
+    rng = _rng("att-acc", B, Hq, Hkv, D, offset, str(dtype))
+    M = 6
+    scale = D ** -0.5
+    k, v = make_kv(rng, B, Hkv, offset + M + 9, D, dtype, offset + M)
+    q = rand(rng, (B, Hq, M, D), dtype)
+    ref = attention_ref(q, k, v, offset, scale)
+    ours = run(K.row_attention, q, k, v, offset, scale)
+    assert ours.shape == q.shape and ours.dtype == dtype
+    L = offset + M
+    mask = mx.array(np.arange(L)[None, :] <= (offset + np.arange(M))[:, None])
+    theirs = mx.fast.scaled_dot_product_attention(
+        q, k[:, :, :L], v[:, :, :L], scale=scale, mask=mask)
+    e_ours = np.abs(f64(ours) - ref).max()
+    e_mlx = np.abs(f64(theirs) - ref).max()
+    assert np.isfinite(e_ours)
+    assert e_ours <= 2.0 * e_mlx + out_eps(dtype), (e_ours, e_mlx)
+
+
+def test_attention_rows_outside_buffer_are_nan(device):
+    rng = _rng("att-nan")
+    k, v = make_kv(rng, 1, 1, 20, 64, mx.float32, 20)
+    q = rand(rng, (1, 1, 4, 64), mx.float32)
+    out = np.array(K.row_attention(q, k, v, mx.array(18, dtype=mx.int32), 0.125))
+    assert np.isfinite(out[:, :, :2]).all() and np.isnan(out[:, :, 2:]).all()
+    with pytest.raises(ValueError):
+        K.row_attention(q, k, v, 18, 0.125)
+
+
+# ---------------------------------------------------------------- API
+
+def test_api(device):
+    face = K.backend_face()
+    assert face in ("cpu", "cuda", "metal")
+    if device.type == mx.cpu:
+        assert face == "cpu"
+    elif hasattr(mx, "cuda") and mx.cuda.is_available():
+        assert face == "cuda"
+    assert K.backend_face(mx.cpu) == "cpu"
+    ops = K.row_check_ops()
+    assert set(ops) == {"row_quantized_matmul", "row_matmul", "row_attention"}
+    assert all(callable(f) for f in ops.values())
+
+
+# ---------------------------------------------------------------- MLX's own ops
+
+def _row_invariance_failures(op, x_all):
+    singles = [bits(op(x_all[i:i + 1])) for i in range(x_all.shape[0])]
+    bad = []
+    for M in range(2, x_all.shape[0] + 1):
+        got = bits(op(x_all[:M]))
+        if any(not np.array_equal(got[i:i + 1], singles[i]) for i in range(M)):
+            bad.append(M)
+    return bad
+
+
+def test_mlx_own_ops_row_invariance_report(device, capsys):
+    """Same property for MLX's own ops. On CUDA they must FAIL somewhere (teeth: the
+    property tests above would catch a kernel that is not row-exact); elsewhere record."""
+    rng = _rng("mlx-own")
+    on_cuda = device.type == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+    N, Kd = (1024, 2048) if on_cuda else (64, 256)
+    dtype = mx.bfloat16
+    wq, s, b = make_quantized(rng, N, Kd, 64, 4, dtype)
+    w = rand(rng, (N, Kd), dtype, 0.05)
+    x = rand(rng, (MAX_M, Kd), dtype)
+    report = {
+        "quantized_matmul": _row_invariance_failures(
+            lambda xx: mx.quantized_matmul(xx, wq, s, b, transpose=True, group_size=64, bits=4), x),
+        "matmul": _row_invariance_failures(lambda xx: xx @ w.T, x),
+    }
+    D, Hq, Hkv, off = 128, 8, 2, 1000 if on_cuda else 100
+    kk, vv = make_kv(rng, 1, Hkv, off + MAX_M, D, dtype, off + MAX_M)
+    q = rand(rng, (1, Hq, MAX_M, D), dtype)
+
+    def sdpa_rows(M, start):
+        L = off + start + M
+        mask = mx.array(np.arange(L)[None, :] <= (off + start + np.arange(M))[:, None])
+        return bits(mx.fast.scaled_dot_product_attention(
+            q[:, :, start:start + M], kk[:, :, :L], vv[:, :, :L], scale=D ** -0.5, mask=mask))
+
+    singles = [sdpa_rows(1, i) for i in range(MAX_M)]
+    report["sdpa"] = [M for M in range(2, MAX_M + 1)
+                      if any(not np.array_equal(sdpa_rows(M, 0)[:, :, i:i + 1], singles[i])
+                             for i in range(M))]
+    with capsys.disabled():
+        print(f"\n[{device}] MLX own ops, M values where some row differs from its "
+              f"single-row result: {report}")
+    if on_cuda:
+        assert any(report.values()), "expected MLX's own CUDA ops to break row invariance"
