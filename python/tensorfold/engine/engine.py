@@ -17,6 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..cache.disk import DiskStore, read_tensors, to_mlx
+from ..cache.key import cache_key
 from ..cache.memory import SnapshotStore
 from ..errors import RequestError
 from ..models import load_model
@@ -33,8 +35,9 @@ log = logging.getLogger("tensorfold")
 
 class Engine:
     def __init__(self, model_path, *, drafter=None, drafts: bool = True, context: int | None = None,
-                 prompt_cache_gib: float = 2.0, snapshot_dir=None, thinking: bool | None = None,
-                 prefill_mode: PrefillMode = PrefillMode(), draft_width: int = 8):
+                 prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
+                 thinking: bool | None = None, prefill_mode: PrefillMode = PrefillMode(),
+                 draft_width: int = 8):
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self.model = load_model(self.model_path)
@@ -44,9 +47,11 @@ class Engine:
         self.thinking = thinking
         self.mode = prefill_mode
         self.draft_width = draft_width
-        self.cache_key = self.mode.key
+        self.cache_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)
         self.snapshots = SnapshotStore(int(prompt_cache_gib * 2**30))
-        self.snapshot_dir = snapshot_dir
+        self.disk = DiskStore(snapshot_dir, int(snapshot_gib * 2**30)) if snapshot_dir else None
+        self._warm: dict = {}          # disk path -> tensors read by the warm-up thread
+        self._warm_thread = None
         self.generation_defaults = self._read_generation_defaults()
         self.drafter = None
         if drafter is not None:
@@ -107,23 +112,94 @@ class Engine:
         return ids
 
     # ---- prefill with the prompt cache --------------------------------------------------------
-    def _prefill(self, ids: list[int], progress=None):
+    def _lookup(self, arr: np.ndarray, limit: int):
+        """Longest usable grid-point snapshot: (kv of length g, g). Memory first, then disk."""
+        grid = self.mode.grid
+        entry, g = self.snapshots.lookup(self.cache_key, arr, grid, limit)
+        if self.disk is not None:
+            from ..cache.memory import common_prefix
+            best = sorted(((min(common_prefix(d.tokens, arr), limit) // grid * grid, d)
+                           for d in self.disk.candidates(self.cache_key)), key=lambda t: -t[0])
+            for gd, d in best:
+                if gd <= g:
+                    break
+                try:
+                    tensors = self._warm.pop(d.path, None) or read_tensors(d)
+                except (OSError, ValueError, KeyError) as e:
+                    log.warning("ignoring snapshot %s: %s", d.path.name, e)
+                    self.disk.drop(d)
+                    continue
+                entry = self.snapshots.add(self.cache_key, d.tokens, to_mlx(tensors), pinned=d.pinned,
+                                           source="disk")
+                if entry is None:
+                    continue
+                g = gd
+                break
+        if entry is None or g == 0:
+            return None, 0
+        return [(k[..., :g, :], v[..., :g, :]) for k, v in entry.kv], g
+
+    def _save(self, ids, cache, p: int, pinned: bool) -> None:
+        snap = cache.snapshot(p)
+        self.snapshots.add(self.cache_key, ids[:p], snap, pinned=pinned)
+        if self.disk is not None:
+            try:
+                self.disk.save(self.cache_key, ids[:p], snap, pinned=pinned)
+            except OSError as e:
+                log.warning("could not write a snapshot to %s: %s", self.disk.dir, e)
+
+    def _prefill(self, ids: list[int], progress=None, pin_at: int = 0):
         cache = self.model.new_cache()
-        arr = np.asarray(ids, dtype=np.int64)
-        entry, g = self.snapshots.lookup(self.cache_key, arr, self.mode.grid, len(ids) - 1)
-        if entry is not None and g > 0:
-            cache.restore([(k[..., :g, :], v[..., :g, :]) for k, v in entry.kv], g)
+        kv, g = self._lookup(np.asarray(ids, dtype=np.int64), len(ids) - 1)
+        if g:
+            cache.restore(kv, g)
         cached = cache.offset
-        last_point = [0]
+        points = []
 
         def on_grid_point(p):
-            last_point[0] = p
+            points.append(p)
+            if p == pin_at and p > cached:
+                self._save(ids, cache, p, pinned=True)   # the conversation's system block
 
         logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress)
-        p = last_point[0]
-        if p > cached:   # keep the prompt's last new grid point
-            self.snapshots.add(self.cache_key, ids[:p], cache.snapshot(p))
+        if points and points[-1] > cached and points[-1] != pin_at:
+            self._save(ids, cache, points[-1], pinned=False)   # the prompt's last grid point
         return cache, logits, cached
+
+    def system_prefix_len(self, messages, ids, enable_thinking=None, tools=None) -> int:
+        """Tokens of the prompt before the first non-system message (0 if none)."""
+        n = 0
+        while n < len(messages) and isinstance(messages[n], dict) and messages[n].get("role") in ("system", "developer"):
+            n += 1
+        if n == 0:
+            return 0
+        try:
+            text = self.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False,
+                                                      enable_thinking=enable_thinking, tools=tools)
+        except ValueError:
+            return 0
+        from ..cache.memory import common_prefix
+        return common_prefix(np.asarray(self.tokenizer.encode(text)), np.asarray(ids))
+
+    def warm_up_async(self):
+        """Read this key's saved system blocks from disk in a background thread (numpy only, no
+        MLX): requests never wait for it; a prompt that needs a block before it is read reads it."""
+        import threading
+        if self.disk is None:
+            return None
+
+        def work():
+            for d in self.disk.candidates(self.cache_key):
+                if d.pinned and d.path not in self._warm:
+                    try:
+                        self._warm[d.path] = read_tensors(d)
+                    except (OSError, ValueError, KeyError) as e:
+                        log.warning("ignoring snapshot %s: %s", d.path.name, e)
+                        self.disk.drop(d)
+
+        self._warm_thread = threading.Thread(target=work, name="tensorfold-warmup", daemon=True)
+        self._warm_thread.start()
+        return self._warm_thread
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, messages=None, prompt=None, *, max_tokens: int = 256,
@@ -149,7 +225,11 @@ class Engine:
         seed = p.seed if p.seed is not None else prompt_seed(ids)
 
         stats = GenerationStats(prompt_tokens=n_prompt)
-        cache, logits, stats.cached_tokens = self._prefill(ids, progress)
+        pin_at = 0
+        if messages is not None:
+            think = self.thinking if enable_thinking is None else enable_thinking
+            pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
+        cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at)
         stats.prefill_s = time.perf_counter() - t0
 
         if proposers is None:

@@ -1,0 +1,261 @@
+"""Prompt cache: resumed == fresh (memory, disk, restart), keys, corruption, pinning, warm-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold.cache.disk import DiskStore
+from tensorfold.cache.memory import SnapshotStore, common_prefix
+from tensorfold.engine import Engine, PrefillMode, SamplingParams
+from tensorfold.engine.prefill import prefill
+
+GRID = 16
+P = SamplingParams(temperature=0.8, seed=11)
+
+
+def _words(n, seed):
+    rng = np.random.default_rng(seed)
+    vocab = ["def", "class", "return", "value", "self", "list", "the", "data", "x", "if", "for", "in"]
+    return " ".join(rng.choice(vocab, size=n))
+
+
+def _conversation(first_len, seed):
+    return [
+        [{"role": "system", "content": _words(30, seed + 1)},
+         {"role": "user", "content": _words(first_len, seed)}],
+        [{"role": "user", "content": _words(7, seed + 2)}],
+        [{"role": "user", "content": _words(5, seed + 3)}],
+    ]
+
+
+def _chat(eng_factory, turns, thinking, max_tokens=12):
+    """Run a three-turn chat; eng_factory() gives the engine for each turn."""
+    msgs, replies, cached = [], [], []
+    for t in turns:
+        msgs = msgs + t
+        eng = eng_factory()
+        text, ids, st = eng.generate_text(messages=msgs, max_tokens=max_tokens, sampling=P,
+                                          enable_thinking=thinking)
+        replies.append((text, ids))
+        cached.append(st.cached_tokens)
+        msgs = msgs + [{"role": "assistant", "content": text}]
+    return replies, cached
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoints):
+    return checkpoints["qwen3_mlx_4bit"]
+
+
+@pytest.mark.parametrize("first_len", [1, 9, 23, 40, 75])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_three_turns_resumed_equals_fresh(model_path, first_len, thinking):
+    mode = PrefillMode(grid=GRID)
+    turns = _conversation(first_len, seed=first_len)
+    one = Engine(model_path, prefill_mode=mode, drafts=False)
+    resumed, cached = _chat(lambda: one, turns, thinking)
+    fresh, fcached = _chat(lambda: Engine(model_path, prefill_mode=mode, drafts=False), turns, thinking)
+    assert resumed == fresh
+    assert fcached == [0, 0, 0]
+    assert cached[1] > 0 and cached[2] >= cached[1]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_resume_at_every_grid_point_of_the_first_message(model_path, thinking):
+    mode = PrefillMode(grid=GRID)
+    turns = _conversation(60, seed=3)
+    fresh, _ = _chat(lambda: Engine(model_path, prefill_mode=mode, drafts=False), turns, thinking)
+    eng = Engine(model_path, prefill_mode=mode, drafts=False)
+    first_ids = eng.prompt_ids(messages=turns[0], enable_thinking=thinking)
+    c = eng.model.new_cache()
+    prefill(eng.model, c, first_ids, mode)
+    msgs = turns[0] + [{"role": "assistant", "content": fresh[0][0]}] + turns[1]
+    second_ids = eng.prompt_ids(messages=msgs, enable_thinking=thinking)
+    shared = common_prefix(np.array(first_ids), np.array(second_ids))   # templates may re-render
+    points = list(range(GRID, min(len(first_ids), shared) + 1, GRID))
+    assert len(points) >= 4
+    for g in points:
+        eng.snapshots = SnapshotStore(1 << 30)
+        eng.snapshots.add(eng.cache_key, first_ids[:g], c.snapshot(g))
+        text, ids, st = eng.generate_text(messages=msgs, max_tokens=12, sampling=P, enable_thinking=thinking)
+        assert st.cached_tokens == g
+        assert (text, ids) == fresh[1]
+
+
+def test_2048_grid_three_turns(model_path):
+    """The real grid across several cells (first message ~5,000 tokens)."""
+    turns = _conversation(3500, seed=5)
+    one = Engine(model_path, drafts=False)
+    resumed, cached = _chat(lambda: one, turns, False, max_tokens=6)
+    fresh, _ = _chat(lambda: Engine(model_path, drafts=False), turns, False, max_tokens=6)
+    assert resumed == fresh
+    assert cached[1] >= 4096 and cached[1] % 2048 == 0
+
+
+RESTART = textwrap.dedent("""
+    import json, sys
+    from tensorfold.engine import Engine, PrefillMode, SamplingParams
+    path, snap, msgs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    eng = Engine(path, prefill_mode=PrefillMode(grid=16), snapshot_dir=snap, drafts=False)
+    text, ids, st = eng.generate_text(messages=msgs, max_tokens=12,
+                                      sampling=SamplingParams(temperature=0.8, seed=11))
+    print(json.dumps({"text": text, "ids": ids, "cached": st.cached_tokens}))
+""")
+
+
+def _in_new_process(model_path, snap, msgs):
+    out = subprocess.run([sys.executable, "-c", RESTART, str(model_path), str(snap), json.dumps(msgs)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_restart_from_disk_equals_fresh(model_path, tmp_path):
+    snap = tmp_path / "snaps"
+    turns = _conversation(50, seed=8)
+    first = _in_new_process(model_path, snap, turns[0])
+    assert first["cached"] == 0
+    assert list(snap.glob("*.safetensors"))
+    msgs = turns[0] + [{"role": "assistant", "content": first["text"]}] + turns[1]
+    second = _in_new_process(model_path, snap, msgs)          # a new process, snapshots from disk
+    fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        messages=msgs, max_tokens=12, sampling=P)
+    assert second["cached"] > 0
+    assert (second["text"], second["ids"]) == (fresh[0], fresh[1])
+
+
+def _prime(model_path, snap, mode=PrefillMode(grid=GRID), msgs=None):
+    eng = Engine(model_path, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    msgs = msgs or _conversation(50, seed=9)[0]
+    eng.generate_text(messages=msgs, max_tokens=4, sampling=P)
+    return msgs
+
+
+def test_other_prefill_mode_or_kernels_miss(model_path, tmp_path, monkeypatch):
+    snap = tmp_path / "snaps"
+    msgs = _prime(model_path, snap)
+    again = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    assert again.generate_text(messages=msgs, max_tokens=4, sampling=P)[2].cached_tokens > 0
+    other = Engine(model_path, prefill_mode=PrefillMode(name="grid", grid=GRID * 2), snapshot_dir=snap,
+                   drafts=False)
+    assert other.generate_text(messages=msgs, max_tokens=4, sampling=P)[2].cached_tokens == 0
+    import tensorfold.cache.key as key
+    monkeypatch.setattr(key, "kernel_hash", lambda: "another-build")
+    rebuilt = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    assert rebuilt.cache_key != again.cache_key
+    assert rebuilt.generate_text(messages=msgs, max_tokens=4, sampling=P)[2].cached_tokens == 0
+
+
+def _corrupt(f, how):
+    data = bytearray(f.read_bytes())
+    if how == "truncate":
+        f.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "flip":
+        data[-50] ^= 0xFF
+        f.write_bytes(bytes(data))
+    elif how in ("format", "key"):
+        n = int.from_bytes(data[:8], "little")
+        head = json.loads(data[8: 8 + n])
+        if how == "format":
+            head["__metadata__"]["format"] = "tensorfold-snapshot-0"
+        else:
+            head["__metadata__"]["key"] = "0" * 32
+        new = json.dumps(head, separators=(",", ":")).encode()
+        new += b" " * (n - len(new)) if len(new) <= n else b""
+        assert len(new) == n
+        f.write_bytes(bytes(data[:8]) + new + bytes(data[8 + n:]))
+    elif how == "garbage":
+        f.write_bytes(b"not a safetensors file")
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "format", "key", "garbage"])
+def test_corrupted_snapshot_is_ignored_and_answer_unchanged(model_path, tmp_path, how, caplog):
+    snap = tmp_path / "snaps"
+    msgs = _prime(model_path, snap)
+    files = list(snap.glob("*.safetensors"))
+    assert files
+    for f in files:
+        _corrupt(f, how)
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    text, ids, st = eng.generate_text(messages=msgs, max_tokens=8, sampling=P)
+    fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        messages=msgs, max_tokens=8, sampling=P)
+    assert st.cached_tokens == 0
+    assert (text, ids) == fresh[:2]
+    if how != "key":   # a foreign key is simply not ours: not an error
+        assert "ignoring snapshot" in caplog.text
+
+
+KILL = textwrap.dedent("""
+    import os, sys
+    import mlx.core as mx
+    from tensorfold.cache.disk import DiskStore
+    store = DiskStore(sys.argv[1])
+    real = os.fsync
+    def die(fd):
+        os._exit(137)          # killed after the data was written, before the rename
+    os.fsync = die
+    kv = [(mx.ones((1, 2, 32, 16)), mx.ones((1, 2, 32, 16)))]
+    store.save("k" * 32, list(range(32)), kv)
+""")
+
+
+def test_kill_during_write_leaves_nothing_reused(tmp_path):
+    snap = tmp_path / "snaps"
+    r = subprocess.run([sys.executable, "-c", KILL, str(snap)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 137, r.stderr
+    assert [f.name for f in snap.iterdir() if f.name.startswith(".tmp-")]
+    store = DiskStore(snap)
+    assert store.entries == []
+    assert list(snap.iterdir()) == []
+
+
+def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path):
+    snap = tmp_path / "snaps"
+    system = {"role": "system", "content": _words(60, 1)}
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
+    pinned = [e for e in eng.disk.entries if e.pinned]
+    assert len(pinned) == 1 and len(pinned[0].tokens) % GRID == 0
+    # a new engine warms the pinned block in the background; another user's chat reuses it
+    eng2 = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    eng2.warm_up_async().join(timeout=60)
+    assert pinned[0].path in eng2._warm
+    msgs = [system, {"role": "user", "content": "something else entirely"}]
+    text, ids, st = eng2.generate_text(messages=msgs, max_tokens=6, sampling=P)
+    assert st.cached_tokens == len(pinned[0].tokens)
+    fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        messages=msgs, max_tokens=6, sampling=P)
+    assert (text, ids) == fresh[:2]
+
+
+def test_memory_store_lru_pinned_last():
+    kv = lambda n: [(mx.zeros((1, 1, n, 8)), mx.zeros((1, 1, n, 8)))]
+    one = 2 * 16 * 8 * 4
+    store = SnapshotStore(max_bytes=3 * one)
+    store.add("k", [1] * 16, kv(16), pinned=True)
+    store.add("k", [2] * 16, kv(16))
+    store.add("k", [3] * 16, kv(16))
+    store.add("k", [4] * 16, kv(16))       # over budget: the oldest unpinned goes, not the pinned one
+    firsts = sorted(int(e.tokens[0]) for e in store._entries.values())
+    assert firsts == [1, 3, 4]
+    assert store.lookup("k", np.array([2] * 20), 16, 19)[1] == 0
+    assert store.lookup("k", np.array([1] * 20), 16, 19)[1] == 16
+    assert store.lookup("other", np.array([1] * 20), 16, 19)[1] == 0
+
+
+def test_disk_store_bounded_newest_kept(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=1)
+    kv = [(mx.ones((1, 2, 16, 8)), mx.ones((1, 2, 16, 8)))]
+    store.save("k" * 32, [1] * 16, kv)
+    store.save("k" * 32, [2] * 16, kv)
+    assert len(store.entries) == 1 and int(store.entries[0].tokens[0]) == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
