@@ -42,6 +42,21 @@ inline float dot8(const float* a, const float* b, int64_t D) {
   return v8_hsum(acc);
 }
 
+inline void dot8x4(const float* a, const float* b, int64_t D, float* out) {
+  v8 c0 = v8_zero(), c1 = v8_zero(), c2 = v8_zero(), c3 = v8_zero();
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 av = v8_load(a + d);
+    c0 = v8_fma(av, v8_load(b + d), c0);
+    c1 = v8_fma(av, v8_load(b + D + d), c1);
+    c2 = v8_fma(av, v8_load(b + 2 * D + d), c2);
+    c3 = v8_fma(av, v8_load(b + 3 * D + d), c3);
+  }
+  out[0] = v8_hsum(c0);
+  out[1] = v8_hsum(c1);
+  out[2] = v8_hsum(c2);
+  out[3] = v8_hsum(c3);
+}
+
 void attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
                    int64_t offset, float scale, mx::array& out) {
   const int64_t B = q.shape(0), Hq = q.shape(1), M = q.shape(2), D = q.shape(3);
@@ -84,20 +99,33 @@ void attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
         const int64_t n = std::min(kChunk, p + 1 - c0);
         const float* qr = qf.data() + r * D;
         float mc = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = dot8(qr, kf.data() + j * D, D) * scale;
-          mc = std::max(mc, s[j]);
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) { // 4 independent dot8 chains (same per-key arithmetic)
+          dot8x4(qr, kf.data() + j * D, D, s + j);
+          for (int t = 0; t < 4; ++t) s[j + t] = s[j + t] * scale;
         }
+        for (; j < n; ++j) s[j] = dot8(qr, kf.data() + j * D, D) * scale;
+        for (j = 0; j < n; ++j) mc = std::max(mc, s[j]);
         float lc = 0.0f;
-        std::fill(oc.begin(), oc.end(), 0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = std::exp(s[j] - mc);
-          lc += e;
-          const v8 ev = v8_set1(e);
-          const float* vj = vf.data() + j * D;
-          for (int64_t d = 0; d < D; d += 8) {
-            v8_store(oc.data() + d, v8_fma(ev, v8_load(vj + d), v8_load(oc.data() + d)));
+        for (j = 0; j < n; ++j) {
+          s[j] = std::exp(s[j] - mc);
+          lc += s[j];
+        }
+        // oc[d] = sum_j e_j * v_j[d], j ascending; 64 dims at a time held in registers.
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const int nv = static_cast<int>(std::min<int64_t>(64, D - d0) / 8);
+          v8 acc[8];
+          for (int t = 0; t < 8; ++t) acc[t] = v8_zero();
+          for (j = 0; j < n; ++j) {
+            const v8 ev = v8_set1(s[j]);
+            const float* vj = vf.data() + j * D + d0;
+            if (nv == 8) {
+              for (int t = 0; t < 8; ++t) acc[t] = v8_fma(ev, v8_load(vj + 8 * t), acc[t]);
+            } else {
+              for (int t = 0; t < nv; ++t) acc[t] = v8_fma(ev, v8_load(vj + 8 * t), acc[t]);
+            }
           }
+          for (int t = 0; t < nv; ++t) v8_store(oc.data() + d0 + 8 * t, acc[t]);
         }
         const float mo = mrow[r];
         const float mn = std::max(mo, mc);
