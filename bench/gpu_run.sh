@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the lent H200 (MLX CUDA backend), after `bash .gpu/b/install.sh` built the project there:
+#   bash bench/gpu_run.sh tests     # CUDA property tests + engine exactness suite
+#   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
+# Logs go to $OUT (or /tmp/tf-out).
+set -uo pipefail
+out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -c 'import mlx.core as mx, tensorfold.kernels as K; print("mlx", mx.__version__, mx.default_device(), "face", K.backend_face())'
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$out/test_kernels.log" | tail -25
+    python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_models.py tests/test_prompt_cache.py \
+        tests/test_sampling.py tests/test_layer_queue.py 2>&1 | tee "$out/test_engine.log" | tail -25
+    ;;
+  bench)
+    python3 bench/bench_kernels.py --table 2>&1 | tee "$out/bench_kernels.md" | tail -60
+    python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,8192} --decode 128 --repeat 3 \
+        2>&1 | tee "$out/bench_engine.md" | tail -12
+    ;;
+esac
