@@ -206,10 +206,10 @@ def test_seeds(srv):
 
 def test_cached_tokens_reported(srv):
     grid = srv.engine.mode.grid
-    prompt = " ".join(f"w{i}" for i in range(grid))   # more than one grid point of tokens
+    prompt = [10 + (i * 7) % 400 for i in range(grid + 40)]    # past the first grid point
     first = srv.complete(prompt, max_tokens=4)
-    second = srv.complete(prompt + " more", max_tokens=4)
-    assert first.usage.prompt_tokens > grid
+    second = srv.complete(prompt + [11, 12, 13], max_tokens=4)
+    assert first.usage.prompt_tokens == grid + 40
     assert second.usage.prompt_tokens_details.cached_tokens == grid
     again = srv.complete(prompt, max_tokens=4)
     assert again.choices[0].text == first.choices[0].text
