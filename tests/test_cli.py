@@ -66,7 +66,7 @@ def test_serve_embedded_model_answers_with_code(tmp_path):
     openai = pytest.importorskip("openai")
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
-    p = subprocess.Popen(CMD + ["serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(CMD + ["serve", "--port", str(port), "--snapshot-dir", str(tmp_path / "snaps")], stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:

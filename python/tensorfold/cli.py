@@ -77,6 +77,14 @@ def _download(repo_id: str) -> Path:
                        f"({type(e).__name__}: {msg[:200]})") from None
 
 
+def default_snapshot_dir() -> str:
+    env = os.environ.get("TENSORFOLD_SNAPSHOT_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tensorfold", "snapshots")
+
+
 # -- parser ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default=None, metavar="PATH", help="a draft model directory")
     g.add_argument("--prompt-cache-gib", type=float, default=2.0, help="prompt cache size in GiB")
     g.add_argument("--snapshot-dir", default=None, metavar="DIR",
-                   help="directory for prompt-cache snapshots on disk ('none' disables)")
+                   help="directory for prompt-cache snapshots on disk, kept across restarts; 'none' "
+                        "disables (default: $TENSORFOLD_SNAPSHOT_DIR, else "
+                        "$XDG_CACHE_HOME/tensorfold/snapshots, i.e. ~/.cache/tensorfold/snapshots)")
     g = s.add_argument_group("request defaults")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="max_tokens for requests that give none (default: up to the context length)")
@@ -180,8 +190,8 @@ def cmd_serve(a) -> int:
 
     kwargs = dict(drafter=a.drafter, drafts=not a.no_drafts, context=a.context,
                   prompt_cache_gib=a.prompt_cache_gib, thinking=a.thinking)
-    if a.snapshot_dir is not None:
-        kwargs["snapshot_dir"] = None if a.snapshot_dir.lower() == "none" else a.snapshot_dir
+    snap = a.snapshot_dir or default_snapshot_dir()
+    kwargs["snapshot_dir"] = None if snap.lower() == "none" else str(Path(snap).expanduser())
 
     def build():
         from .engine import Engine
@@ -196,8 +206,10 @@ def cmd_serve(a) -> int:
     defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     max_tokens=a.max_tokens, thinking=a.thinking)
     app = create_app(worker, model_name=a.name, api_key=api_key, defaults=defaults)
-    log.info("model %s: context %d tokens; OpenAI API at http://%s:%d/v1%s", app.state.model_name,
-             eng.context_length, a.host, a.port, " (API key required)" if api_key else "")
+    log.info("model %s: context %d tokens, drafting %s, prompt snapshots on disk: %s; OpenAI API at "
+             "http://%s:%d/v1%s", app.state.model_name, eng.context_length,
+             "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off", kwargs["snapshot_dir"] or "off",
+             a.host, a.port, " (API key required)" if api_key else "")
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     server.run()
