@@ -50,6 +50,15 @@ def test_serve_unknown_path_is_one_line_exit_2(tmp_path):
     _one_line_error(run("serve", "--port", "99999"))
 
 
+def test_unsupported_checkpoint_is_one_error_line_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba9", "architectures": ["Mamba9ForCausalLM"]}')
+    r = run("serve", str(tmp_path), "--port", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "mamba9" in errors[0], r.stderr
+    assert "mamba9" in _one_line_error(run("info", str(tmp_path)))
+
+
 def test_info():
     r = run("info")
     assert r.returncode == 0 and "qwen3" in r.stdout and "4-bit" in r.stdout, r.stderr
