@@ -243,20 +243,31 @@ def test_drafted_equals_serial(srv):
 
 
 def test_conversation_resumed_equals_fresh(ckpt):
+    from tensorfold.engine.prefill import PrefillMode
+    from tensorfold.tokenizer import Tokenizer
+    # a system prompt just past the first prefill grid point: later turns resume from a prompt-cache snapshot
+    tok, grid, rules = Tokenizer.from_dir(ckpt), PrefillMode().grid, []
+    while len(tok.encode(" ".join(rules))) < grid + 32:
+        rules += [f"rule{len(rules) + i}: be exact." for i in range(16)]
+    system = " ".join(rules)
     turns = ["Write a function that adds two numbers.", "Now make it subtract.", "Add a docstring."]
-    replies = []
+    replies, cached = [], []
     with real_server(ckpt) as s:
-        msgs = []
+        msgs = [{"role": "system", "content": system}]
         for t in turns:
             msgs.append({"role": "user", "content": t})
             r = s.chat(list(msgs), max_tokens=16, temperature=0.7, seed=5)
             replies.append((chat_text(r), r.model_extra["tensorfold"]["token_hash"]))
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
             msgs.append({"role": "assistant", "content": chat_text(r)})
-    msgs = []
+        assert r.usage.prompt_tokens > s.engine.mode.grid
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0
+    msgs = [{"role": "system", "content": system}]
     for t, want in zip(turns, replies):
         msgs.append({"role": "user", "content": t})
         with real_server(ckpt) as fresh:
             r = fresh.chat(list(msgs), max_tokens=16, temperature=0.7, seed=5)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert (chat_text(r), r.model_extra["tensorfold"]["token_hash"]) == want
         msgs.append({"role": "assistant", "content": want[0]})
 
