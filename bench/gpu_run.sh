@@ -6,6 +6,15 @@
 set -uo pipefail
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# MLX's own JIT kernels (e.g. quantized_matmul for M >= 8) include crt/mma.h, which the image's
+# nvidia/cu13 header package lacks: borrow the toolkit's crt headers (environment fix only).
+inc=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'include'))" 2>/dev/null)
+if [ -n "$inc" ] && [ -d "$inc" ] && [ ! -f "$inc/crt/mma.h" ]; then
+  for src in "$(dirname "$(readlink -f "$(command -v nvcc)")")/../include" /usr/local/cuda/include \
+             "$(dirname "$(readlink -f "$(command -v nvcc)")")/../targets/x86_64-linux/include"; do
+    if [ -f "$src/crt/mma.h" ]; then mkdir -p "$inc/crt" && cp -n "$src"/crt/* "$inc/crt/" && echo "copied crt headers from $src"; break; fi
+  done
+fi
 python3 -c 'import mlx.core as mx, tensorfold.kernels as K; print("mlx", mx.__version__, mx.default_device(), "face", K.backend_face())'
 case "${1:-tests}" in
   tests)

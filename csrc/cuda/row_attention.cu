@@ -40,7 +40,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16
 // output: part [B*HQ*M, nspan, D+2] float32  (o[0..D), m, l) -- only spans <= p/SPAN written
 // template: T, TK, D, HQ, HKV
 // launch: grid (nspan*256, B*HKV, ceil(HQ/HKV*M/8)), threadgroup (256,1,1),
-//         dynamic shared memory = (C*(D+1) + C*D + 8*C) * 4 bytes
+//         dynamic shared memory = 8*C*4 + C*(D+1)*sizeof(TK) bytes (<= 48 KB for D <= 256)
 constexpr int C = 64;
 constexpr int SPAN = 256;
 constexpr int WARPS = 8;
@@ -48,9 +48,8 @@ constexpr int DP = D + 1;
 constexpr int NT = (D + 31) / 32;
 constexpr int G = HQ / HKV;
 extern __shared__ float sm[];
-float* ks = sm;
-float* vs = ks + C * DP;
-float* es = vs + C * D;
+float* es = sm;                                    // WARPS * C softmax weights
+TK* ks = reinterpret_cast<TK*>(es + WARPS * C);    // C * DP keys, stored as TK (fits 48 KB)
 const int M = q_shape[2];
 const int cap = k_shape[2];
 const int nspan = (cap + SPAN - 1) / SPAN;
@@ -82,8 +81,7 @@ for (int c0 = s0; c0 < send; c0 += C) {
   __syncthreads();
   for (int e = threadIdx.x; e < cn * D; e += blockDim.x) {
     const int j = e / D, d = e % D;
-    ks[j * DP + d] = tf_to_float(k[kvbase + (size_t)(c0 + j) * D + d]);
-    vs[j * D + d] = tf_to_float(v[kvbase + (size_t)(c0 + j) * D + d]);
+    ks[j * DP + d] = k[kvbase + (size_t)(c0 + j) * D + d];
   }
   __syncthreads();
   if (active && c0 <= p) {
@@ -91,13 +89,13 @@ for (int c0 = s0; c0 < send; c0 += C) {
     float sa = TF_NEG_INF, sb = TF_NEG_INF;
     if (lane < n) {
       float acc = 0.0f;
-      for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), ks[lane * DP + d], acc);
+      for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(ks[lane * DP + d]), acc);
       sa = __fmul_rn(acc, scale_f[0]);
     }
     if (lane + 32 < n) {
       float acc = 0.0f;
       for (int d = 0; d < D; ++d) {
-        acc = __fmaf_rn(tf_to_float(qrow[d]), ks[(lane + 32) * DP + d], acc);
+        acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(ks[(lane + 32) * DP + d]), acc);
       }
       sb = __fmul_rn(acc, scale_f[0]);
     }
@@ -120,7 +118,8 @@ for (int c0 = s0; c0 < send; c0 += C) {
       const int d = lane + 32 * t;
       if (d < D) {
         float oc = 0.0f;
-        for (int j = 0; j < n; ++j) oc = __fmaf_rn(es[warp * C + j], vs[j * D + d], oc);
+        const TK* vcol = v + kvbase + (size_t)c0 * D + d;   // V straight from global (L1/L2)
+        for (int j = 0; j < n; ++j) oc = __fmaf_rn(es[warp * C + j], tf_to_float(vcol[(size_t)j * D]), oc);
         o[t] = __fmaf_rn(oc, fb, __fmul_rn(o[t], fa));
       }
     }

@@ -107,15 +107,16 @@ __device__ __forceinline__ float tf_warp_sum(float v) {
 // inputs: x [R, K] (T), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S)
 // output: out [R, N] (T).   template: T, S, K, N, GS, BITS
 // launch: grid (ceil(N/16)*256, ceil(R/16), 1), threadgroup (256, 1, 1),
-//         dynamic shared memory = min(16, R rounded up to a power of 2) * 1024 * 4 bytes
+//         dynamic shared memory = min(MAXM, R rounded up to a power of 2) * 1024 * sizeof(T) bytes
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
-constexpr int MAXM = 16;
+constexpr int MAXM = sizeof(T) == 4 ? 8 : 16;   // x staged as T: <= 32 KB shared
 constexpr int KT = 1024;
 constexpr int NCHUNK = K / 32;
 constexpr int KW = K * BITS / 32;
 constexpr int NG = K / GS;
-extern __shared__ float xs[];
+extern __shared__ float xs_raw[];
+T* xs = reinterpret_cast<T*>(xs_raw);
 const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -133,8 +134,8 @@ for (int kt = 0; kt < K; kt += KT) {
   for (int e = threadIdx.x; e < rows * KT; e += blockDim.x) {
     const int m = e / KT;
     const int kk = e % KT;
-    float v = 0.0f;
-    if (kt + kk < K) v = tf_to_float(x[(size_t)(r0 + m) * K + kt + kk]);
+    T v = tf_from_float<T>(0.0f);
+    if (kt + kk < K) v = x[(size_t)(r0 + m) * K + kt + kk];
     const int ln = kk >> 5, j = kk & 31;
     xs[m * KT + j * 32 + (ln ^ j)] = v;
   }
@@ -167,7 +168,7 @@ for (int kt = 0; kt < K; kt += KT) {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int j = jb + jj;
-            const float xv = xs[m * KT + j * 32 + (lane ^ j)];
+            const float xv = tf_to_float(xs[m * KT + j * 32 + (lane ^ j)]);
 #pragma unroll
             for (int c = 0; c < NCW; ++c) acc[m][c] = __fmaf_rn(wh[c][jj], xv, acc[m][c]);
           }
@@ -192,10 +193,11 @@ for (int m = 0; m < MAXM; ++m) {
 // launch: as row_qmm.
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
-constexpr int MAXM = 16;
+constexpr int MAXM = sizeof(T) == 4 ? 8 : 16;   // x staged as T: <= 32 KB shared
 constexpr int KT = 1024;
 constexpr int NCHUNK = K / 32;
-extern __shared__ float xs[];
+extern __shared__ float xs_raw[];
+T* xs = reinterpret_cast<T*>(xs_raw);
 const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -213,8 +215,8 @@ for (int kt = 0; kt < K; kt += KT) {
   for (int e = threadIdx.x; e < rows * KT; e += blockDim.x) {
     const int m = e / KT;
     const int kk = e % KT;
-    float v = 0.0f;
-    if (kt + kk < K) v = tf_to_float(x[(size_t)(r0 + m) * K + kt + kk]);
+    T v = tf_from_float<T>(0.0f);
+    if (kt + kk < K) v = x[(size_t)(r0 + m) * K + kt + kk];
     const int ln = kk >> 5, j = kk & 31;
     xs[m * KT + j * 32 + (ln ^ j)] = v;
   }
@@ -235,7 +237,7 @@ for (int kt = 0; kt < K; kt += KT) {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int j = jb + jj;
-            const float xv = xs[m * KT + j * 32 + (lane ^ j)];
+            const float xv = tf_to_float(xs[m * KT + j * 32 + (lane ^ j)]);
 #pragma unroll
             for (int c = 0; c < NCW; ++c) acc[m][c] = __fmaf_rn(wh[c][jj], xv, acc[m][c]);
           }

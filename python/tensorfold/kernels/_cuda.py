@@ -53,17 +53,24 @@ def _kernel(name: str, shared_memory: int):
     )
 
 
-def _rows_bucket(rows: int) -> int:
+def _rows_per_block(dtype) -> int:
+    """MAXM in row_gemm.cu: x is staged in shared memory as its own dtype, <= 32 KB."""
+    return 8 if dtype == mx.float32 else GEMM_ROWS_PER_BLOCK
+
+
+def _rows_bucket(rows: int, per_block: int) -> int:
     b = 1
-    while b < min(rows, GEMM_ROWS_PER_BLOCK):
+    while b < min(rows, per_block):
         b *= 2
     return b
 
 
-def _gemm_launch(R: int, N: int):
+def _gemm_launch(R: int, N: int, dtype):
+    per = _rows_per_block(dtype)
     nblk = -(-N // GEMM_COLS_PER_BLOCK)
-    rblk = -(-R // GEMM_ROWS_PER_BLOCK)
-    smem = _rows_bucket(R) * GEMM_KT * 4  # launch size only; the code is the same for all M
+    rblk = -(-R // per)
+    # launch size only; the code (and each row's arithmetic) is the same for all M
+    smem = _rows_bucket(R, per) * GEMM_KT * dtype.size
     return (nblk * GEMM_THREADS, rblk, 1), (GEMM_THREADS, 1, 1), smem
 
 
@@ -75,7 +82,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
-    grid, tg, smem = _gemm_launch(R, N)
+    grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_qmm", smem)(
         inputs=[x2, w, scales, biases],
         template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
@@ -93,7 +100,7 @@ def matmul(x, w, stream):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
-    grid, tg, smem = _gemm_launch(R, N)
+    grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_mm", smem)(
         inputs=[x2, w],
         template=[("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N)],
@@ -108,7 +115,10 @@ def attention(q, k, v, offset, scale, stream):
     HKV, cap = k.shape[1], k.shape[2]
     nspan = -(-cap // ATTN_SPAN)
     rows = (HQ // HKV) * M
-    smem = (ATTN_C * (D + 1) + ATTN_C * D + ATTN_WARPS * ATTN_C) * 4
+    smem = ATTN_WARPS * ATTN_C * 4 + ATTN_C * (D + 1) * k.dtype.size  # <= 48 KB for D <= 256
+    if smem > 48 * 1024:
+        raise NotImplementedError(f"row_attention (cuda): head size {D} with {k.dtype} keys needs "
+                                  f"{smem} bytes of shared memory (max 48 KB); use bf16/fp16 KV")
     scale_f = mx.array([scale], dtype=mx.float32)
     part = _kernel("row_attn_partial", smem)(
         inputs=[q, k, v, offset, scale_f],
