@@ -195,7 +195,10 @@ def cmd_serve(a) -> int:
 
     def build():
         from .engine import Engine
-        return Engine(str(path), **kwargs)
+        eng = Engine(str(path), **kwargs)
+        if eng.warm_up_async() is not None:   # saved system blocks: read in the background
+            log.info("warming saved system-prompt snapshots from %s in the background", kwargs["snapshot_dir"])
+        return eng
 
     worker = EngineWorker(build)
     try:
