@@ -22,4 +22,11 @@ mlx::core::array row_attention(const mlx::core::array& q, const mlx::core::array
                                const mlx::core::array& v, const mlx::core::array& offset,
                                float scale);
 
+// q [B, Hq, M, D]; k, v [B, Hkv, cap, D]; indices [B, M, T] int32 (per query row, the key
+// positions it attends to, shared by its heads; < 0 = padding, > offset+i ignored);
+// offset int32 scalar array. Output [B, Hq, M, D]. See csrc/sparse_attention.cpp.
+mlx::core::array sparse_attention(const mlx::core::array& q, const mlx::core::array& k,
+                                  const mlx::core::array& v, const mlx::core::array& indices,
+                                  const mlx::core::array& offset, float scale);
+
 } // namespace tensorfold

@@ -19,6 +19,8 @@ void register_row_ops(nanobind::module_& m) {
   m.def("row_attention", &row_attention, "q"_a, "k"_a, "v"_a, "offset"_a, "scale"_a,
         "Row-exact causal GQA attention over a KV buffer, CPU primitive. offset: int32 "
         "scalar array.");
+  m.def("sparse_attention", &sparse_attention, "q"_a, "k"_a, "v"_a, "indices"_a, "offset"_a,
+        "scale"_a, "Row-exact selected-key (sparse) GQA attention, CPU primitive.");
   m.def("row_cpu_threads", &cpu::num_threads, "Threads used by the CPU row kernels.");
 }
 
