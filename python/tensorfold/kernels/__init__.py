@@ -29,6 +29,9 @@ __all__ = [
     "row_matmul",
     "row_attention",
     "row_check_ops",
+    "sparse_attention",
+    "select_topk",
+    "use_sparse",
 ]
 
 StreamLike = Optional[Union[mx.Stream, mx.Device, mx.DeviceType]]
@@ -143,3 +146,7 @@ def row_check_ops() -> dict[str, Callable]:
         "row_matmul": row_matmul,
         "row_attention": row_attention,
     }
+
+
+# Sparse (selected-key) attention, DeepSeek V3.2-style (kernels/sparse.py).
+from .sparse import select_topk, sparse_attention, use_sparse  # noqa: E402
