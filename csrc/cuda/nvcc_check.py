@@ -30,6 +30,18 @@ for T in (bf, f16, f32):
     CASES.append(("row_attn_merge", dict(T=T, D=128),
                   dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
 
+# sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
+# latent widths 512 / 576 with one KV head (K read from global memory).
+from tensorfold.kernels._cuda import sparse_smem  # noqa: E402
+
+for T in (bf, f16, f32):
+    for D, HQ, HKV in ((64, 32, 8), (128, 32, 8), (192, 16, 4), (256, 8, 2), (512, 16, 1),
+                       (576, 128, 1)):
+        stage, smem = sparse_smem(D, T)
+        assert smem <= 48 * 1024, (D, T, smem)
+        CASES.append(("sparse_attn", dict(T=T, TK=T, D=D, HQ=HQ, HKV=HKV, STAGE=stage),
+                      dict(q=T, k=T, v=T, indices=i32, offset=i32, scale_f=f32), dict(out=T)))
+
 
 def main():
     verbose = "-v" in sys.argv

@@ -35,6 +35,8 @@ _KERNELS = {
     "row_mm": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
+    "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
+                    "sparse_attention.cu"),
 }
 
 
@@ -135,6 +137,37 @@ def attention(q, k, v, offset, scale, stream):
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
     return out
+
+
+SPARSE_C = 64
+SPARSE_WARPS = 8
+SMEM_LIMIT = 48 * 1024  # MLX does not raise the dynamic shared memory limit
+
+
+def sparse_smem(D: int, kdtype) -> tuple[bool, int]:
+    """(STAGE, dynamic shared memory bytes) of sparse_attn: K chunks are staged in shared
+    memory when they fit 48 KB, else read from global memory (same arithmetic)."""
+    base = SPARSE_WARPS * SPARSE_C * 4 + (SPARSE_C + 32) * 4
+    stage_bytes = SPARSE_C * (D + 1) * kdtype.size
+    stage = base + stage_bytes <= SMEM_LIMIT
+    return stage, base + (stage_bytes if stage else 0)
+
+
+def sparse_attention(q, k, v, indices, offset, scale, stream):
+    """Sparse selected-key attention (csrc/cuda/sparse_attention.cu), any D."""
+    B, HQ, M, D = q.shape
+    HKV = k.shape[1]
+    G = HQ // HKV
+    stage, smem = sparse_smem(D, k.dtype)
+    scale_f = mx.array([scale], dtype=mx.float32)
+    return _kernel("sparse_attn", smem)(
+        inputs=[q, k, v, indices, offset, scale_f],
+        template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),
+                  ("STAGE", stage)],
+        grid=(-(-G // SPARSE_WARPS) * 32 * SPARSE_WARPS, B * HKV, M),
+        threadgroup=(32 * SPARSE_WARPS, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
+    )[0]
 
 
 # ---------------------------------------------------------------- offline syntax check

@@ -1,0 +1,203 @@
+// Row-exact sparse (selected-key) GQA attention for MLX's CUDA backend
+// (mx.fast.cuda_kernel, NVRTC JIT). Sections are cut by "// @@" marker lines.
+//
+// Arithmetic of query row (b, h, i) at absolute position p = offset + i (fixed by the
+// row's ordered list of kept indices and D):
+//   kept list = indices[b, i, :] in the order given, keeping entries e with 0 <= e <= p.
+//   The kept list is cut into spans of SPAN=256 consecutive kept entries, spans into
+//   chunks of C=64 (the last chunk holds what is left).
+//   chunk:  s_j = fma-chain over d ascending of q[d]*k_{e_j}[d], times scale
+//           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
+//           lc = butterfly sum over lanes of (e_lane + e_lane+32)
+//           oc[d] = fma-chain over j ascending of e_j * v_{e_j}[d]
+//   merge (chunks of a span in order into the span state, then spans in order into the
+//   row state, same formula):
+//           m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')
+//           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
+//   out = o / l, rounded once to q's dtype; 0 if the kept list is empty; NaN if p is
+//   outside the buffer.
+// This is the arithmetic of row_attention.cu (spans of 256 keys, chunks of 64, span
+// partials merged in order): with the full causal set 0..p in ascending order the bits
+// are meant to equal row_attention's (tests/test_sparse_attention.py checks it).
+//
+// Kernel sparse_attn: one block per (block of 8 heads of the GQA group, b*HKV + hk, query
+// row i); warp w owns head g = 8*blockIdx.x + w. Warp 0 compacts the kept entries 32 at a
+// time (ballot + popc, order preserved) into a shared list; all warps of the block use the
+// same chunk (same keys, shared by the GQA heads). K of a chunk is staged in shared memory
+// as TK when STAGE (C*(D+1)*sizeof(TK) fits next to the rest in 48 KB), else each lane
+// reads its key straight from global memory: same values, same arithmetic. V is read from
+// global memory (L1/L2). M, T, the capacity and the offset never change a row's
+// arithmetic.
+
+// @@header
+#define TF_FULL_MASK 0xffffffffu
+#define TF_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float tf_to_float(float v) { return v; }
+__device__ __forceinline__ float tf_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float tf_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T tf_from_float(float v);
+template <> __device__ __forceinline__ float tf_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half tf_from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// @@body sparse_attn
+// inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), indices [B, M, NI] int32,
+//         offset [1] int32, scale_f [1] float32
+// output: out [B, HQ, M, D] (T)
+// template: T, TK, D, HQ, HKV, STAGE (bool)
+// launch: grid (ceil(HQ/HKV/8)*256, B*HKV, M), threadgroup (256,1,1),
+//         dynamic shared memory = 8*C*4 + (C+32)*4 + (STAGE ? C*(D+1)*sizeof(TK) : 0)
+constexpr int C = 64;
+constexpr int SPAN = 256;
+constexpr int WARPS = 8;
+constexpr int DP = D + 1;
+constexpr int NT = (D + 31) / 32;
+constexpr int G = HQ / HKV;
+extern __shared__ float sm[];
+__shared__ int s_count;
+float* es = sm;                                    // WARPS * C softmax weights
+int* plist = reinterpret_cast<int*>(es + WARPS * C); // C + 32 pending kept positions
+TK* ks = reinterpret_cast<TK*>(plist + C + 32);    // C * DP keys (STAGE only)
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int NI = indices_shape[2];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int i = blockIdx.z;
+const int g = blockIdx.x * WARPS + warp;
+const bool head_ok = g < G;
+const int h = hk * G + (head_ok ? g : 0);
+const int p = offset[0] + i;
+T* orow = out + ((size_t)(b * HQ + h) * M + i) * D;
+if (p < 0 || p >= cap) { // uniform over the block: the row lies outside the KV buffer
+  if (head_ok) {
+    for (int d = lane; d < D; d += 32) orow[d] = tf_from_float<T>(__int_as_float(0x7fc00000));
+  }
+  return;
+}
+const int* irow = indices + (size_t)(b * M + i) * NI;
+const T* qrow = q + ((size_t)(b * HQ + h) * M + i) * D;
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+const float scale = scale_f[0];
+float m_all = TF_NEG_INF, l_all = 0.0f, m_sp = TF_NEG_INF, l_sp = 0.0f;
+float o_all[NT], o_sp[NT];
+#pragma unroll
+for (int t = 0; t < NT; ++t) {
+  o_all[t] = 0.0f;
+  o_sp[t] = 0.0f;
+}
+// span state -> row state (called once per span, spans in order; uniform over the block)
+auto merge_span = [&]() {
+  if (!head_ok) return;
+  const float mn = fmaxf(m_all, m_sp);
+  const float fa = expf(__fsub_rn(m_all, mn));
+  const float fb = expf(__fsub_rn(m_sp, mn));
+  l_all = __fadd_rn(__fmul_rn(l_all, fa), __fmul_rn(l_sp, fb));
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    o_all[t] = __fmaf_rn(o_sp[t], fb, __fmul_rn(o_all[t], fa));
+    o_sp[t] = 0.0f;
+  }
+  m_all = mn;
+  m_sp = TF_NEG_INF;
+  l_sp = 0.0f;
+};
+int pend = 0;   // kept entries waiting in plist (uniform over the block)
+int rp = 0;     // next raw index entry to look at (uniform)
+int taken = 0;  // kept entries consumed so far (uniform)
+for (;;) {
+  // Refill the pending list to >= C kept entries (or to the end of the raw list).
+  while (pend < C && rp < NI) {
+    if (warp == 0) {
+      const int e = rp + lane;
+      const int idx = e < NI ? irow[e] : -1;
+      const bool ok = idx >= 0 && idx <= p;
+      const unsigned bal = __ballot_sync(TF_FULL_MASK, ok);
+      if (ok) plist[pend + __popc(bal & ((1u << lane) - 1u))] = idx;
+      if (lane == 0) s_count = __popc(bal);
+    }
+    __syncthreads();
+    pend += s_count;
+    rp += 32;
+    __syncthreads();
+  }
+  const int n = min(C, pend);
+  if (n == 0) break;
+  if (STAGE) {
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int j = e / D, d = e % D;
+      ks[j * DP + d] = k[kvbase + (size_t)plist[j] * D + d];
+    }
+  }
+  __syncthreads();
+  if (head_ok) {
+    float sa = TF_NEG_INF, sb = TF_NEG_INF;
+    if (lane < n) {
+      const TK* kr = STAGE ? (const TK*)(ks + lane * DP) : (k + kvbase + (size_t)plist[lane] * D);
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(kr[d]), acc);
+      sa = __fmul_rn(acc, scale);
+    }
+    if (lane + 32 < n) {
+      const TK* kr = STAGE ? (const TK*)(ks + (lane + 32) * DP)
+                           : (k + kvbase + (size_t)plist[lane + 32] * D);
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(kr[d]), acc);
+      sb = __fmul_rn(acc, scale);
+    }
+    float mc = fmaxf(sa, sb);
+#pragma unroll
+    for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
+    const float ea = lane < n ? expf(__fsub_rn(sa, mc)) : 0.0f;
+    const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mc)) : 0.0f;
+    es[warp * C + lane] = ea;
+    es[warp * C + lane + 32] = eb;
+    float lc = __fadd_rn(ea, eb);
+#pragma unroll
+    for (int sh = 16; sh >= 1; sh >>= 1) lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, sh));
+    __syncwarp();
+    const float mn = fmaxf(m_sp, mc);
+    const float fa = expf(__fsub_rn(m_sp, mn));
+    const float fb = expf(__fsub_rn(mc, mn));
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int d = lane + 32 * t;
+      if (d < D) {
+        float oc = 0.0f;
+        for (int j = 0; j < n; ++j) {
+          oc = __fmaf_rn(es[warp * C + j], tf_to_float(v[kvbase + (size_t)plist[j] * D + d]), oc);
+        }
+        o_sp[t] = __fmaf_rn(oc, fb, __fmul_rn(o_sp[t], fa));
+      }
+    }
+    l_sp = __fadd_rn(__fmul_rn(l_sp, fa), __fmul_rn(lc, fb));
+    m_sp = mn;
+    __syncwarp();
+  }
+  taken += n;
+  if (taken % SPAN == 0) merge_span(); // a full span: merge it into the row state
+  // Drop the consumed entries from the pending list.
+  __syncthreads();
+  const int rest = pend - n;
+  const int carry = (int)threadIdx.x < rest ? plist[n + threadIdx.x] : 0;
+  __syncthreads();
+  if ((int)threadIdx.x < rest) plist[threadIdx.x] = carry;
+  pend = rest;
+  __syncthreads();
+}
+if (taken % SPAN != 0) merge_span(); // the last, partial span
+if (head_ok) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) orow[d] = tf_from_float<T>(taken > 0 ? __fdiv_rn(o_all[t], l_all) : 0.0f);
+  }
+}
