@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-drafts", action="store_true", help="turn speculative drafting off")
     g.add_argument("--drafter", default=None, metavar="PATH", help="a draft model directory")
     g.add_argument("--prompt-cache-gib", type=float, default=2.0, help="prompt cache size in GiB")
+    g.add_argument("--prefill", choices=["mlx", "kernels"], default="mlx",
+                   help="prompt ops on the 2,048 grid: 'mlx' = MLX's own forward (equals mlx-lm's "
+                        "logits); 'kernels' = the row-exact kernels (much faster on MLX's CPU backend, "
+                        "other bits; part of the prompt-cache key)")
     g.add_argument("--snapshot-dir", default=None, metavar="DIR",
                    help="directory for prompt-cache snapshots on disk, kept across restarts; 'none' "
                         "disables (default: $TENSORFOLD_SNAPSHOT_DIR, else "
@@ -188,8 +192,10 @@ def cmd_serve(a) -> int:
 
     from .server import EngineWorker, create_app
 
+    from .engine.prefill import PrefillMode
     kwargs = dict(drafter=a.drafter, drafts=not a.no_drafts, context=a.context,
-                  prompt_cache_gib=a.prompt_cache_gib, thinking=a.thinking)
+                  prompt_cache_gib=a.prompt_cache_gib, thinking=a.thinking,
+                  prefill_mode=PrefillMode(ops=a.prefill))
     snap = a.snapshot_dir or default_snapshot_dir()
     kwargs["snapshot_dir"] = None if snap.lower() == "none" else str(Path(snap).expanduser())
 

@@ -1,0 +1,47 @@
+"""The "kernels" prefill mode keeps every promise of the default one (and is another cache key)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorfold.engine import Engine, PrefillMode, SamplingParams
+
+MODE = PrefillMode(grid=16, ops="kernels")
+
+
+def test_mode_is_part_of_the_key(checkpoints):
+    a = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=PrefillMode(grid=16), drafts=False)
+    b = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=MODE, drafts=False)
+    assert a.cache_key != b.cache_key
+    with pytest.raises(ValueError):
+        PrefillMode(ops="fast")
+
+
+@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_hf_bf16", "qwen2_mlx_4bit_tied"])
+def test_kernels_prefill_resumed_equals_fresh_and_drafted_equals_serial(checkpoints, name):
+    path = checkpoints[name]
+    eng = Engine(path, prefill_mode=MODE)
+    vocab = eng.model.cfg.vocab_size
+    rng = np.random.default_rng(len(name))
+    first = rng.integers(3, vocab, size=45).tolist()
+    p = SamplingParams(temperature=0.9, seed=4)
+    _, reply, _ = eng.generate_text(prompt=first, max_tokens=10, sampling=p)
+    second = first + reply + rng.integers(3, vocab, size=13).tolist()
+    resumed = eng.generate_text(prompt=second, max_tokens=16, sampling=p)
+    serial = eng.generate_text(prompt=second, max_tokens=16, sampling=p, draft=False)
+    fresh = Engine(path, prefill_mode=MODE, drafts=False).generate_text(prompt=second, max_tokens=16, sampling=p)
+    assert resumed[2].cached_tokens == 32 and fresh[2].cached_tokens == 0   # 45 tokens: last grid point 32
+    assert resumed[1] == fresh[1] == serial[1]
+
+
+def test_kernels_prefill_computes_the_same_function(checkpoints):
+    """Same model function as MLX's forward (other bits): the greedy replies agree on most tokens."""
+    import mlx.core as mx
+    from tensorfold.engine.prefill import prefill
+    from tensorfold.models import load_model
+    m = load_model(checkpoints["qwen3_mlx_8bit"])
+    ids = np.random.default_rng(0).integers(3, m.cfg.vocab_size, size=40).tolist()
+    a = prefill(m, m.new_cache(), ids, PrefillMode(grid=16)).astype(mx.float32)
+    b = prefill(m, m.new_cache(), ids, MODE).astype(mx.float32)
+    assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 0.05
