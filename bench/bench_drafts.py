@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os.path
+import urllib.parse
 import statistics
 from pathlib import Path
 
@@ -22,12 +22,12 @@ from tensorfold.engine import Engine, SamplingParams
 
 def requests():
     src = inspect.getsource(json.dumps)
-    src2 = inspect.getsource(os.path.join)
+    src2 = inspect.getsource(urllib.parse.urljoin)
     return {
         "recall dumps": "Show the function dumps from json.",
         "recall urlparse": "Show the function urlparse from urllib.parse.",
         "echo json.dumps": f"Echo the following code back unchanged.\n\n```python\n{src}```",
-        "echo os.path.join": f"Echo the following code back unchanged.\n\n```python\n{src2}```",
+        "echo urljoin": f"Echo the following code back unchanged.\n\n```python\n{src2}```",
         "rename dumps": f"Rename the function dumps to to_json in the following code.\n\n```python\n{src}```",
     }
 
@@ -37,9 +37,11 @@ def main(argv=None):
     ap.add_argument("--model", default=str(Path(tensorfold.__file__).parent / "data" / "tinycode-4bit"))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prefill", choices=["mlx", "kernels"], default="mlx")
     args = ap.parse_args(argv)
-    eng = Engine(args.model)
-    print(f"# {args.model}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}")
+    from tensorfold.engine import PrefillMode
+    eng = Engine(args.model, prefill_mode=PrefillMode(ops=args.prefill))
+    print(f"# {args.model}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}")
     print("| request | tokens | serial tok/s | drafted tok/s | speed-up | accepted/drafted | tok/verify call | equal |")
     print("|---|---|---|---|---|---|---|---|")
     p = SamplingParams(temperature=0.0)
