@@ -2,7 +2,13 @@
 // array whose primitive runs on the CPU stream; see docs/kernels.md for the contract.
 #pragma once
 
+#include <optional>
+
 #include "mlx/array.h"
+
+namespace nanobind {
+class module_;
+} // namespace nanobind
 
 namespace tensorfold {
 
@@ -28,5 +34,15 @@ mlx::core::array row_attention(const mlx::core::array& q, const mlx::core::array
 mlx::core::array sparse_attention(const mlx::core::array& q, const mlx::core::array& k,
                                   const mlx::core::array& v, const mlx::core::array& indices,
                                   const mlx::core::array& offset, float scale);
+
+// x [..., K] with indices [..., k] int32 (x's leading dims) -> [..., k, N] in x's dtype:
+// out[..., j, :] = x @ dequant(w[indices[..., j]])^T. w uint32 [E, N, K*bits/32] with
+// scales / biases [E, N, K/group_size], or (no scales) a float w [E, N, K]. Row-exact; an
+// index outside [0, E) gives a NaN row. See csrc/row_expert_matmul.cpp.
+mlx::core::array row_expert_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                   const std::optional<mlx::core::array>& scales,
+                                   const std::optional<mlx::core::array>& biases,
+                                   const mlx::core::array& indices, int group_size, int bits);
+void register_row_expert_matmul(nanobind::module_& m);
 
 } // namespace tensorfold

@@ -21,6 +21,7 @@ void register_row_ops(nanobind::module_& m) {
         "scalar array.");
   m.def("sparse_attention", &sparse_attention, "q"_a, "k"_a, "v"_a, "indices"_a, "offset"_a,
         "scale"_a, "Row-exact selected-key (sparse) GQA attention, CPU primitive.");
+  register_row_expert_matmul(m);  // csrc/row_expert_matmul.cpp
   m.def("row_cpu_threads", &cpu::num_threads, "Threads used by the CPU row kernels.");
 }
 

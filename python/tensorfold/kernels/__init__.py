@@ -139,6 +139,30 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     return _ext.row_attention(q, k, v, off, float(scale))
 
 
+def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
+                      biases: Optional[mx.array], indices: mx.array, group_size: int = 64,
+                      bits: int = 4, *, stream: StreamLike = None) -> mx.array:
+    """Row-exact routed-expert matmul (MoE decode): ``out[..., j, :] = x @ dequant(w[indices[..., j]]).T``.
+
+    x [..., K] (float32 / bfloat16 / float16); indices [..., k] int32 with x's leading dims;
+    w uint32 [E, N, K*bits/32] with scales / biases [E, N, K/group_size] (MLX affine, as
+    mx.gather_qmm takes them), or scales = biases = None and a float w [E, N, K].
+    Returns [..., k, N] in x's dtype. Each (row, j) is the fixed-order dot product of
+    row_quantized_matmul / row_matmul (bit-identical to it on that expert's weight): it
+    depends on K only, never on the other rows or their experts. An index outside [0, E)
+    gives a NaN row (CPU face).
+    """
+    if indices.dtype != mx.int32:
+        indices = indices.astype(mx.int32)
+    face = backend_face(stream)
+    if face == "cuda":
+        from . import _cuda
+        return _cuda.expert_matmul(x, w, scales, biases, indices, group_size, bits, _gpu_stream(stream))
+    if face == "metal":
+        return _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, _gpu_stream(stream))
+    return _ext.row_expert_matmul(x, w, scales, biases, indices, group_size, bits)
+
+
 def row_check_ops() -> dict[str, Callable]:
     """The row-exact ops by name, for callers that verify the contract at start-up."""
     return {
@@ -150,3 +174,26 @@ def row_check_ops() -> dict[str, Callable]:
 
 # Sparse (selected-key) attention, DeepSeek V3.2-style (kernels/sparse.py).
 from .sparse import select_topk, sparse_attention, use_sparse  # noqa: E402
+
+
+def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
+    """Metal face of row_expert_matmul over metal/row_expert.metal. NEVER compiled or run
+    (no Apple GPU in this project): a reviewed sketch with the arithmetic of metal/row_ops.metal."""
+    from ._sources import sections
+    quant = scales is not None
+    name = "row_expert_qmm" if quant else "row_expert_mm"
+    sec = sections("metal", "row_expert.metal")
+    inputs = ["x", "w", "scales", "biases", "indices"] if quant else ["x", "w", "indices"]
+    kern = mx.fast.metal_kernel(name=f"tf_{name}", input_names=inputs, output_names=["out"],
+                                source=sec[name], header=sec["header"], ensure_row_contiguous=True)
+    E, N = w.shape[0], w.shape[1]
+    K = x.shape[-1]
+    k = indices.shape[-1]
+    x2, i2 = x.reshape(-1, K), indices.reshape(-1, k)
+    R = x2.shape[0]
+    tmpl = [("T", x.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", k)]
+    tmpl += [("S", scales.dtype), ("GS", group_size), ("BITS", bits)] if quant else [("W", w.dtype)]
+    args = [x2, w, scales, biases, i2] if quant else [x2, w, i2]
+    out = kern(inputs=args, template=tmpl, grid=(32, N, R * k), threadgroup=(32, 1, 1),
+               output_shapes=[(R, k, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    return out.reshape(*x.shape[:-1], k, N)
