@@ -30,6 +30,7 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -240,6 +241,7 @@ def _make_weights(
     intermediate: int,
     tie_embeddings: bool,
     seed: int,
+    moe: dict | None = None,
 ) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
 
@@ -266,10 +268,20 @@ def _make_weights(
         w[p + "self_attn.o_proj.weight"] = normal(
             (hidden, heads * head_dim), resid / math.sqrt(heads * head_dim)
         )
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm_w(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm_w(head_dim)
         w[p + "post_attention_layernorm.weight"] = norm_w(hidden)
+        if moe is not None and _moe_layer(moe, i):
+            E, f = moe["num_experts"], moe["moe_intermediate_size"]
+            # std 2/sqrt(hidden) on RMS-normed states: router logits with std ~2, so the
+            # routing is neither uniform nor one-hot
+            w[p + "mlp.gate.weight"] = normal((E, hidden), 2 / math.sqrt(hidden))
+            # stacked [E, out, in] as mlx-lm's SwitchGLU holds them (split per expert for "hf")
+            w[p + "mlp.switch_mlp.gate_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
+            w[p + "mlp.switch_mlp.up_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
+            w[p + "mlp.switch_mlp.down_proj.weight"] = normal((E, hidden, f), resid / math.sqrt(f))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
         w[p + "mlp.up_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
         w[p + "mlp.down_proj.weight"] = normal((hidden, intermediate), resid / math.sqrt(intermediate))
@@ -280,10 +292,17 @@ def _make_weights(
     return w
 
 
+def _moe_layer(moe: dict, i: int) -> bool:
+    """mlx-lm's qwen3_moe rule for a sparse layer."""
+    return i not in moe["mlp_only_layers"] and (i + 1) % moe["decoder_sparse_step"] == 0
+
+
 def _quantizable(name: str) -> bool:
-    """Linear weights, the embedding and lm_head (what mlx-lm's nn.quantize touches)."""
+    """Linear weights (MoE routers and stacked experts included), the embedding and lm_head
+    (what mlx-lm's nn.quantize touches)."""
     return name.endswith(".weight") and (
-        name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+        name.endswith("_proj.weight") or name.endswith(".mlp.gate.weight")
+        or name in ("model.embed_tokens.weight", "lm_head.weight")
     )
 
 
@@ -326,6 +345,13 @@ def write_checkpoint(
     mixed_bits: dict[str, Any] | None = None,
     shards: int = 1,
     vocab_size: int = 512,
+    num_experts: int = 8,
+    experts_per_tok: int = 2,
+    moe_intermediate: int = 64,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple | list = (),
+    norm_topk_prob: bool = True,
+    router_bits: int | None = 8,
 ) -> pathlib.Path:
     """Write a tiny random-weight model directory and return its path.
 
@@ -335,6 +361,15 @@ def write_checkpoint(
     config.json gets ``quantization``/``quantization_config``. `mixed_bits` maps module paths
     (e.g. "model.layers.0.mlp.down_proj") to {"group_size", "bits"} overrides (or False: keep that
     module in float), written into config["quantization"][path] as mlx-lm does.
+
+    family="qwen3_moe" (Qwen3-30B-A3B layout): `num_experts`, `experts_per_tok`,
+    `moe_intermediate`, `decoder_sparse_step`, `mlp_only_layers` (those layers get the dense MLP
+    of size `intermediate`), `norm_topk_prob`. layout="hf" writes per-expert tensors
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (as transformers does); layout="mlx" writes
+    them stacked as ``mlp.switch_mlp.{gate,up,down}_proj.weight`` [E, out, in] (as mlx-lm's
+    converter / mlx-community do), quantized with `bits` like every Linear; the routers
+    ``mlp.gate`` get `router_bits` (8, group 64: mlx-lm's qwen3_moe quant_predicate; None: the
+    default bits) recorded per module in config["quantization"].
     """
     import mlx.core as mx
 
@@ -352,6 +387,16 @@ def write_checkpoint(
         raise ValueError("heads must be a multiple of kv_heads")
     if shards < 1:
         raise ValueError("shards must be >= 1")
+    moe = None
+    if family == "qwen3_moe":
+        if not 0 < experts_per_tok <= num_experts:
+            raise ValueError("need 0 < experts_per_tok <= num_experts")
+        if any(not 0 <= i < layers for i in mlp_only_layers):
+            raise ValueError("mlp_only_layers outside 0..layers-1")
+        moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_tok,
+                   moe_intermediate_size=moe_intermediate, decoder_sparse_step=decoder_sparse_step,
+                   mlp_only_layers=sorted(set(int(i) for i in mlp_only_layers)),
+                   norm_topk_prob=bool(norm_topk_prob))
     mx_dtype = _np_dtype_to_mx(dtype)
     explicit_head_dim = head_dim is not None
     if head_dim is None:
@@ -440,7 +485,14 @@ def write_checkpoint(
         cfg["max_window_layers"] = layers
         cfg["sliding_window"] = None
         cfg["use_sliding_window"] = False
-    if family == "qwen3" or explicit_head_dim:
+    if family == "qwen3_moe":
+        cfg["max_window_layers"] = layers
+        cfg["sliding_window"] = None
+        cfg["use_sliding_window"] = False
+        cfg["output_router_logits"] = False
+        cfg["router_aux_loss_coef"] = 0.001
+        cfg.update(moe)
+    if family in ("qwen3", "qwen3_moe") or explicit_head_dim:
         cfg["head_dim"] = head_dim
 
     # ---- weights
@@ -455,13 +507,25 @@ def write_checkpoint(
         intermediate=intermediate,
         tie_embeddings=tie_embeddings,
         seed=seed,
+        moe=moe,
     )
+    if moe is not None and layout == "hf":   # transformers' per-expert names
+        for k in [k for k in raw if ".mlp.switch_mlp." in k]:
+            stacked = raw.pop(k)
+            pre, proj = k.split(".mlp.switch_mlp.")
+            for e in range(stacked.shape[0]):
+                raw[f"{pre}.mlp.experts.{e}.{proj}"] = np.ascontiguousarray(stacked[e])
+        raw = dict(sorted(raw.items()))
     weights: dict[str, mx.array] = {}
     if bits is None:
         for k, v in raw.items():
             weights[k] = mx.array(v).astype(mx_dtype)
     else:
         overrides = dict(mixed_bits or {})
+        if moe is not None and router_bits is not None:
+            for i in range(layers):
+                if _moe_layer(moe, i):
+                    overrides.setdefault(f"model.layers.{i}.mlp.gate", {"group_size": 64, "bits": router_bits})
         known = {k[: -len(".weight")] for k in raw if _quantizable(k)}
         for mod in overrides:
             if mod not in known:
@@ -556,6 +620,12 @@ DEFAULT_SET: dict[str, dict[str, Any]] = {
         },
     ),
     "qwen3_hf_sharded": dict(family="qwen3", layout="hf", seed=6, shards=3),
+    # MoE (qwen3_moe): mlx-community's stacked 4-bit layout (8-bit routers), and HF per-expert
+    # float32 (float32, not bf16: MLX's CPU GatherMM is float32-only, so mlx-lm cannot run an
+    # unquantized bf16 MoE on the CPU backend; write_checkpoint(dtype="bfloat16") still works)
+    "qwen3_moe_mlx_4bit": dict(family="qwen3_moe", layout="mlx", bits=4, seed=8),
+    "qwen3_moe_hf_f32": dict(family="qwen3_moe", layout="hf", dtype="float32", seed=9,
+                             mlp_only_layers=[1]),
 }
 
 

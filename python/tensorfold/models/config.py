@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import CheckpointError
 
 DENSE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MOE_FAMILIES = {"qwen3_moe": "qwen3_moe"}     # Qwen3-30B-A3B layout (mlx-lm's qwen3_moe)
+FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
 SUPPORTED_BITS = {2, 3, 4, 5, 6, 8}
 SUPPORTED_GROUPS = {32, 64, 128}
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -35,6 +37,22 @@ class ModelConfig:
     dtype: str
     quantization: dict | None          # {"group_size", "bits", <module path>: {...} | False}
     raw: dict = field(repr=False, default_factory=dict)
+    # MoE (qwen3_moe); num_experts == 0 for dense families
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i is a sparse MoE block (mlx-lm's rule), else a dense MLP."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dir(cls, path) -> "ModelConfig":
@@ -55,9 +73,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, path: Path) -> "ModelConfig":
         mt = raw.get("model_type")
-        if mt not in DENSE_FAMILIES:
+        if mt not in FAMILIES:
             raise CheckpointError(
-                f"unsupported model_type {mt!r} (supported: {', '.join(sorted(DENSE_FAMILIES))})")
+                f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
 
         def need(key, typ=int):
             if key not in raw:
@@ -88,7 +106,8 @@ class ModelConfig:
         quant = raw.get("quantization")
         if quant is not None:
             cls._check_quant(quant)
-        family = DENSE_FAMILIES[mt]
+        family = FAMILIES[mt]
+        moe = cls._moe_fields(raw, need, hidden) if family in MOE_FAMILIES else {}
         return cls(
             path=path, family=family, hidden_size=hidden, num_layers=need("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -97,7 +116,32 @@ class ModelConfig:
             rope_scaling=rope_scaling, max_position=int(raw.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", family != "llama" and False)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3", dtype=dtype, quantization=quant, raw=raw)
+            qk_norm=family in ("qwen3", "qwen3_moe"), dtype=dtype, quantization=quant, raw=raw,
+            **moe)
+
+    @staticmethod
+    def _moe_fields(raw: dict, need, hidden: int) -> dict:
+        layers = need("num_hidden_layers")
+        E, k = need("num_experts"), need("num_experts_per_tok")
+        if k > E:
+            raise CheckpointError(f"config.json: num_experts_per_tok {k} exceeds num_experts {E}")
+        inter = need("moe_intermediate_size")
+        step = raw.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            raise CheckpointError(f"config.json: 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        only = raw.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise CheckpointError(f"config.json: 'mlp_only_layers' must be a list of layer indices, got {only!r}")
+        bad = [i for i in only if not 0 <= i < layers]
+        if bad:
+            raise CheckpointError(f"config.json: mlp_only_layers {bad} outside 0..{layers - 1}")
+        for key, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
+            if size % 16:
+                raise CheckpointError(f"config.json: {key} {size} is not a multiple of 16 "
+                                      "(the row-exact expert kernels need it)")
+        return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
+                    decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(only))),
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
     @staticmethod
     def _check_quant(q):
@@ -137,6 +181,9 @@ class ModelConfig:
             out[f"{p}.self_attn.k_proj"] = (self.num_kv_heads * hd, d)
             out[f"{p}.self_attn.v_proj"] = (self.num_kv_heads * hd, d)
             out[f"{p}.self_attn.o_proj"] = (d, self.num_heads * hd)
+            if self.moe_layer(i):
+                out[f"{p}.mlp.gate"] = (self.num_experts, d)           # the router
+                continue
             out[f"{p}.mlp.gate_proj"] = (self.intermediate_size, d)
             out[f"{p}.mlp.up_proj"] = (self.intermediate_size, d)
             out[f"{p}.mlp.down_proj"] = (d, self.intermediate_size)
@@ -145,8 +192,34 @@ class ModelConfig:
             out["lm_head"] = (self.vocab_size, d)
         return out
 
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """Every stacked expert weight as (experts, out, in), by module path (MoE layers only)."""
+        d, f, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
+        out = {}
+        for i in range(self.num_layers):
+            if self.moe_layer(i):
+                p = f"model.layers.{i}.mlp.switch_mlp"
+                out[f"{p}.gate_proj"] = (E, f, d)
+                out[f"{p}.up_proj"] = (E, f, d)
+                out[f"{p}.down_proj"] = (E, d, f)
+        return out
+
+    def _matrices(self) -> dict[str, tuple[int, int]]:
+        """Every matmul weight as (rows, in): linears, and experts with rows = experts * out."""
+        out = dict(self.linear_shapes())
+        for name, (e, o, i) in self.expert_shapes().items():
+            out[name] = (e * o, i)
+        return out
+
+    def active_param_count(self) -> int:
+        """Parameters one token uses: all but the unrouted experts (== param_count when dense)."""
+        n = self.param_count()
+        for e, o, i in self.expert_shapes().values():
+            n -= (e - self.num_experts_per_tok) * o * i
+        return n
+
     def param_count(self) -> int:
-        n = sum(a * b for a, b in self.linear_shapes().values())
+        n = sum(a * b for a, b in self._matrices().values())
         n += self.num_layers * 2 * self.hidden_size + self.hidden_size
         if self.attention_bias:
             n += self.num_layers * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -157,14 +230,15 @@ class ModelConfig:
     def weight_bytes(self) -> int:
         elt = DTYPES[self.dtype]
         total = 0
-        for name, (o, i) in self.linear_shapes().items():
+        mats = self._matrices()
+        for name, (o, i) in mats.items():
             q = self.quant_for(name)
             if q is None:
                 total += o * i * elt
             else:
                 gs, bits = q
                 total += o * i * bits // 8 + 2 * (o * (i // gs)) * elt
-        return total + (self.param_count() - sum(a * b for a, b in self.linear_shapes().values())) * elt
+        return total + (self.param_count() - sum(a * b for a, b in mats.values())) * elt
 
     def kv_bytes(self, tokens: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * tokens * DTYPES[self.dtype]

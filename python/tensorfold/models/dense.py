@@ -49,16 +49,18 @@ def make_rope(cfg: ModelConfig):
 
 
 class Layer:
-    def __init__(self, cfg: ModelConfig, w: dict, i: int):
+    def __init__(self, cfg: ModelConfig, w: dict, i: int, dense_mlp: bool = True):
         p = f"model.layers.{i}"
         bias = cfg.attention_bias
         self.q = take_linear(cfg, w, f"{p}.self_attn.q_proj", bias=bias)
         self.k = take_linear(cfg, w, f"{p}.self_attn.k_proj", bias=bias)
         self.v = take_linear(cfg, w, f"{p}.self_attn.v_proj", bias=bias)
         self.o = take_linear(cfg, w, f"{p}.self_attn.o_proj")
-        self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
-        self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
-        self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
+        self.gate = self.up = self.down = None     # dense_mlp=False: a family's own MLP (moe.py)
+        if dense_mlp:
+            self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
+            self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
+            self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
         self.in_norm = take_vector(cfg, w, f"{p}.input_layernorm.weight", cfg.hidden_size)
         self.post_norm = take_vector(cfg, w, f"{p}.post_attention_layernorm.weight", cfg.hidden_size)
         if cfg.qk_norm:
@@ -73,7 +75,7 @@ class DenseModel:
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
         self.embed = take_linear(cfg, weights, "model.embed_tokens")
-        self.layers = [Layer(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.layers = [self._make_layer(cfg, weights, i) for i in range(cfg.num_layers)]
         self.norm = take_vector(cfg, weights, "model.norm.weight", cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_embeddings else take_linear(cfg, weights, "lm_head")
         self.rope = make_rope(cfg)
@@ -81,6 +83,9 @@ class DenseModel:
         self.eps = cfg.rms_norm_eps
         # the activation dtype: what the embedding produces
         self.dtype = (self.embed.scales.dtype if self.embed.quantized else self.embed.weight.dtype)
+
+    def _make_layer(self, cfg: ModelConfig, weights: dict, i: int) -> Layer:
+        return Layer(cfg, weights, i)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
@@ -97,7 +102,7 @@ class DenseModel:
     def _linears(self) -> list[Linear]:
         lins = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
         for ly in self.layers:
-            lins += [ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down]
+            lins += [t for t in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down) if t is not None]
         return lins
 
     def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool):
@@ -124,6 +129,13 @@ class DenseModel:
         o = o.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
         return lin(ly.o, o)
 
+    def _mlp(self, ly: Layer, x, exact: bool):
+        lin = Linear.exact if exact else Linear.__call__
+        return lin(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)))
+
+    def _layer_done(self, i: int, h, cache: KVCache, exact: bool) -> None:
+        """Called after layer i is built (a family may schedule evaluation here)."""
+
     def forward(self, ids: mx.array, cache: KVCache, *, exact: bool, all_logits: bool = False,
                 logits: bool = True):
         """Run ids [1, L] at positions cache.offset.. and advance the cache by L.
@@ -131,12 +143,11 @@ class DenseModel:
         Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None."""
         L = ids.shape[1]
         cache.reserve(cache.offset + L)
-        lin = Linear.exact if exact else Linear.__call__
         h = self.embed.embed(ids)
         for i, ly in enumerate(self.layers):
             h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, exact)
-            x = mx.fast.rms_norm(h, ly.post_norm, self.eps)
-            h = h + lin(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)))
+            h = h + self._mlp(ly, mx.fast.rms_norm(h, ly.post_norm, self.eps), exact)
+            self._layer_done(i, h, cache, exact)
         cache.offset += L
         if not logits:
             return None

@@ -12,16 +12,24 @@ def _kind(module: str) -> str:
         return "embedding"
     if module == "lm_head":
         return "lm_head"
+    if ".switch_mlp." in module:
+        return "experts"
+    if module.endswith(".mlp.gate"):
+        return "router"
     return "attention" if ".self_attn." in module else "mlp"
 
 
 def quant_summary(cfg: ModelConfig) -> "OrderedDict[str, str]":
     kinds: "OrderedDict[str, set]" = OrderedDict()
-    for name in cfg.linear_shapes():
+    for name in list(cfg.linear_shapes()) + list(cfg.expert_shapes()):
         q = cfg.quant_for(name)
         kinds.setdefault(_kind(name), set()).add(
             f"{q[1]}-bit/g{q[0]}" if q else cfg.dtype)
     return OrderedDict((k, ", ".join(sorted(v))) for k, v in kinds.items())
+
+
+def _count(n: int) -> str:
+    return f"{n:,} ({n / 1e9:.2f}B)" if n >= 1e8 else f"{n:,}"
 
 
 def _gib(n: int) -> str:
@@ -40,6 +48,19 @@ def describe(path) -> str:
         ("KV heads", cfg.num_kv_heads),
         ("head dim", cfg.head_dim),
         ("intermediate size", cfg.intermediate_size),
+    ]
+    if cfg.is_moe:
+        moe = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
+        rows += [
+            ("experts", f"{cfg.num_experts} ({cfg.num_experts_per_tok} per token)"),
+            ("active experts", f"{cfg.num_experts_per_tok} of {cfg.num_experts}"
+                               f"{', renormalised' if cfg.norm_topk_prob else ''}"),
+            ("expert intermediate size", cfg.moe_intermediate_size),
+            ("MoE layers", f"{len(moe)} of {cfg.num_layers}"
+                           + (f" (dense MLP: {', '.join(str(i) for i in range(cfg.num_layers) if i not in moe)})"
+                              if len(moe) < cfg.num_layers else "")),
+        ]
+    rows += [
         ("vocab", cfg.vocab_size),
         ("max positions", cfg.max_position),
         ("tied embeddings", "yes" if cfg.tie_embeddings else "no"),
@@ -48,8 +69,11 @@ def describe(path) -> str:
     for kind, q in quant_summary(cfg).items():
         rows.append((f"weights: {kind}", q))
     params = cfg.param_count()
+    rows.append(("parameters", _count(params)))
+    if cfg.is_moe:
+        active = cfg.active_param_count()
+        rows.append(("active parameters", f"{_count(active)} per token"))
     rows += [
-        ("parameters", f"{params:,} ({params / 1e9:.2f}B)" if params >= 1e8 else f"{params:,}"),
         ("memory: weights", _gib(cfg.weight_bytes())),
         ("memory: KV cache, 32k tokens", _gib(cfg.kv_bytes(32768))),
     ]

@@ -1,0 +1,257 @@
+"""Sparse MoE family: qwen3_moe (the Qwen3-30B-A3B layout). Attention, norms, RoPE, embedding,
+LM head and the two-path structure are DenseModel's (dense.py); only the MLP differs.
+
+- Weights: stacked experts ``model.layers.{i}.mlp.switch_mlp.{gate,up,down}_proj.weight``
+  [E, out, in] (quantized: uint32 + scales / biases stacked likewise, as mlx-community stores
+  them) or Hugging Face's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (stacked at
+  load, as mlx-lm's sanitize does). Router ``mlp.gate`` [E, hidden]. Layers listed in
+  ``mlp_only_layers`` (or off the ``decoder_sparse_step`` pattern) have the dense MLP.
+- Prefill (`exact=False`): mlx-lm's Qwen3MoeSparseMoeBlock / SwitchGLU op for op (softmax,
+  argpartition top-k, gather_qmm / gather_mm with the same sort / unsort), so the logits equal
+  mlx-lm's bit for bit. Each layer's outputs (hidden state and its KV writes) go to a native
+  ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
+  its intermediates stay bounded by two layers of one grid chunk.
+- Decode (`exact=True`): router in fp32 (row-exact matmul), softmax in fp32 per row, a
+  deterministic top-k (score descending, ties to the lower expert id), the routed experts
+  through ``kernels.row_expert_matmul`` and the k expert outputs combined in fp32 in that fixed
+  order. Row i's bits do not depend on the other rows or on the experts they chose.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .. import _ext
+from ..errors import CheckpointError
+from .config import ModelConfig
+from .dense import DenseModel, Layer, swiglu
+from .loader import Linear, take_linear
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QueueStats(NamedTuple):
+    """What the last prefill forward's LayerQueue saw."""
+    depth: int
+    max_in_flight: int
+    pushed: int
+
+
+class Experts:
+    """One stacked expert projection [E, out, in], quantized (MLX affine) or not."""
+
+    __slots__ = ("weight", "scales", "biases", "group_size", "bits", "shape")
+
+    def __init__(self, weight, scales=None, biases=None, group_size=None, bits=None, shape=None):
+        self.weight, self.scales, self.biases = weight, scales, biases
+        self.group_size, self.bits, self.shape = group_size, bits, shape
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    def arrays(self) -> list:
+        return [a for a in (self.weight, self.scales, self.biases) if a is not None]
+
+    def gather(self, x, indices, sorted_indices: bool):
+        """mlx-lm's (Quantized)SwitchLinear.__call__ (no bias)."""
+        if self.quantized:
+            return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
+                                 transpose=True, group_size=self.group_size, bits=self.bits,
+                                 mode="affine", sorted_indices=sorted_indices)
+        w = self.weight.swapaxes(-1, -2)
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU GatherMM is float32-only (mlx-lm itself raises there): same op in fp32,
+            # rounded once to x's dtype. GPU backends take mlx-lm's exact call below.
+            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
+                                sorted_indices=sorted_indices).astype(x.dtype)
+        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def exact(self, x, indices):
+        """Row-exact: [..., K] x [..., k] -> [..., k, N]."""
+        from .. import kernels
+        return kernels.row_expert_matmul(x, self.weight, self.scales, self.biases, indices,
+                                         self.group_size or 64, self.bits or 0)
+
+
+def _stacked(cfg: ModelConfig, w: dict, layer: int, proj: str, suffix: str):
+    """The stacked tensor, or the per-expert HF tensors stacked (None when absent)."""
+    p = f"model.layers.{layer}.mlp"
+    t = w.get(f"{p}.switch_mlp.{proj}.{suffix}")
+    if t is not None:
+        return t
+    parts = [w.get(f"{p}.experts.{e}.{proj}.{suffix}") for e in range(cfg.num_experts)]
+    if all(a is None for a in parts):
+        return None
+    missing = [e for e, a in enumerate(parts) if a is None]
+    if missing:
+        raise CheckpointError(f"{cfg.path}: {p}.experts.{{e}}.{proj}.{suffix} missing for experts "
+                              f"{missing[:8]}{'...' if len(missing) > 8 else ''}")
+    if len({(tuple(a.shape), a.dtype) for a in parts}) != 1:
+        raise CheckpointError(f"{cfg.path}: {p}.experts.*.{proj}.{suffix} differ in shape or dtype")
+    return mx.stack(parts)
+
+
+def take_experts(cfg: ModelConfig, w: dict, layer: int, proj: str) -> Experts:
+    name = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
+    E, out_dim, in_dim = cfg.expert_shapes()[name]
+    weight = _stacked(cfg, w, layer, proj, "weight")
+    if weight is None:
+        raise CheckpointError(f"{cfg.path}: missing tensor {name}.weight "
+                              f"(or model.layers.{layer}.mlp.experts.{{e}}.{proj}.weight)")
+    scales = _stacked(cfg, w, layer, proj, "scales")
+    if scales is None:
+        if tuple(weight.shape) != (E, out_dim, in_dim):
+            raise CheckpointError(f"{cfg.path}: {name}.weight has shape {tuple(weight.shape)}, "
+                                  f"expected {(E, out_dim, in_dim)}")
+        if weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+            raise CheckpointError(f"{cfg.path}: {name}.weight has unsupported dtype {weight.dtype}")
+        return Experts(weight, shape=(E, out_dim, in_dim))
+    q = cfg.quant_for(name)
+    if q is None:
+        raise CheckpointError(f"{cfg.path}: {name} is quantized but config.json has no quantization for it")
+    gs, bits = q
+    biases = _stacked(cfg, w, layer, proj, "biases")
+    want_w = (E, out_dim, in_dim * bits // 32)
+    want_s = (E, out_dim, in_dim // gs)
+    if weight.dtype != mx.uint32 or tuple(weight.shape) != want_w or tuple(scales.shape) != want_s \
+            or biases is None or tuple(biases.shape) != want_s:
+        raise CheckpointError(
+            f"{cfg.path}: {name} does not match {bits}-bit group-{gs} quantization of {E} experts "
+            f"{out_dim}x{in_dim} (weight {tuple(weight.shape)} {weight.dtype}, scales "
+            f"{tuple(scales.shape) if scales is not None else None})")
+    return Experts(weight, scales, biases, group_size=gs, bits=bits, shape=(E, out_dim, in_dim))
+
+
+class MoEBlock:
+    def __init__(self, cfg: ModelConfig, w: dict, i: int):
+        self.router = take_linear(cfg, w, f"model.layers.{i}.mlp.gate")
+        self.gate, self.up, self.down = (take_experts(cfg, w, i, p) for p in PROJS)
+
+
+# ---- mlx-lm's SwitchGLU helpers (switch_layers.py), same ops ---------------------------------
+
+def _gather_sort(x, indices):
+    *_, M = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], indices[order], inv_order
+
+
+def _scatter_unsort(x, inv_order, shape=None):
+    x = x[inv_order]
+    if shape is not None:
+        x = mx.unflatten(x, 0, shape)
+    return x
+
+
+def topk_deterministic(scores: mx.array, k: int) -> mx.array:
+    """Indices [..., k] (int32) of the k largest scores along the last axis, ordered by
+    (score descending, expert id ascending): ties go to the lower id. Pure comparisons and
+    integer sums, so each row's answer depends on that row only."""
+    E = scores.shape[-1]
+    ids = mx.arange(E, dtype=mx.int32)
+    a = mx.expand_dims(scores, -1)          # [..., E, 1]   the expert being ranked
+    b = mx.expand_dims(scores, -2)          # [..., 1, E]   every other expert
+    before = (b > a) | ((b == a) & (ids < mx.expand_dims(ids, -1)))
+    rank = before.astype(mx.int32).sum(axis=-1)                       # [..., E], a permutation
+    hit = mx.expand_dims(rank, -2) == mx.arange(k, dtype=mx.int32)[:, None]   # [..., k, E]
+    return (hit.astype(mx.int32) * ids).sum(axis=-1)
+
+
+class MoEModel(DenseModel):
+    """qwen3_moe with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
+
+    queue_depth = 2
+
+    def __init__(self, cfg: ModelConfig, weights: dict):
+        self._queue = None
+        self.last_queue = None      # QueueStats of the last prefill forward (instrumentation)
+        super().__init__(cfg, weights)
+
+    def _make_layer(self, cfg: ModelConfig, weights: dict, i: int) -> Layer:
+        if not cfg.moe_layer(i):
+            return Layer(cfg, weights, i)
+        ly = Layer(cfg, weights, i, dense_mlp=False)
+        ly.moe = MoEBlock(cfg, weights, i)
+        return ly
+
+    def _linears(self) -> list[Linear]:
+        lins = super()._linears()
+        return lins + [ly.moe.router for ly in self.layers if getattr(ly, "moe", None) is not None]
+
+    def parameters(self) -> list[mx.array]:
+        out = super().parameters()
+        for ly in self.layers:
+            m = getattr(ly, "moe", None)
+            if m is not None:
+                for e in (m.gate, m.up, m.down):
+                    out += e.arrays()
+        return out
+
+    # ---- the MLP of a layer ----------------------------------------------------------------
+    def _mlp(self, ly: Layer, x, exact: bool):
+        m = getattr(ly, "moe", None)
+        if m is None:
+            return super()._mlp(ly, x, exact)
+        return self._moe_exact(m, x) if exact else self._moe_prefill(m, x)
+
+    def _moe_prefill(self, m: MoEBlock, x):
+        """mlx-lm's Qwen3MoeSparseMoeBlock.__call__ + SwitchGLU.__call__, op for op."""
+        k = self.cfg.num_experts_per_tok
+        gates = m.router(x)
+        gates = mx.softmax(gates, axis=-1, precise=True)
+        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.cfg.norm_topk_prob:
+            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        xe = mx.expand_dims(x, (-2, -3))
+        do_sort = inds.size >= 64
+        idx, inv_order = inds, None
+        if do_sort:
+            xe, idx, inv_order = _gather_sort(xe, inds)
+        x_up = m.up.gather(xe, idx, do_sort)
+        x_gate = m.gate.gather(xe, idx, do_sort)
+        y = m.down.gather(swiglu(x_gate, x_up), idx, do_sort)
+        if do_sort:
+            y = _scatter_unsort(y, inv_order, inds.shape)
+        y = y.squeeze(-2)
+        return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def _moe_exact(self, m: MoEBlock, x):
+        """Row-exact routed MLP: fp32 router / softmax / deterministic top-k, row_expert_matmul,
+        fp32 combination in rank order."""
+        k = self.cfg.num_experts_per_tok
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])                                   # [R, D]
+        logits = m.router.exact(x2.astype(mx.float32))                  # [R, E] fp32
+        gates = mx.softmax(logits, axis=-1, precise=True)
+        inds = topk_deterministic(gates, k)                             # [R, k]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.cfg.norm_topk_prob:
+            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        h = swiglu(m.gate.exact(x2, inds), m.up.exact(x2, inds))       # [R, k, F]
+        R, F = x2.shape[0], h.shape[-1]
+        y = m.down.exact(h.reshape(R * k, F), inds.reshape(R * k, 1)).reshape(R, k, shape[-1])
+        acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
+        for j in range(1, k):
+            acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
+        return acc.astype(x.dtype).reshape(shape)
+
+    # ---- bounded prefill -------------------------------------------------------------------
+    def _layer_done(self, i: int, h, cache, exact: bool) -> None:
+        if self._queue is not None:
+            self._queue.push([h, cache.keys[i], cache.values[i]])
+
+    def forward(self, ids: mx.array, cache, *, exact: bool, all_logits: bool = False,
+                logits: bool = True):
+        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
+        try:
+            return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
+        finally:
+            q, self._queue = self._queue, None
+            if q is not None:   # keep the numbers, not the queue (it references the last layers)
+                self.last_queue = QueueStats(q.depth, q.max_in_flight, q.pushed)

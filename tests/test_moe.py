@@ -1,0 +1,323 @@
+"""MoE family (qwen3_moe): prefill == mlx-lm bitwise, row_expert_matmul row-exactness and
+accuracy, deterministic top-k, LayerQueue prefill, bounded prefill memory, loading / info.
+
+Drafted == serial and resumed == fresh for this family run in the shared harnesses of
+tests/test_engine.py and tests/test_prompt_cache.py (MoE checkpoints added there)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold import kernels as K
+from tensorfold.errors import CheckpointError
+from tensorfold.models import MoEModel, load_model
+from tensorfold.models.info import describe
+from tensorfold.models.moe import topk_deterministic
+from tensorfold.testing import write_checkpoint
+
+
+def _ids(vocab, n, seed=0):
+    return mx.array([np.random.default_rng(seed).integers(3, vocab, size=n).tolist()])
+
+
+def _bits(a):
+    a = np.asarray(a.astype(mx.float32)) if a.dtype == mx.bfloat16 else np.asarray(a)
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+# ---------------------------------------------------------------- prefill == mlx-lm
+
+MLX_LM_CASES = {
+    "hf_f32": dict(layout="hf", dtype="float32"),
+    "mlx_f32_dense0": dict(layout="mlx", dtype="float32", mlp_only_layers=[0]),
+    "mlx_4bit": dict(layout="mlx", bits=4),
+    "mlx_4bit_dense1": dict(layout="mlx", bits=4, mlp_only_layers=[1], norm_topk_prob=False),
+    "mlx_8bit_f16_step2": dict(layout="mlx", bits=8, dtype="float16", layers=3, decoder_sparse_step=2),
+    "mlx_3bit_router4": dict(layout="mlx", bits=3, router_bits=None, num_experts=16, experts_per_tok=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MLX_LM_CASES))
+def test_prefill_logits_equal_mlx_lm(tmp_path, case):
+    """Same ops as mlx-lm's qwen3_moe (gather_qmm / gather_mm, sort/unsort) -> equal bits,
+    for prompts below (no sort) and above (sort) SwitchGLU's 64-index threshold."""
+    import mlx_lm
+
+    path = write_checkpoint(tmp_path / case, family="qwen3_moe", seed=len(case), **MLX_LM_CASES[case])
+    ours = load_model(path)
+    assert isinstance(ours, MoEModel)
+    ref, _ = mlx_lm.load(str(path))
+    for n in (5, 41):
+        x = _ids(ours.cfg.vocab_size, n, seed=n)
+        want = ref(x)[0]
+        cache = ours.new_cache()
+        rows = ours.forward(x, cache, exact=False, all_logits=True)
+        assert cache.offset == n
+        assert mx.array_equal(rows, want).item(), (case, n)
+        last = ours.forward(x, ours.new_cache(), exact=False)
+        assert mx.array_equal(last[0], want[-1]).item()
+
+
+def test_chunked_prefill_matches_mlx_lm_cache(checkpoints):
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = checkpoints["qwen3_moe_mlx_4bit"]
+    ours = load_model(path)
+    ref, _ = mlx_lm.load(str(path))
+    ids = _ids(ours.cfg.vocab_size, 150, seed=1)[0].tolist()
+    c, rc = ours.new_cache(), make_prompt_cache(ref)
+    for s, e in [(0, 64), (64, 128), (128, 150)]:
+        a = ours.forward(mx.array([ids[s:e]]), c, exact=False)
+        b = ref(mx.array([ids[s:e]]), cache=rc)[0, -1:]
+        assert mx.array_equal(a, b).item()
+
+
+def test_bf16_float_experts_run_on_cpu(tmp_path):
+    """mlx-lm cannot run an unquantized bf16 MoE on MLX's CPU backend (GatherMM is float32
+    only); ours upcasts that one op there. Close to the float32 checkpoint of the same seed."""
+    a = load_model(write_checkpoint(tmp_path / "bf", family="qwen3_moe", layout="hf", seed=4))
+    b = load_model(write_checkpoint(tmp_path / "f32", family="qwen3_moe", layout="hf", seed=4,
+                                    dtype="float32"))
+    x = _ids(a.cfg.vocab_size, 70, seed=2)
+    la = a.forward(x, a.new_cache(), exact=False, all_logits=True).astype(mx.float32)
+    lb = b.forward(x, b.new_cache(), exact=False, all_logits=True)
+    assert mx.isfinite(la).all().item()
+    close = (mx.abs(la - lb).max(axis=-1) < 0.1 * mx.abs(lb).max()).astype(mx.float32).mean().item()
+    assert close > 0.8, close      # bf16 routing may flip a near-tie on some rows
+
+
+def test_exact_decode_close_to_prefill(checkpoints):
+    """float32 checkpoint: the row-exact decode path computes the same function (to fp32
+    rounding; routing ties aside)."""
+    m = load_model(checkpoints["qwen3_moe_hf_f32"])
+    x = _ids(m.cfg.vocab_size, 24, seed=3)
+    a = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    c = m.new_cache()
+    m.forward(x[:, :14], c, exact=False, logits=False)
+    b = m.forward(x[:, 14:], c, exact=True, all_logits=True)
+    err = (mx.abs(a[14:] - b).max() / mx.abs(a).max()).item()
+    assert err < 1e-4, err
+
+
+# ---------------------------------------------------------------- row_expert_matmul
+
+def _experts(rng, E, N, Kd, bits, wdtype, gs=64):
+    w = mx.array(rng.standard_normal((E, N, Kd), dtype=np.float32) / np.sqrt(Kd)).astype(wdtype)
+    if bits is None:
+        return w, None, None, w
+    wq, s, b = mx.quantize(w, gs, bits)
+    return wq, s, b, mx.dequantize(wq, s, b, gs, bits)
+
+
+EXPERT_CASES = [  # (bits, weight / scale dtype, x dtype, K, N, group)
+    (4, mx.bfloat16, mx.bfloat16, 128, 48, 64),
+    (3, mx.bfloat16, mx.bfloat16, 256, 40, 64),
+    (8, mx.float16, mx.float16, 96, 33, 32),
+    (6, mx.bfloat16, mx.float32, 128, 20, 128),
+    (None, mx.bfloat16, mx.bfloat16, 80, 24, 64),
+    (None, mx.float32, mx.float32, 1040, 17, 64),    # K > the 512-wide chunk, ragged N
+]
+
+
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
+def test_row_expert_matmul_row_exact(case):
+    bits, wdt, xdt, Kd, N, gs = EXPERT_CASES[case]
+    rng = np.random.default_rng(100 + case)
+    E, k = 6, 3
+    w, s, b, w_hat = _experts(rng, E, N, Kd, bits, wdt, gs)
+    x = mx.array(rng.standard_normal((16, Kd), dtype=np.float32)).astype(xdt)
+    idx = rng.integers(0, E, size=(16, k)).astype(np.int32)
+    idx[3] = [2, 2, 2]                      # repeats within a row
+    idx[7] = [5, 0, 5]
+    ind = mx.array(idx)
+    full = K.row_expert_matmul(x, w, s, b, ind, gs, bits or 0)
+    mx.eval(full)
+    assert full.shape == (16, k, N) and full.dtype == xdt
+    alone = [K.row_expert_matmul(x[i:i + 1], w, s, b, ind[i:i + 1], gs, bits or 0) for i in range(16)]
+    # the same bits as the 2-D row-exact kernel on that expert's weight
+    for i in (0, 3, 7, 15):
+        for j in range(k):
+            e = int(idx[i, j])
+            ref = (K.row_quantized_matmul(x[i:i + 1], w[e], s[e], b[e], gs, bits) if bits
+                   else K.row_matmul(x[i:i + 1], w[e]))
+            assert np.array_equal(_bits(full[i, j]), _bits(ref[0]))
+    for M in range(1, 17):
+        # other rows: huge garbage, other (random) expert choices
+        xg = mx.array(rng.standard_normal((M, Kd), dtype=np.float32) * 1e4).astype(xdt)
+        ig = rng.integers(0, E, size=(M, k)).astype(np.int32)
+        pos = int(rng.integers(0, M))
+        i = int(rng.integers(0, 16))
+        xg[pos] = x[i]
+        ig[pos] = idx[i]
+        got = K.row_expert_matmul(xg, w, s, b, mx.array(ig), gs, bits or 0)
+        assert np.array_equal(_bits(got[pos]), _bits(alone[i][0])), (M, pos, i)
+    for i in range(16):
+        assert np.array_equal(_bits(full[i]), _bits(alone[i][0]))
+    # accuracy vs float64, against MLX's own gather op on the same inputs
+    x64 = np.asarray(x.astype(mx.float32), dtype=np.float64)
+    wh = np.asarray(w_hat.astype(mx.float32), dtype=np.float64)
+    ref64 = np.einsum("rk,rjnk->rjn", x64, wh[idx])
+    xe = mx.expand_dims(x, (-2, -3))
+    if bits:
+        own = mx.gather_qmm(xe, w, s, b, rhs_indices=ind, transpose=True, group_size=gs, bits=bits)
+    else:
+        own = mx.gather_mm(xe.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32),
+                           rhs_indices=ind).astype(xdt)
+    own = np.asarray(own.squeeze(-2).astype(mx.float32), dtype=np.float64)
+    ours = np.asarray(full.astype(mx.float32), dtype=np.float64)
+    ulp = {mx.float32: 2.0 ** -23, mx.bfloat16: 2.0 ** -8, mx.float16: 2.0 ** -11}[xdt]
+    rounding = ulp * np.abs(ref64).max()
+    err_ours, err_own = np.abs(ours - ref64).max(), np.abs(own - ref64).max()
+    assert err_ours <= 2 * err_own + rounding, (err_ours, err_own, rounding)
+
+
+def test_row_expert_matmul_errors_and_bad_index():
+    rng = np.random.default_rng(0)
+    w, s, b, _ = _experts(rng, 4, 16, 64, 4, mx.bfloat16)
+    x = mx.ones((2, 64), mx.bfloat16)
+    out = K.row_expert_matmul(x, w, s, b, mx.array([[0, 9], [3, -1]], dtype=mx.int32), 64, 4)
+    o = np.asarray(out.astype(mx.float32))
+    assert np.isfinite(o[0, 0]).all() and np.isnan(o[0, 1]).all() and np.isnan(o[1, 1]).all()
+    with pytest.raises(ValueError):
+        K.row_expert_matmul(mx.ones((2, 32), mx.bfloat16), w, s, b, mx.zeros((2, 1), mx.int32), 64, 4)
+    with pytest.raises(ValueError):
+        K.row_expert_matmul(x, w, s, b, mx.zeros((3, 1), mx.int32), 64, 4)
+    with pytest.raises(ValueError):
+        K.row_expert_matmul(x, w[0], s[0], b[0], mx.zeros((2, 1), mx.int32), 64, 4)
+
+
+# ---------------------------------------------------------------- top-k
+
+def test_topk_deterministic_ties():
+    s = mx.array([[0.1, 0.3, 0.3, 0.2, 0.3], [0.5, 0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.9, 0.0, 0.1]])
+    assert topk_deterministic(s, 3).tolist() == [[1, 2, 4], [0, 1, 2], [2, 4, 0]]
+    rng = np.random.default_rng(0)
+    v = rng.integers(0, 6, size=(64, 32)).astype(np.float32) / 8     # many ties
+    got = np.asarray(topk_deterministic(mx.array(v), 8))
+    for r in range(64):
+        want = np.lexsort((np.arange(32), -v[r]))[:8]          # score desc, then id asc
+        assert got[r].tolist() == want.tolist()
+    # a row's answer does not depend on the other rows
+    one = np.asarray(topk_deterministic(mx.array(v[5:6]), 8))
+    assert one[0].tolist() == got[5].tolist()
+
+
+# ---------------------------------------------------------------- LayerQueue + memory
+
+def test_layer_queue_prefill_bounded_and_equal(checkpoints, monkeypatch):
+    m = load_model(checkpoints["qwen3_moe_mlx_4bit"])
+    x = _ids(m.cfg.vocab_size, 90, seed=5)
+    a = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    q = m.last_queue
+    assert q.depth == 2 and q.max_in_flight <= 2 and q.pushed == m.cfg.num_layers
+    monkeypatch.setattr(m, "_layer_done", lambda *a: None)       # the plain path: one graph
+    b = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    assert mx.array_equal(a, b).item()
+    before = m.last_queue
+    m.forward(x[:, :3], m.new_cache(), exact=True)                 # decode: no queue
+    assert m.last_queue is before
+
+
+def test_prefill_peak_memory_flat(tmp_path):
+    """Peak memory of the engine's grid prefill, prompts of 1, 2 and 4 grid cells.
+
+    On MLX's CPU backend scaled_dot_product_attention is the unfused fallback: it
+    materialises the [H, L, offset+L] score matrix of the chunk, which grows with the prompt
+    for ANY family (the dense one included) -- a property of MLX's CPU attention, not of the
+    MLP. So the measure is differential: (peak - weights - KV) of the MoE model minus the same
+    quantity for a dense qwen3 model with the identical attention (same seed, shapes, grid).
+    That difference must stay flat: within 2 MiB across 1 -> 4 cells (one chunk's MoE
+    activations are ~2-4 MiB here and a per-chunk leak would add >= 3 of them; measured
+    drift is ~0.5 MiB, allocator rounding). grid=1024 instead of 2048 keeps the CPU time
+    down (the quadratic CPU attention dominates); the memory structure is the same."""
+    from tensorfold.engine.prefill import PrefillMode, prefill
+
+    grid = 1024
+    kw = dict(layout="hf", dtype="float32", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, seed=1)
+    moe = load_model(write_checkpoint(tmp_path / "moe", family="qwen3_moe", num_experts=8,
+                                      experts_per_tok=2, moe_intermediate=64, **kw))
+    dense = load_model(write_checkpoint(tmp_path / "dense", family="qwen3", intermediate=128, **kw))
+    excess = {}
+    for name, m in (("moe", moe), ("dense", dense)):
+        mx.eval(m.parameters())
+        for cells in (1, 2, 4):
+            ids = np.random.default_rng(cells).integers(3, m.cfg.vocab_size, grid * cells).tolist()
+            mx.clear_cache()
+            base = mx.get_active_memory()        # the weights (and nothing else) are live here
+            mx.reset_peak_memory()
+            c = m.new_cache()
+            mx.eval(prefill(m, c, ids, PrefillMode(grid=grid)))
+            kv = sum(a.nbytes for a in c.arrays())
+            excess[name, cells] = mx.get_peak_memory() - base - kv
+            del c
+        if name == "moe":
+            assert m.last_queue.max_in_flight <= 2
+    diff = [(excess["moe", c] - excess["dense", c]) / 2**20 for c in (1, 2, 4)]
+    assert max(diff) - min(diff) < 2.0, (diff, excess)
+
+
+# ---------------------------------------------------------------- loading, config, info
+
+def test_hf_and_mlx_layouts_load_the_same(tmp_path):
+    a = load_model(write_checkpoint(tmp_path / "hf", family="qwen3_moe", layout="hf", dtype="float32", seed=3))
+    b = load_model(write_checkpoint(tmp_path / "mlx", family="qwen3_moe", layout="mlx", dtype="float32", seed=3))
+    x = _ids(a.cfg.vocab_size, 9)
+    assert mx.array_equal(a.forward(x, a.new_cache(), exact=True, all_logits=True),
+                          b.forward(x, b.new_cache(), exact=True, all_logits=True)).item()
+    assert sum(p.size for p in a.parameters()) == a.cfg.param_count()
+
+
+def test_bad_moe_checkpoints(tmp_path):
+    import shutil
+
+    p = write_checkpoint(tmp_path / "m", family="qwen3_moe", layout="mlx", bits=4, seed=1)
+    bad = tmp_path / "bad"
+    shutil.copytree(p, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 128            # weights are 64 wide
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="switch_mlp"):
+        load_model(bad)
+    for key, val in (("num_experts_per_tok", 99), ("mlp_only_layers", [7]), ("num_experts", 0),
+                     ("decoder_sparse_step", 0)):
+        c2 = dict(cfg, moe_intermediate_size=64, **{key: val})
+        (bad / "config.json").write_text(json.dumps(c2))
+        with pytest.raises(CheckpointError):
+            load_model(bad)
+    hf = write_checkpoint(tmp_path / "hf", family="qwen3_moe", layout="hf", seed=1)
+    w = mx.load(str(hf / "model.safetensors"))
+    del w["model.layers.1.mlp.experts.3.up_proj.weight"]
+    mx.save_safetensors(str(hf / "model.safetensors"), w)
+    with pytest.raises(CheckpointError, match=r"missing for experts \[3\]"):
+        load_model(hf)
+
+
+def test_info_describes_moe(checkpoints):
+    text = describe(checkpoints["qwen3_moe_mlx_4bit"])
+    for want in ("qwen3_moe", "experts", "active experts", "8 (2 per token)", "active parameters",
+                 "weights: experts", "4-bit/g64", "weights: router", "8-bit/g64", "KV cache, 32k tokens"):
+        assert want in text, (want, text)
+    from tensorfold.models.config import ModelConfig
+    cfg = ModelConfig.from_dir(checkpoints["qwen3_moe_mlx_4bit"])
+    m = load_model(checkpoints["qwen3_moe_mlx_4bit"])
+    assert cfg.weight_bytes() == sum(p.nbytes for p in m.parameters())
+
+
+def test_qwen3_30b_a3b_shape_counts(tmp_path):
+    """The real model's config.json: 30.5B parameters, 3.3B active (Qwen's published numbers)."""
+    from tensorfold.models.config import ModelConfig
+    raw = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+           "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "norm_topk_prob": True, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+           "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+           "torch_dtype": "bfloat16"}
+    cfg = ModelConfig.from_dict(raw, tmp_path)
+    assert 30.4e9 < cfg.param_count() < 30.6e9
+    assert 3.2e9 < cfg.active_param_count() < 3.4e9
