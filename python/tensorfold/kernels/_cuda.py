@@ -37,6 +37,8 @@ _KERNELS = {
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
+    "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
+    "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
 }
 
 
@@ -168,6 +170,37 @@ def sparse_attention(q, k, v, indices, offset, scale, stream):
         threadgroup=(32 * SPARSE_WARPS, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
+
+
+def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
+    """row_expert_matmul: x [..., K], indices [..., k] -> [..., k, N] (csrc/cuda/row_expert.cu)."""
+    E, N = w.shape[0], w.shape[1]
+    quant = scales is not None
+    K = w.shape[2] * 32 // bits if quant else w.shape[2]
+    if K % 32 != 0:
+        raise ValueError("row_expert_matmul (cuda): K must be a multiple of 32")
+    if quant and bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"row_expert_matmul (cuda): unsupported bits {bits}")
+    topk = indices.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    R = x2.shape[0]
+    idx = indices.reshape(-1).astype(mx.int32)
+    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
+    if quant:
+        out = _kernel("row_expert_qmm", 0)(
+            inputs=[x2, w, scales, biases, idx],
+            template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N), ("E", E),
+                      ("TOPK", topk), ("GS", group_size), ("BITS", bits)],
+            grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
+            output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    else:
+        out = _kernel("row_expert_mm", 0)(
+            inputs=[x2, w, idx],
+            template=[("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", topk)],
+            grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
+            output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    return out.reshape(*lead, topk, N)
 
 
 # ---------------------------------------------------------------- offline syntax check
