@@ -71,3 +71,37 @@ def test_distribution_matches_softmax_chi_square():
 def test_prompt_seed_is_a_hash_of_the_prompt():
     assert prompt_seed([1, 2, 3]) == prompt_seed([1, 2, 3])
     assert prompt_seed([1, 2, 3]) != prompt_seed([1, 2, 4])
+
+
+def _reference_keep(logits, p):
+    """Brute force: full sort by (value desc, id asc), then the same rules."""
+    x = logits.astype(np.float64) / p.temperature
+    ids = np.arange(len(x))
+    keep = np.ones(len(x), bool)
+    if p.top_k:
+        order = np.lexsort((ids, -x))
+        keep[:] = False
+        keep[order[: p.top_k]] = True
+    if p.min_p:
+        keep &= (x - x[keep].max()) >= np.log(p.min_p)
+    if p.top_p < 1.0:
+        top = x[keep].max()
+        z = np.sum(np.exp(x[keep] - top))
+        order = [i for i in np.lexsort((ids, -x)) if keep[i]]
+        cum = np.cumsum(np.exp(x[order] - top)) / z
+        n = int(np.searchsorted(cum, p.top_p, side="left")) + 1
+        keep[:] = False
+        keep[order[:n]] = True
+    return keep
+
+
+def test_filters_match_brute_force_on_large_vocab_with_ties():
+    rng = np.random.default_rng(5)
+    for trial in range(12):
+        v = int(rng.choice([50, 3000, 40000]))
+        logits = np.round(rng.normal(size=v) * float(rng.choice([0.5, 3.0])), 1).astype(np.float32)  # many ties
+        p = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 4.0])),
+                           top_p=float(rng.choice([1.0, 0.5, 0.9, 0.999])),
+                           top_k=int(rng.choice([0, 1, 7, 2000])), min_p=float(rng.choice([0.0, 0.02])))
+        got = np.isfinite(filtered_logits(logits, p))
+        assert np.array_equal(got, _reference_keep(logits, p)), (trial, p)

@@ -24,11 +24,13 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def keyed_uniforms(seed: int, position: int, n: int) -> np.ndarray:
-    """Uniforms in (0, 1), one per token id 0..n-1, for (seed, position)."""
+def keyed_uniforms(seed: int, position: int, n: int, ids: np.ndarray | None = None) -> np.ndarray:
+    """Uniforms in (0, 1), one per token id (0..n-1, or the given ids), for (seed, position)."""
+    if ids is None:
+        ids = np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         base = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _mix(np.uint64(position) * _G + _G))
-        h = _mix(base + np.arange(1, n + 1, dtype=np.uint64) * _G)
+        h = _mix(base + (ids.astype(np.uint64) + np.uint64(1)) * _G)
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
 
 
@@ -38,35 +40,47 @@ def prompt_seed(token_ids) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
-def _order(x: np.ndarray) -> np.ndarray:
-    """Indices by value desc, id asc."""
-    return np.lexsort((np.arange(x.shape[0]), -x))
+def _top(x: np.ndarray, m: int) -> np.ndarray:
+    """Ids of the m largest finite-or-not values, ordered by (value desc, id asc); ties at the
+    boundary are all included before ordering, so the result does not depend on partitioning."""
+    n = x.shape[0]
+    if m < n:
+        part = np.argpartition(-x, m - 1)[:m]
+        cand = np.flatnonzero(x >= x[part].min())
+    else:
+        cand = np.arange(n)
+    return cand[np.lexsort((cand, -x[cand]))]
 
 
 def filtered_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Temperature-scaled float64 logits with filtered-out ids at -inf."""
     x = logits.astype(np.float64) / p.temperature
-    keep = np.isfinite(x)
+    x = np.where(np.isfinite(x), x, -np.inf)
     if p.top_k and 0 < p.top_k < x.shape[0]:
-        kth = _order(x)[: p.top_k]
-        mask = np.zeros_like(keep)
-        mask[kth] = True
-        keep &= mask
+        kth = _top(x, p.top_k)[: p.top_k]
+        y = np.full_like(x, -np.inf)
+        y[kth] = x[kth]
+        x = y
     if p.min_p and p.min_p > 0.0:
-        m = np.max(x[keep])
-        keep &= (x - m) >= np.log(p.min_p)
+        x = np.where((x - np.max(x)) >= np.log(p.min_p), x, -np.inf)
     if p.top_p and p.top_p < 1.0:
-        idx = _order(np.where(keep, x, -np.inf))
-        idx = idx[keep[idx]]
-        z = x[idx] - x[idx[0]]
-        probs = np.exp(z)
-        probs /= probs.sum()
-        cum = np.cumsum(probs)
+        kept = np.isfinite(x)
+        top = np.max(x)
+        z = np.sum(np.exp(x[kept] - top))          # normaliser over every kept id, in id order
+        n_kept = int(kept.sum())
+        m = min(n_kept, 1024)
+        while True:
+            order = _top(x, m)
+            order = order[np.isfinite(x[order])]
+            cum = np.cumsum(np.exp(x[order] - top)) / z
+            if cum[-1] >= p.top_p or len(order) >= n_kept:
+                break
+            m = min(n_kept, m * 8)                   # rare: a very flat distribution
         n = int(np.searchsorted(cum, p.top_p, side="left")) + 1
-        mask = np.zeros_like(keep)
-        mask[idx[:n]] = True
-        keep &= mask
-    return np.where(keep, x, -np.inf)
+        y = np.full_like(x, -np.inf)
+        y[order[:n]] = x[order[:n]]
+        x = y
+    return x
 
 
 def sample(logits: np.ndarray, seed: int, position: int, p: SamplingParams) -> int:
@@ -74,6 +88,7 @@ def sample(logits: np.ndarray, seed: int, position: int, p: SamplingParams) -> i
     if p.temperature <= 0.0:
         return int(np.argmax(logits))  # first maximum: ties to the lower id
     x = filtered_logits(logits, p)
-    u = keyed_uniforms(seed, position, x.shape[0])
-    g = x - np.log(-np.log(u))
-    return int(np.argmax(g))  # argmax returns the lowest id among equal maxima
+    ids = np.flatnonzero(np.isfinite(x))           # ascending ids
+    u = keyed_uniforms(seed, position, x.shape[0], ids)
+    g = x[ids] - np.log(-np.log(u))
+    return int(ids[np.argmax(g)])  # argmax returns the lowest id among equal maxima
