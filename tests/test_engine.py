@@ -48,6 +48,7 @@ def engines(checkpoints):
         "bf16": Engine(checkpoints["qwen3_hf_bf16"], prefill_mode=mode),
         "qwen2": Engine(checkpoints["qwen2_mlx_4bit_tied"], prefill_mode=mode),
         "moe": Engine(checkpoints["qwen3_moe_mlx_4bit"], prefill_mode=mode),
+        "dsa": Engine(checkpoints["deepseek_v32_mlx_4bit"], prefill_mode=mode),
     }
 
 
@@ -66,7 +67,7 @@ def _case(i: int):
         min_p=float(rng.choice([0.0, 0.0, 0.05])),
         seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**31)))
     proposer = ["context", "draft-model", "mix"][i % 3]
-    model = ["q4", "bf16", "qwen2", "moe"][(i // 3) % 4]
+    model = ["q4", "bf16", "qwen2", "moe", "dsa"][(i // 3) % 5]
     return dict(plen=plen, params=p, proposer=proposer, model=model, seed=int(rng.integers(0, 2**31)),
                 max_tokens=int(rng.integers(8, 40)))
 
@@ -90,7 +91,7 @@ def run_case(eng, drafter_model, *, plen, params, proposer, seed, max_tokens, st
     return stats
 
 
-@pytest.mark.parametrize("i", range(72))
+@pytest.mark.parametrize("i", range(90))
 def test_drafted_equals_serial(engines, drafter, i):
     c = _case(i)
     eng = engines[c.pop("model")]

@@ -57,7 +57,7 @@ def model_path(checkpoints):
 
 @pytest.mark.parametrize("first_len", [1, 9, 23, 40, 75])
 @pytest.mark.parametrize("thinking", [True, False])
-@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_moe_mlx_4bit"])
+@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_moe_mlx_4bit", "deepseek_v32_mlx_4bit"])
 def test_three_turns_resumed_equals_fresh(checkpoints, name, first_len, thinking):
     model_path = checkpoints[name]
     mode = PrefillMode(grid=GRID)

@@ -31,7 +31,16 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
+
+# deepseek_v32's own sizes (write_checkpoint(dsa={...}) overrides any of them). index_topk is
+# small so that short test prompts already use the sparse selected-key attention.
+DSA_DEFAULTS: dict[str, Any] = dict(
+    q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    index_n_heads=8, index_head_dim=32, index_topk=20, n_group=2, topk_group=1,
+    n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, moe_layer_freq=1,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 EOS_TOKEN_IDS = [2, 0]
@@ -292,6 +301,96 @@ def _make_weights(
     return w
 
 
+def _make_dsa_weights(*, vocab: int, hidden: int, layers: int, heads: int, intermediate: int,
+                      tie_embeddings: bool, seed: int, moe: dict, d: dict) -> dict[str, np.ndarray]:
+    """deepseek_v32 weights under mlx-lm's names (embed_q / unembed_out, stacked switch_mlp)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_w(n):
+        return (1.0 + normal((n,), 0.05)).astype(np.float32)
+
+    ql, kvr, rd = d["q_lora_rank"], d["kv_lora_rank"], d["qk_rope_head_dim"]
+    nope, vh, Hi, ihd = d["qk_nope_head_dim"], d["v_head_dim"], d["index_n_heads"], d["index_head_dim"]
+    resid = 1.0 / math.sqrt(2 * layers)
+    w: dict[str, np.ndarray] = {}
+    w["model.embed_tokens.weight"] = normal((vocab, hidden), 2 / math.sqrt(hidden))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w[p + "input_layernorm.weight"] = norm_w(hidden)
+        w[a + "q_a_proj.weight"] = normal((ql, hidden), 1 / math.sqrt(hidden))
+        w[a + "q_a_layernorm.weight"] = norm_w(ql)
+        w[a + "q_b_proj.weight"] = normal((heads * (nope + rd), ql), 1 / math.sqrt(ql))
+        w[a + "kv_a_proj_with_mqa.weight"] = normal((kvr + rd, hidden), 1 / math.sqrt(hidden))
+        w[a + "kv_a_layernorm.weight"] = norm_w(kvr)
+        w[a + "embed_q.weight"] = normal((heads, kvr, nope), 1 / math.sqrt(kvr))
+        w[a + "unembed_out.weight"] = normal((heads, vh, kvr), 1 / math.sqrt(kvr))
+        w[a + "o_proj.weight"] = normal((hidden, heads * vh), resid / math.sqrt(heads * vh))
+        w[a + "indexer.wq_b.weight"] = normal((Hi * ihd, ql), 1 / math.sqrt(ql))
+        w[a + "indexer.wk.weight"] = normal((ihd, hidden), 1 / math.sqrt(hidden))
+        w[a + "indexer.k_norm.weight"] = norm_w(ihd)
+        w[a + "indexer.k_norm.bias"] = normal((ihd,), 0.05)
+        w[a + "indexer.weights_proj.weight"] = normal((Hi, hidden), 1 / math.sqrt(hidden))
+        w[p + "post_attention_layernorm.weight"] = norm_w(hidden)
+        if i >= d["first_k_dense_replace"] and i % d["moe_layer_freq"] == 0:
+            E, f = moe["num_experts"], moe["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = normal((E, hidden), 2 / math.sqrt(hidden))
+            w[p + "mlp.gate.e_score_correction_bias"] = normal((E,), 0.1)
+            w[p + "mlp.switch_mlp.gate_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
+            w[p + "mlp.switch_mlp.up_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
+            w[p + "mlp.switch_mlp.down_proj.weight"] = normal((E, hidden, f), resid / math.sqrt(f))
+            if d["n_shared_experts"]:
+                fs = f * d["n_shared_experts"]
+                w[p + "mlp.shared_experts.gate_proj.weight"] = normal((fs, hidden), 1 / math.sqrt(hidden))
+                w[p + "mlp.shared_experts.up_proj.weight"] = normal((fs, hidden), 1 / math.sqrt(hidden))
+                w[p + "mlp.shared_experts.down_proj.weight"] = normal((hidden, fs), resid / math.sqrt(fs))
+            continue
+        w[p + "mlp.gate_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
+        w[p + "mlp.up_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
+        w[p + "mlp.down_proj.weight"] = normal((hidden, intermediate), resid / math.sqrt(intermediate))
+    w["model.norm.weight"] = norm_w(hidden)
+    if not tie_embeddings:
+        w["lm_head.weight"] = normal((vocab, hidden), 2 / math.sqrt(hidden))
+    return w
+
+
+def _dsa_to_hf(raw: dict[str, np.ndarray], d: dict, heads: int) -> dict[str, np.ndarray]:
+    """mlx-lm's sanitize in reverse: embed_q / unembed_out -> kv_b_proj, per-expert tensors."""
+    out = {}
+    nope = d["qk_nope_head_dim"]
+    for k, v in raw.items():
+        if k.endswith("self_attn.unembed_out.weight"):
+            continue
+        if k.endswith("self_attn.embed_q.weight"):
+            pre = k[: -len("embed_q.weight")]
+            wv = raw[pre + "unembed_out.weight"]                       # [H, v_head, kv_lora]
+            kv = np.concatenate([v.swapaxes(-1, -2), wv], axis=1)      # [H, nope + v_head, kv_lora]
+            assert kv.shape[1] == nope + wv.shape[1]
+            out[pre + "kv_b_proj.weight"] = np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
+            continue
+        if ".mlp.switch_mlp." in k:
+            pre, proj = k.split(".mlp.switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{pre}.mlp.experts.{e}.{proj}"] = np.ascontiguousarray(v[e])
+            continue
+        out[k] = v
+    return dict(sorted(out.items()))
+
+
+def _dsa_quantizable(name: str) -> bool:
+    """What mlx-lm's nn.quantize turns quantized in deepseek_v32: every Linear, the per-head
+    MultiLinears, stacked experts, embedding, lm_head. Not the router (MoEGate) or norms."""
+    if not name.endswith(".weight") or name.endswith(".mlp.gate.weight") or "norm" in name:
+        return False
+    return (name.endswith("_proj.weight") or name.endswith("_mqa.weight")
+            or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight", "embed_q.weight",
+                              "unembed_out.weight"))
+            or name in ("model.embed_tokens.weight", "lm_head.weight"))
+
+
 def _moe_layer(moe: dict, i: int) -> bool:
     """mlx-lm's qwen3_moe rule for a sparse layer."""
     return i not in moe["mlp_only_layers"] and (i + 1) % moe["decoder_sparse_step"] == 0
@@ -352,6 +451,7 @@ def write_checkpoint(
     mlp_only_layers: tuple | list = (),
     norm_topk_prob: bool = True,
     router_bits: int | None = 8,
+    dsa: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a tiny random-weight model directory and return its path.
 
@@ -370,6 +470,16 @@ def write_checkpoint(
     converter / mlx-community do), quantized with `bits` like every Linear; the routers
     ``mlp.gate`` get `router_bits` (8, group 64: mlx-lm's qwen3_moe quant_predicate; None: the
     default bits) recorded per module in config["quantization"].
+
+    family="deepseek_v32" (mlx-lm's deepseek_v32): MLA + lightning indexer + group-limited
+    sigmoid MoE; `dsa` overrides DSA_DEFAULTS (q/kv LoRA ranks, rope/nope/v head dims,
+    index_n_heads / index_head_dim / index_topk, n_group, topk_group, n_shared_experts,
+    routed_scaling_factor, first_k_dense_replace); `num_experts`, `experts_per_tok`,
+    `moe_intermediate`, `norm_topk_prob` as for qwen3_moe. layout="mlx" writes mlx-lm's names
+    (``self_attn.embed_q`` / ``unembed_out`` [H, out, in], stacked ``mlp.switch_mlp``), with
+    `bits` quantizing what mlx-lm's nn.quantize does (not the float router ``mlp.gate`` or its
+    float32 ``e_score_correction_bias``); layout="hf" writes ``self_attn.kv_b_proj`` and
+    per-expert ``mlp.experts.{e}`` as the Hugging Face checkpoints do.
     """
     import mlx.core as mx
 
@@ -388,7 +498,18 @@ def write_checkpoint(
     if shards < 1:
         raise ValueError("shards must be >= 1")
     moe = None
-    if family == "qwen3_moe":
+    dsa_cfg = None
+    if family == "deepseek_v32":
+        unknown = set(dsa or {}) - set(DSA_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown dsa keys {sorted(unknown)}")
+        dsa_cfg = {**DSA_DEFAULTS, **(dsa or {})}
+        if not 0 < experts_per_tok <= num_experts:
+            raise ValueError("need 0 < experts_per_tok <= num_experts")
+        moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_tok,
+                   moe_intermediate_size=moe_intermediate, norm_topk_prob=bool(norm_topk_prob))
+        kv_heads = heads
+    elif family == "qwen3_moe":
         if not 0 < experts_per_tok <= num_experts:
             raise ValueError("need 0 < experts_per_tok <= num_experts")
         if any(not 0 <= i < layers for i in mlp_only_layers):
@@ -494,22 +615,36 @@ def write_checkpoint(
         cfg.update(moe)
     if family in ("qwen3", "qwen3_moe") or explicit_head_dim:
         cfg["head_dim"] = head_dim
+    if dsa_cfg is not None:
+        cfg["architectures"] = [FAMILIES[family]]
+        cfg.update(dsa_cfg)
+        cfg.update(n_routed_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                   moe_intermediate_size=moe["moe_intermediate_size"],
+                   norm_topk_prob=moe["norm_topk_prob"], topk_method="noaux_tc",
+                   scoring_func="sigmoid", indexer_rope_interleave=False)
 
     # ---- weights
-    raw = _make_weights(
-        family=family,
-        vocab=model_vocab,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        tie_embeddings=tie_embeddings,
-        seed=seed,
-        moe=moe,
-    )
-    if moe is not None and layout == "hf":   # transformers' per-expert names
+    if dsa_cfg is not None:
+        raw = _make_dsa_weights(vocab=model_vocab, hidden=hidden, layers=layers, heads=heads,
+                                intermediate=intermediate, tie_embeddings=tie_embeddings,
+                                seed=seed, moe=moe, d=dsa_cfg)
+        if layout == "hf":
+            raw = _dsa_to_hf(raw, dsa_cfg, heads)
+    else:
+        raw = _make_weights(
+            family=family,
+            vocab=model_vocab,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=intermediate,
+            tie_embeddings=tie_embeddings,
+            seed=seed,
+            moe=moe,
+        )
+    if moe is not None and dsa_cfg is None and layout == "hf":   # transformers' per-expert names
         for k in [k for k in raw if ".mlp.switch_mlp." in k]:
             stacked = raw.pop(k)
             pre, proj = k.split(".mlp.switch_mlp.")
@@ -519,22 +654,25 @@ def write_checkpoint(
     weights: dict[str, mx.array] = {}
     if bits is None:
         for k, v in raw.items():
-            weights[k] = mx.array(v).astype(mx_dtype)
+            weights[k] = mx.array(v) if k.endswith("e_score_correction_bias") else mx.array(v).astype(mx_dtype)
     else:
         overrides = dict(mixed_bits or {})
-        if moe is not None and router_bits is not None:
+        if moe is not None and dsa_cfg is None and router_bits is not None:
             for i in range(layers):
                 if _moe_layer(moe, i):
                     overrides.setdefault(f"model.layers.{i}.mlp.gate", {"group_size": 64, "bits": router_bits})
-        known = {k[: -len(".weight")] for k in raw if _quantizable(k)}
+        quantizable = _dsa_quantizable if dsa_cfg is not None else _quantizable
+        known = {k[: -len(".weight")] for k in raw if quantizable(k)}
         for mod in overrides:
             if mod not in known:
                 raise ValueError(f"mixed_bits names unknown module {mod!r}")
         quant: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
         for k in sorted(raw):  # mlx-lm writes weights sorted by name
-            v = mx.array(raw[k]).astype(mx_dtype)
+            v = mx.array(raw[k])
+            if not k.endswith("e_score_correction_bias"):   # float32, as the checkpoints keep it
+                v = v.astype(mx_dtype)
             mod = k[: -len(".weight")] if k.endswith(".weight") else None
-            if mod is not None and _quantizable(k):
+            if mod is not None and quantizable(k):
                 spec = overrides.get(mod, {"group_size": group_size, "bits": bits})
                 if spec is False:
                     weights[k] = v
@@ -626,6 +764,11 @@ DEFAULT_SET: dict[str, dict[str, Any]] = {
     "qwen3_moe_mlx_4bit": dict(family="qwen3_moe", layout="mlx", bits=4, seed=8),
     "qwen3_moe_hf_f32": dict(family="qwen3_moe", layout="hf", dtype="float32", seed=9,
                              mlp_only_layers=[1]),
+    # deepseek_v32 (MLA + lightning indexer, index_topk 20: prompts past 20 tokens use the
+    # sparse selected-key attention): mlx-lm's converted 4-bit layout (group 32: the 32-wide
+    # nope / v head dims quantize too), and the HF layout (kv_b_proj, per-expert) in float32
+    "deepseek_v32_mlx_4bit": dict(family="deepseek_v32", layout="mlx", bits=4, group_size=32, seed=12),
+    "deepseek_v32_hf_f32": dict(family="deepseek_v32", layout="hf", dtype="float32", seed=13),
 }
 
 

@@ -10,7 +10,8 @@ from ..errors import CheckpointError
 
 DENSE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 MOE_FAMILIES = {"qwen3_moe": "qwen3_moe"}     # Qwen3-30B-A3B layout (mlx-lm's qwen3_moe)
-FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
+DSA_FAMILIES = {"deepseek_v32": "deepseek_v32"}   # MLA + lightning indexer + MoE (mlx-lm's deepseek_v32)
+FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES, **DSA_FAMILIES}
 SUPPORTED_BITS = {2, 3, 4, 5, 6, 8}
 SUPPORTED_GROUPS = {32, 64, 128}
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -44,13 +45,36 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
     norm_topk_prob: bool = False
+    # deepseek_v32 (models/dsa.py): MLA, the lightning indexer, group-limited sigmoid routing
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    indexer_rope_interleave: bool = False
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_dsa(self) -> bool:
+        return self.family in DSA_FAMILIES
+
     def moe_layer(self, i: int) -> bool:
         """Whether layer i is a sparse MoE block (mlx-lm's rule), else a dense MLP."""
+        if self.is_dsa:
+            return (self.num_experts > 0 and i >= self.first_k_dense_replace
+                    and i % self.moe_layer_freq == 0)
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
@@ -108,6 +132,13 @@ class ModelConfig:
             cls._check_quant(quant)
         family = FAMILIES[mt]
         moe = cls._moe_fields(raw, need, hidden) if family in MOE_FAMILIES else {}
+        if family in DSA_FAMILIES:
+            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "linear":
+                raise CheckpointError(
+                    f"deepseek_v32: rope_scaling {rope_scaling.get('rope_type', rope_scaling.get('type'))!r} "
+                    "is not supported yet (default and linear RoPE only)")
+            moe = cls._dsa_fields(raw, need, hidden, heads)
+            head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]
         return cls(
             path=path, family=family, hidden_size=hidden, num_layers=need("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -144,6 +175,44 @@ class ModelConfig:
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
     @staticmethod
+    def _dsa_fields(raw: dict, need, hidden: int, heads: int) -> dict:
+        """deepseek_v32's own keys (mlx-lm's ModelArgs names), validated."""
+        layers = need("num_hidden_layers")
+        f = {k: need(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                  "v_head_dim", "index_n_heads", "index_head_dim", "index_topk")}
+        if f["qk_rope_head_dim"] % 2 or f["index_head_dim"] < f["qk_rope_head_dim"]:
+            raise CheckpointError("config.json: qk_rope_head_dim must be even and <= index_head_dim")
+        if (f["kv_lora_rank"] + f["qk_rope_head_dim"]) % 16:
+            raise CheckpointError(
+                f"config.json: kv_lora_rank + qk_rope_head_dim = {f['kv_lora_rank'] + f['qk_rope_head_dim']} "
+                "is not a multiple of 16 (the row-exact / sparse attention kernels need it)")
+        if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise CheckpointError(f"config.json: topk_method {raw.get('topk_method')!r} unsupported (noaux_tc only)")
+        if raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise CheckpointError(f"config.json: scoring_func {raw.get('scoring_func')!r} unsupported (sigmoid only)")
+        E = raw.get("n_routed_experts") or 0
+        moe = dict(num_experts=0)
+        if E:
+            k, inter = need("num_experts_per_tok"), need("moe_intermediate_size")
+            if k > E:
+                raise CheckpointError(f"config.json: num_experts_per_tok {k} exceeds n_routed_experts {E}")
+            ng, tg = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+            if E % ng or not 1 <= tg <= ng or (ng > 1 and E // ng < 2):
+                raise CheckpointError(f"config.json: n_group {ng} / topk_group {tg} do not fit {E} experts")
+            for key, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
+                if size % 16:
+                    raise CheckpointError(f"config.json: {key} {size} is not a multiple of 16 "
+                                          "(the row-exact expert kernels need it)")
+            freq = int(raw.get("moe_layer_freq") or 1)
+            moe = dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", True)), n_group=ng, topk_group=tg,
+                       n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                       routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                       first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+                       moe_layer_freq=freq)
+        return dict(f, indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", False)), **moe)
+
+    @staticmethod
     def _check_quant(q):
         if not isinstance(q, dict):
             raise CheckpointError("config.json: 'quantization' must be an object")
@@ -173,6 +242,8 @@ class ModelConfig:
     # ---- module inventory (shapes as stored before quantization) -------------------------
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Every matmul weight as (out, in), by module path."""
+        if self.is_dsa:
+            return self._dsa_linear_shapes()
         d, hd = self.hidden_size, self.head_dim
         out = {}
         for i in range(self.num_layers):
@@ -192,6 +263,46 @@ class ModelConfig:
             out["lm_head"] = (self.vocab_size, d)
         return out
 
+    def _dsa_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        d, H = self.hidden_size, self.num_heads
+        out = {}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}.self_attn"
+            out[f"{p}.q_a_proj"] = (self.q_lora_rank, d)
+            out[f"{p}.q_b_proj"] = (H * self.head_dim, self.q_lora_rank)
+            out[f"{p}.kv_a_proj_with_mqa"] = (self.kv_lora_rank + self.qk_rope_head_dim, d)
+            out[f"{p}.o_proj"] = (d, H * self.v_head_dim)
+            out[f"{p}.indexer.wq_b"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank)
+            out[f"{p}.indexer.wk"] = (self.index_head_dim, d)
+            out[f"{p}.indexer.weights_proj"] = (self.index_n_heads, d)
+            p = f"model.layers.{i}.mlp"
+            if self.moe_layer(i):
+                out[f"{p}.gate"] = (self.num_experts, d)           # the router (never quantized)
+                if self.n_shared_experts:
+                    f = self.moe_intermediate_size * self.n_shared_experts
+                    out[f"{p}.shared_experts.gate_proj"] = (f, d)
+                    out[f"{p}.shared_experts.up_proj"] = (f, d)
+                    out[f"{p}.shared_experts.down_proj"] = (d, f)
+                continue
+            out[f"{p}.gate_proj"] = (self.intermediate_size, d)
+            out[f"{p}.up_proj"] = (self.intermediate_size, d)
+            out[f"{p}.down_proj"] = (d, self.intermediate_size)
+        out["model.embed_tokens"] = (self.vocab_size, d)
+        if not self.tie_embeddings:
+            out["lm_head"] = (self.vocab_size, d)
+        return out
+
+    def multilinear_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """deepseek_v32's per-head MLA weights (mlx-lm's MultiLinear) as (heads, out, in)."""
+        if not self.is_dsa:
+            return {}
+        H, out = self.num_heads, {}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}.self_attn"
+            out[f"{p}.embed_q"] = (H, self.kv_lora_rank, self.qk_nope_head_dim)
+            out[f"{p}.unembed_out"] = (H, self.v_head_dim, self.kv_lora_rank)
+        return out
+
     def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
         """Every stacked expert weight as (experts, out, in), by module path (MoE layers only)."""
         d, f, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
@@ -209,6 +320,8 @@ class ModelConfig:
         out = dict(self.linear_shapes())
         for name, (e, o, i) in self.expert_shapes().items():
             out[name] = (e * o, i)
+        for name, (h, o, i) in self.multilinear_shapes().items():
+            out[name] = (h * o, i)
         return out
 
     def active_param_count(self) -> int:
@@ -221,6 +334,10 @@ class ModelConfig:
     def param_count(self) -> int:
         n = sum(a * b for a, b in self._matrices().values())
         n += self.num_layers * 2 * self.hidden_size + self.hidden_size
+        if self.is_dsa:   # q_a / kv_a RMSNorms, the indexer's LayerNorm (weight + bias), router biases
+            n += self.num_layers * (self.q_lora_rank + self.kv_lora_rank + 2 * self.index_head_dim)
+            n += sum(self.num_experts for i in range(self.num_layers) if self.moe_layer(i))
+            return n
         if self.attention_bias:
             n += self.num_layers * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if self.qk_norm:
@@ -241,4 +358,7 @@ class ModelConfig:
         return total + (self.param_count() - sum(a * b for a, b in mats.values())) * elt
 
     def kv_bytes(self, tokens: int) -> int:
+        if self.is_dsa:   # the MLA latent + rotary key, and the indexer's key, per layer
+            width = self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+            return self.num_layers * width * tokens * DTYPES[self.dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * tokens * DTYPES[self.dtype]

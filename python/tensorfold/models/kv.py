@@ -12,8 +12,12 @@ STEP = 256
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, step: int = STEP):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, step: int = STEP,
+                 value_dim: int | None = None):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        # value_dim: a family whose per-layer second array is not head_dim wide (deepseek_v32
+        # keeps the MLA latent + rotary key as "keys" and the indexer's keys as "values")
+        self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype, self.step = dtype, step
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
@@ -26,8 +30,9 @@ class KVCache:
             return
         cap = -(-n // self.step) * self.step
         shape = (1, self.num_kv_heads, cap, self.head_dim)
+        vshape = (1, self.num_kv_heads, cap, self.value_dim)
         for i in range(self.num_layers):
-            k, v = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+            k, v = mx.zeros(shape, self.dtype), mx.zeros(vshape, self.dtype)
             if self.keys[i] is not None and self.offset:
                 k[..., : self.offset, :] = self.keys[i][..., : self.offset, :]
                 v[..., : self.offset, :] = self.values[i][..., : self.offset, :]
