@@ -321,3 +321,15 @@ def test_qwen3_30b_a3b_shape_counts(tmp_path):
     cfg = ModelConfig.from_dict(raw, tmp_path)
     assert 30.4e9 < cfg.param_count() < 30.6e9
     assert 3.2e9 < cfg.active_param_count() < 3.4e9
+
+
+def test_engine_row_check_passes_drafting_on(checkpoints):
+    """The engine's start-up row_check (k single decode steps vs one k-row call) holds for
+    both MoE checkpoints, so drafting stays on for this family."""
+    from tensorfold.engine import Engine
+    from tensorfold.engine.rowcheck import row_check
+
+    for name in ("qwen3_moe_mlx_4bit", "qwen3_moe_hf_f32"):
+        eng = Engine(checkpoints[name])
+        assert eng.row_exact is True and eng.drafts_enabled, name
+        assert row_check(eng.model, k=16, prompt_len=40, seed=3)
