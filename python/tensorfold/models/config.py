@@ -232,6 +232,8 @@ class ModelConfig:
         q = self.quantization
         if not q:
             return None
+        if self.is_dsa and module.endswith(".mlp.gate"):
+            return None     # deepseek_v32's router (mlx-lm's MoEGate) is never quantized
         own = q.get(module)
         if own is False:
             return None

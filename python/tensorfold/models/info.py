@@ -16,12 +16,14 @@ def _kind(module: str) -> str:
         return "experts"
     if module.endswith(".mlp.gate"):
         return "router"
+    if ".indexer." in module:
+        return "indexer"
     return "attention" if ".self_attn." in module else "mlp"
 
 
 def quant_summary(cfg: ModelConfig) -> "OrderedDict[str, str]":
     kinds: "OrderedDict[str, set]" = OrderedDict()
-    for name in list(cfg.linear_shapes()) + list(cfg.expert_shapes()):
+    for name in list(cfg.linear_shapes()) + list(cfg.expert_shapes()) + list(cfg.multilinear_shapes()):
         q = cfg.quant_for(name)
         kinds.setdefault(_kind(name), set()).add(
             f"{q[1]}-bit/g{q[0]}" if q else cfg.dtype)
@@ -45,10 +47,20 @@ def describe(path) -> str:
         ("layers", cfg.num_layers),
         ("hidden size", cfg.hidden_size),
         ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
+        ("KV heads", "1 (MLA latent)" if cfg.is_dsa else cfg.num_kv_heads),
         ("head dim", cfg.head_dim),
         ("intermediate size", cfg.intermediate_size),
     ]
+    if cfg.is_dsa:
+        rows += [
+            ("MLA", f"q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, nope {cfg.qk_nope_head_dim} "
+                    f"+ rope {cfg.qk_rope_head_dim}, v {cfg.v_head_dim}"),
+            ("indexer", f"{cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk} keys "
+                        "(sparse attention past that)"),
+        ]
+        if cfg.is_moe:
+            rows += [("routing", f"sigmoid + correction bias, {cfg.topk_group} of {cfg.n_group} groups, "
+                                 f"scale {cfg.routed_scaling_factor}, {cfg.n_shared_experts} shared expert(s)")]
     if cfg.is_moe:
         moe = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
         rows += [
