@@ -25,20 +25,29 @@ def main(argv=None):
     ap.add_argument("--shape", default="small-4bit")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random qwen3 4-bit checkpoint (hidden 128, 4 layers): CPU-sized")
+    ap.add_argument("--prefill", choices=["mlx", "kernels"], default="mlx")
     args = ap.parse_args(argv)
-    from tensorfold.engine import Engine, SamplingParams
+    from tensorfold.engine import Engine, PrefillMode, SamplingParams
 
     path = args.model
-    if not path:
+    if args.tiny:
+        from tensorfold.testing import write_checkpoint
+        path = write_checkpoint(Path(tempfile.mkdtemp()) / "tiny", family="qwen3", layout="mlx", bits=4,
+                                hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256,
+                                max_position=65536)
+    elif not path:
         import shapes
         path = shapes.write(args.shape.removesuffix("-4bit"), Path(tempfile.mkdtemp()) / args.shape)
     p = SamplingParams(temperature=0.0)
-    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}")
+    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  prefill={args.prefill}")
     print("| history tokens | turn-2 prompt | fresh TTFT s | resumed TTFT s | speed-up | cached tokens | equal |")
     print("|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for n in [int(x) for x in args.lengths.split(",")]:
-        eng = Engine(path, drafts=False, context=n + 1024, prompt_cache_gib=8)
+        eng = Engine(path, drafts=False, context=n + 1024, prompt_cache_gib=8,
+                     prefill_mode=PrefillMode(ops=args.prefill))
         vocab = min(eng.model.cfg.vocab_size, 500)
         first = rng.integers(3, vocab, size=n).tolist()
         _, reply, _ = eng.generate_text(prompt=first, max_tokens=32, sampling=p)
