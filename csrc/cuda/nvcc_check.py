@@ -1,7 +1,8 @@
 """Offline syntax / type check of the CUDA faces with nvcc (no GPU needed).
 
 Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
-tensorfold.kernels._cuda.standalone_source) for a few template configurations and runs
+tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
+tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
 `nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v]
 """
 
@@ -29,6 +30,13 @@ for T in (bf, f16, f32):
                       dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
     CASES.append(("row_attn_merge", dict(T=T, D=128),
                   dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+    # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes
+    for bits in (2, 3, 4, 5, 6, 8):
+        CASES.append(("row_expert_qmm", dict(T=T, S=T, K=2048, N=768, E=128, TOPK=8, GS=64,
+                                             BITS=bits),
+                      dict(x=T, w=u32, scales=T, biases=T, indices=i32), dict(out=T)))
+    CASES.append(("row_expert_mm", dict(T=T, W=T, K=2048, N=768, E=128, TOPK=8),
+                  dict(x=T, w=T, indices=i32), dict(out=T)))
 
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
 # latent widths 512 / 576 with one KV head (K read from global memory).

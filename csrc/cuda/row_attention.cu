@@ -18,21 +18,8 @@
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
-#define TF_FULL_MASK 0xffffffffu
-#define TF_NEG_INF (-__int_as_float(0x7f800000))
-
-__device__ __forceinline__ float tf_to_float(float v) { return v; }
-__device__ __forceinline__ float tf_to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float tf_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T tf_from_float(float v);
-template <> __device__ __forceinline__ float tf_from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half tf_from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
+// tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
 // @@body row_attn_partial
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,

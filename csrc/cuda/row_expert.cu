@@ -2,8 +2,8 @@
 // the CUDA face of tensorfold.kernels.row_expert_matmul (MoE decode).
 //
 // Sections as in row_gemm.cu ("// @@header", "// @@body <name>"); launched from
-// tensorfold/kernels/_cuda.py (expert_matmul). The header repeats row_gemm.cu's helpers
-// (each file is JIT-compiled on its own).
+// tensorfold/kernels/_cuda.py (expert_matmul). The helpers come from common.cuh
+// (prepended to this file's header; each file is JIT-compiled on its own).
 //
 // out[p, n] for pair p = r * TOPK + j, expert e = indices[p]:  x[r] . w_hat[e, n, :]
 // Arithmetic of one element: EXACTLY row_gemm.cu's (row_qmm / row_mm): K in 32-element
@@ -19,108 +19,9 @@
 // chunk straight from global memory (decode has few pairs: R <= 16 rows x TOPK experts),
 // so an expert used by several pairs is read once per pair.
 
-// @@header"          helpers, passed as cuda_kernel(header=...)
-//   "// @@body <name>"     the body of kernel <name>; MLX generates the signature from the
-//                          input / output names and the template arguments.
-// tensorfold/kernels/_cuda.py builds the same signature for a standalone nvcc syntax check.
-//
-// Arithmetic of one output element out[r, n] (fixed by K, group size, bits only):
-//   K is cut into 32-element chunks c = 0 .. K/32-1; lane l of the warp owning column n
-//   takes chunks c = l, l+32, l+64, ... in that order; inside a chunk, elements
-//   j = 0..31 in order: acc = fma(w_hat[j], x[r, 32c+j], acc), with
-//   w_hat = fma(scale, q, bias) (quantised) or the widened weight (dense);
-//   then a butterfly over lanes (xor 16, 8, 4, 2, 1) with round-to-nearest adds.
-//   Every lane ends with the same value (fp add is commutative), lane 0 stores it.
-// M only decides how many rows (<= 16 per block; more rows -> more blocks along y) the
-// loops visit. All arithmetic uses __fmaf_rn / __fadd_rn, which the compiler never
-// re-associates or contracts, so the code path of one row is the same for every M.
-//
-// Work layout: 8 warps per block, 2 output columns per warp (16 per block). Every weight
-// word is read once per block of 16 rows; the block stages a 1024-wide K tile of its rows
-// of x in shared memory (fp32, XOR-swizzled so that lane l reading element j hits bank
-// (l ^ j) -- no conflicts), and every lane dots its dequantised chunk with all rows.
-
 // @@header
-#define TF_FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float tf_to_float(float v) { return v; }
-__device__ __forceinline__ float tf_to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float tf_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T tf_from_float(float v);
-template <> __device__ __forceinline__ float tf_from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half tf_from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// 8 consecutive weights (16-byte aligned for 2-byte types, 32-byte for float) -> fp32.
-__device__ __forceinline__ void tf_load8(const float* p, float* out) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
-__device__ __forceinline__ void tf_load8(const __nv_bfloat16* p, float* out) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __uint_as_float(w[i] << 16);
-    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void tf_load8(const __half* p, float* out) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
-    out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-  }
-}
-
-// The BITS-bit integer number e (0..31) of a 32-element chunk held in BITS words
-// (little-endian bit stream, values may straddle words for 3/5/6 bits).
-template <int BITS>
-__device__ __forceinline__ unsigned int tf_extract(const unsigned int* words, int e) {
-  const int bit = e * BITS;
-  const int wi = bit >> 5;
-  const int sh = bit & 31;
-  unsigned int q = words[wi] >> sh;
-  if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
-  return q & ((1u << BITS) - 1u);
-}
-
-template <int BITS>
-__device__ __forceinline__ void tf_load_chunk(const unsigned int* p, unsigned int* words) {
-  if constexpr (BITS == 4) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    words[0] = u.x; words[1] = u.y; words[2] = u.z; words[3] = u.w;
-  } else if constexpr (BITS == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint4 v = *reinterpret_cast<const uint4*>(p + 4);
-    words[0] = u.x; words[1] = u.y; words[2] = u.z; words[3] = u.w;
-    words[4] = v.x; words[5] = v.y; words[6] = v.z; words[7] = v.w;
-  } else if constexpr (BITS == 2) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    words[0] = u.x; words[1] = u.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < BITS; ++i) words[i] = p[i];
-  }
-}
-
-__device__ __forceinline__ float tf_warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) {
-    v = __fadd_rn(v, __shfl_xor_sync(TF_FULL_MASK, v, off));
-  }
-  return v;
-}
-
+// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
+// tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
 // @@body row_expert_qmm
 // inputs: x [R, K] (T), w [E, N, K*BITS/32] uint32, scales / biases [E, N, K/GS] (S),

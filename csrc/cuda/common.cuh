@@ -1,0 +1,87 @@
+// Helpers shared by every CUDA kernel file (row_gemm.cu, row_expert.cu, row_attention.cu,
+// sparse_attention.cu). tensorfold.kernels._sources prepends this file's "// @@header"
+// section to the header of each of them (each file is JIT-compiled on its own through
+// mx.fast.cuda_kernel(header=...), and csrc/cuda/nvcc_check.py builds the same text).
+// Moved verbatim from those files' headers: no expression changed.
+
+// @@header
+#define TF_FULL_MASK 0xffffffffu
+#define TF_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float tf_to_float(float v) { return v; }
+__device__ __forceinline__ float tf_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float tf_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T tf_from_float(float v);
+template <> __device__ __forceinline__ float tf_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half tf_from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// 8 consecutive weights (16-byte aligned for 2-byte types, 32-byte for float) -> fp32.
+__device__ __forceinline__ void tf_load8(const float* p, float* out) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void tf_load8(const __nv_bfloat16* p, float* out) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void tf_load8(const __half* p, float* out) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+    out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+  }
+}
+
+// The BITS-bit integer number e (0..31) of a 32-element chunk held in BITS words
+// (little-endian bit stream, values may straddle words for 3/5/6 bits).
+template <int BITS>
+__device__ __forceinline__ unsigned int tf_extract(const unsigned int* words, int e) {
+  const int bit = e * BITS;
+  const int wi = bit >> 5;
+  const int sh = bit & 31;
+  unsigned int q = words[wi] >> sh;
+  if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
+  return q & ((1u << BITS) - 1u);
+}
+
+template <int BITS>
+__device__ __forceinline__ void tf_load_chunk(const unsigned int* p, unsigned int* words) {
+  if constexpr (BITS == 4) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    words[0] = u.x; words[1] = u.y; words[2] = u.z; words[3] = u.w;
+  } else if constexpr (BITS == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint4 v = *reinterpret_cast<const uint4*>(p + 4);
+    words[0] = u.x; words[1] = u.y; words[2] = u.z; words[3] = u.w;
+    words[4] = v.x; words[5] = v.y; words[6] = v.z; words[7] = v.w;
+  } else if constexpr (BITS == 2) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    words[0] = u.x; words[1] = u.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) words[i] = p[i];
+  }
+}
+
+__device__ __forceinline__ float tf_warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) {
+    v = __fadd_rn(v, __shfl_xor_sync(TF_FULL_MASK, v, off));
+  }
+  return v;
+}
