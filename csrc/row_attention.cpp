@@ -17,6 +17,7 @@
 #include <memory>
 #include <sstream>
 
+#include "cpu_attention.h"
 #include "cpu_common.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -32,30 +33,7 @@ namespace {
 
 using namespace tensorfold::cpu;
 
-constexpr int64_t kChunk = 128;
-
-inline float dot8(const float* a, const float* b, int64_t D) {
-  v8 acc = v8_zero();
-  for (int64_t d = 0; d < D; d += 8) {
-    acc = v8_fma(v8_load(a + d), v8_load(b + d), acc);
-  }
-  return v8_hsum(acc);
-}
-
-inline void dot8x4(const float* a, const float* b, int64_t D, float* out) {
-  v8 c0 = v8_zero(), c1 = v8_zero(), c2 = v8_zero(), c3 = v8_zero();
-  for (int64_t d = 0; d < D; d += 8) {
-    const v8 av = v8_load(a + d);
-    c0 = v8_fma(av, v8_load(b + d), c0);
-    c1 = v8_fma(av, v8_load(b + D + d), c1);
-    c2 = v8_fma(av, v8_load(b + 2 * D + d), c2);
-    c3 = v8_fma(av, v8_load(b + 3 * D + d), c3);
-  }
-  out[0] = v8_hsum(c0);
-  out[1] = v8_hsum(c1);
-  out[2] = v8_hsum(c2);
-  out[3] = v8_hsum(c3);
-}
+constexpr int64_t kChunk = kAttnChunk;
 
 void attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
                    int64_t offset, float scale, mx::array& out) {
@@ -97,47 +75,8 @@ void attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
         const int64_t p = offset + (r % M);
         if (p >= cap || c0 > p) continue;
         const int64_t n = std::min(kChunk, p + 1 - c0);
-        const float* qr = qf.data() + r * D;
-        float mc = -std::numeric_limits<float>::infinity();
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) { // 4 independent dot8 chains (same per-key arithmetic)
-          dot8x4(qr, kf.data() + j * D, D, s + j);
-          for (int t = 0; t < 4; ++t) s[j + t] = s[j + t] * scale;
-        }
-        for (; j < n; ++j) s[j] = dot8(qr, kf.data() + j * D, D) * scale;
-        for (j = 0; j < n; ++j) mc = std::max(mc, s[j]);
-        float lc = 0.0f;
-        for (j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - mc);
-          lc += s[j];
-        }
-        // oc[d] = sum_j e_j * v_j[d], j ascending; 64 dims at a time held in registers.
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          const int nv = static_cast<int>(std::min<int64_t>(64, D - d0) / 8);
-          v8 acc[8];
-          for (int t = 0; t < 8; ++t) acc[t] = v8_zero();
-          for (j = 0; j < n; ++j) {
-            const v8 ev = v8_set1(s[j]);
-            const float* vj = vf.data() + j * D + d0;
-            if (nv == 8) {
-              for (int t = 0; t < 8; ++t) acc[t] = v8_fma(ev, v8_load(vj + 8 * t), acc[t]);
-            } else {
-              for (int t = 0; t < nv; ++t) acc[t] = v8_fma(ev, v8_load(vj + 8 * t), acc[t]);
-            }
-          }
-          for (int t = 0; t < nv; ++t) v8_store(oc.data() + d0 + 8 * t, acc[t]);
-        }
-        const float mo = mrow[r];
-        const float mn = std::max(mo, mc);
-        const float a = std::exp(mo - mn);
-        const float bb = std::exp(mc - mn);
-        lrow[r] = lrow[r] * a + lc * bb;
-        float* orow = o.data() + r * D;
-        const v8 av = v8_set1(a), bv = v8_set1(bb);
-        for (int64_t d = 0; d < D; d += 8) {
-          v8_store(orow + d, v8_fma(v8_load(oc.data() + d), bv, v8_mul(v8_load(orow + d), av)));
-        }
-        mrow[r] = mn;
+        attend_chunk(qf.data() + r * D, kf.data(), vf.data(), n, D, scale, s, oc.data(), mrow[r],
+                     lrow[r], o.data() + r * D);
       }
     }
     for (int64_t g = 0; g < G; ++g) {

@@ -9,8 +9,8 @@
 //   the row's key list is indices[b, i, :] taken in the order given, keeping only the
 //   entries e with 0 <= e <= p (e < 0: sentinel / padding; e > p: beyond the causal
 //   limit; both are skipped wherever they sit in the list). The kept entries are cut into
-//   chunks of kChunk consecutive kept entries: [0,C), [C,2C), ... Per chunk, exactly as
-//   in row_attention.cpp:
+//   chunks of kChunk consecutive kept entries: [0,C), [C,2C), ... Per chunk, the same
+//   function as row_attention.cpp (attend_chunk, cpu_attention.h):
 //     s_j = dot8(q, k_{e_j}) * scale           (8-lane fma over D, fixed hsum)
 //     mc  = max_j s_j ; e_j = expf(s_j - mc)
 //     lc  = sum_j e_j                            (j ascending, scalar)
@@ -29,6 +29,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_attention.h"
 #include "cpu_common.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -44,30 +45,7 @@ namespace {
 
 using namespace tensorfold::cpu;
 
-constexpr int64_t kChunk = 128; // same as row_attention.cpp (bit-equality on full sets)
-
-inline float dot8(const float* a, const float* b, int64_t D) {
-  v8 acc = v8_zero();
-  for (int64_t d = 0; d < D; d += 8) {
-    acc = v8_fma(v8_load(a + d), v8_load(b + d), acc);
-  }
-  return v8_hsum(acc);
-}
-
-inline void dot8x4(const float* a, const float* b, int64_t D, float* out) {
-  v8 c0 = v8_zero(), c1 = v8_zero(), c2 = v8_zero(), c3 = v8_zero();
-  for (int64_t d = 0; d < D; d += 8) {
-    const v8 av = v8_load(a + d);
-    c0 = v8_fma(av, v8_load(b + d), c0);
-    c1 = v8_fma(av, v8_load(b + D + d), c1);
-    c2 = v8_fma(av, v8_load(b + 2 * D + d), c2);
-    c3 = v8_fma(av, v8_load(b + 3 * D + d), c3);
-  }
-  out[0] = v8_hsum(c0);
-  out[1] = v8_hsum(c1);
-  out[2] = v8_hsum(c2);
-  out[3] = v8_hsum(c3);
-}
+constexpr int64_t kChunk = kAttnChunk; // cpu_attention.h, shared with row_attention.cpp
 
 void sparse_attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
                           const mx::array& ind, int64_t offset, float scale, mx::array& out) {
@@ -136,47 +114,8 @@ void sparse_attention_cpu(const mx::array& q, const mx::array& k, const mx::arra
           convert_to_f32(vbase + pos[j] * D * vesz, vt, D, vf.data() + j * D);
         }
         for (int64_t g = 0; g < nh; ++g) {
-          const float* qr = qf.data() + g * D;
-          float mc = -std::numeric_limits<float>::infinity();
-          int64_t j = 0;
-          for (; j + 4 <= n; j += 4) { // 4 independent dot8 chains (same per-key arithmetic)
-            dot8x4(qr, kf.data() + j * D, D, s + j);
-            for (int u = 0; u < 4; ++u) s[j + u] = s[j + u] * scale;
-          }
-          for (; j < n; ++j) s[j] = dot8(qr, kf.data() + j * D, D) * scale;
-          for (j = 0; j < n; ++j) mc = std::max(mc, s[j]);
-          float lc = 0.0f;
-          for (j = 0; j < n; ++j) {
-            s[j] = std::exp(s[j] - mc);
-            lc += s[j];
-          }
-          // oc[d] = sum_j e_j * v_j[d], j ascending; 64 dims at a time held in registers.
-          for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int nv = static_cast<int>(std::min<int64_t>(64, D - d0) / 8);
-            v8 acc[8];
-            for (int u = 0; u < 8; ++u) acc[u] = v8_zero();
-            for (j = 0; j < n; ++j) {
-              const v8 ev = v8_set1(s[j]);
-              const float* vj = vf.data() + j * D + d0;
-              if (nv == 8) {
-                for (int u = 0; u < 8; ++u) acc[u] = v8_fma(ev, v8_load(vj + 8 * u), acc[u]);
-              } else {
-                for (int u = 0; u < nv; ++u) acc[u] = v8_fma(ev, v8_load(vj + 8 * u), acc[u]);
-              }
-            }
-            for (int u = 0; u < nv; ++u) v8_store(oc.data() + d0 + 8 * u, acc[u]);
-          }
-          const float mo = mrow[g];
-          const float mn = std::max(mo, mc);
-          const float a = std::exp(mo - mn);
-          const float bb = std::exp(mc - mn);
-          lrow[g] = lrow[g] * a + lc * bb;
-          float* orow = o.data() + g * D;
-          const v8 av = v8_set1(a), bv = v8_set1(bb);
-          for (int64_t d = 0; d < D; d += 8) {
-            v8_store(orow + d, v8_fma(v8_load(oc.data() + d), bv, v8_mul(v8_load(orow + d), av)));
-          }
-          mrow[g] = mn;
+          attend_chunk(qf.data() + g * D, kf.data(), vf.data(), n, D, scale, s, oc.data(),
+                       mrow[g], lrow[g], o.data() + g * D);
         }
         if (n < kChunk) break; // list exhausted
       }
