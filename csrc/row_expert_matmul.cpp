@@ -20,8 +20,8 @@
 // into an fp32 buffer, dotted with up to 32 of the expert's rows), so each used expert's
 // weights are read once per call. An index outside [0, E) gives a NaN output row.
 //
-// The GEMM inner loop is a copy of row_gemm's (cpu_rowgemm.h), with gathered input rows
-// and scattered output rows; the unpacking is a copy of row_quantized_matmul.cpp's.
+// The GEMM tile (row_gemm_tile, with gathered input rows and scattered output rows) and the
+// dequantising loader (dequant_row) are cpu_rowgemm.h's, shared with row_gemm.
 #include <limits>
 #include <memory>
 #include <optional>
@@ -47,100 +47,6 @@ namespace tensorfold {
 namespace {
 
 using namespace tensorfold::cpu;
-
-// Same as row_quantized_matmul.cpp: the 8 quantised integers of elements k..k+7 (k % 8 == 0).
-template <int bits>
-inline void unpack8(const uint8_t* row, int64_t k, float* q) {
-  const uint8_t* p = row + (k * bits) / 8;
-#if TF_AVX2
-  if constexpr (bits == 4) {
-    uint32_t u;
-    std::memcpy(&u, p, 4);
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u)), sh),
-                                 _mm256_set1_epi32(0xf));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  } else if constexpr (bits == 8) {
-    uint64_t u;
-    std::memcpy(&u, p, 8);
-    __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(u)));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  } else if constexpr (bits == 2) {
-    uint16_t u;
-    std::memcpy(&u, p, 2);
-    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(u), sh),
-                                 _mm256_set1_epi32(0x3));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  }
-#endif
-  uint64_t u = 0;
-  std::memcpy(&u, p, bits);
-  constexpr uint64_t mask = (uint64_t(1) << bits) - 1;
-  for (int j = 0; j < 8; ++j) {
-    q[j] = static_cast<float>((u >> (j * bits)) & mask);
-  }
-}
-
-// One task of the expert GEMM: columns [nt0, nt1) of one expert, for its `cnt` rows.
-// rows[i]: the row of x; dst[i]: the flat output row (r * k + j). Arithmetic as row_gemm.
-template <class Loader>
-void expert_tile(const float* xf, int64_t K, int64_t N, const int64_t* rows,
-                 const int64_t* dst, int64_t cnt, int64_t nt0, int64_t nt1, void* out,
-                 FType ot, const Loader& load) {
-  alignas(64) float wbuf[kNC][kKC];
-  alignas(64) float acc[kRB][kNC][16];
-  for (int64_t n0 = nt0; n0 < nt1; n0 += kNC) {
-    const int nc = static_cast<int>(std::min<int64_t>(kNC, nt1 - n0));
-    for (int64_t r0 = 0; r0 < cnt; r0 += kRB) {
-      const int64_t rb = std::min(kRB, cnt - r0);
-      std::memset(acc, 0, sizeof(float) * rb * kNC * 16);
-      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-        const int64_t len = std::min(kKC, K - k0);
-        for (int c = 0; c < kNC; ++c) {
-          if (c < nc) {
-            load(n0 + c, k0, len, wbuf[c]);
-          } else {
-            std::memset(wbuf[c], 0, sizeof(float) * len);
-          }
-        }
-        for (int64_t m = 0; m < rb; ++m) {
-          const float* xr = xf + rows[r0 + m] * K + k0;
-          float* am = &acc[m][0][0];
-          v8 a00 = v8_load(am + 0), a01 = v8_load(am + 8);
-          v8 a10 = v8_load(am + 16), a11 = v8_load(am + 24);
-          v8 a20 = v8_load(am + 32), a21 = v8_load(am + 40);
-          v8 a30 = v8_load(am + 48), a31 = v8_load(am + 56);
-          for (int64_t k = 0; k < len; k += 16) {
-            const v8 x0 = v8_load(xr + k), x1 = v8_load(xr + k + 8);
-            a00 = v8_fma(v8_load(wbuf[0] + k), x0, a00);
-            a01 = v8_fma(v8_load(wbuf[0] + k + 8), x1, a01);
-            a10 = v8_fma(v8_load(wbuf[1] + k), x0, a10);
-            a11 = v8_fma(v8_load(wbuf[1] + k + 8), x1, a11);
-            a20 = v8_fma(v8_load(wbuf[2] + k), x0, a20);
-            a21 = v8_fma(v8_load(wbuf[2] + k + 8), x1, a21);
-            a30 = v8_fma(v8_load(wbuf[3] + k), x0, a30);
-            a31 = v8_fma(v8_load(wbuf[3] + k + 8), x1, a31);
-          }
-          v8_store(am + 0, a00), v8_store(am + 8, a01);
-          v8_store(am + 16, a10), v8_store(am + 24, a11);
-          v8_store(am + 32, a20), v8_store(am + 40, a21);
-          v8_store(am + 48, a30), v8_store(am + 56, a31);
-        }
-      }
-      for (int64_t m = 0; m < rb; ++m) {
-        for (int c = 0; c < nc; ++c) {
-          const float* a = acc[m][c];
-          const float v = v8_hsum(v8_add(v8_load(a), v8_load(a + 8)));
-          store_scalar(out, ot, dst[r0 + m] * N + n0 + c, v);
-        }
-      }
-    }
-  }
-}
 
 struct Plan {
   std::vector<int64_t> rows, dst;           // pairs bucketed by expert
@@ -186,8 +92,11 @@ void run_plan(const Plan& p, const float* xf, int64_t K, int64_t N, void* out, F
     const int64_t nt0 = tile * kTaskCols;
     const int64_t nt1 = std::min(N, nt0 + kTaskCols);
     const int64_t s = p.start[e];
-    expert_tile(xf, K, N, p.rows.data() + s, p.dst.data() + s, p.start[e + 1] - s, nt0, nt1,
-                out, ot, loader_for(e));
+    const int64_t* rows = p.rows.data() + s;
+    const int64_t* dst = p.dst.data() + s;
+    row_gemm_tile(xf, K, N, p.start[e + 1] - s, nt0, nt1, out, ot,
+                  [rows](int64_t i) { return rows[i]; }, [dst](int64_t i) { return dst[i]; },
+                  loader_for(e));
   });
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t b : p.bad) {
@@ -205,17 +114,8 @@ void run_quant(const Plan& p, const float* xf, int64_t K, int64_t N, const uint8
     const uint8_t* we = w + e * N * row_bytes;
     const int64_t so = e * N * n_groups;
     return [=](int64_t n, int64_t k0, int64_t len, float* dst) {
-      const uint8_t* row = we + n * row_bytes;
-      alignas(32) float q[8];
-      for (int64_t k = k0; k < k0 + len; k += group_size) {
-        const int64_t g = k / group_size;
-        const v8 s = v8_set1(load_scalar(scales, st, so + n * n_groups + g));
-        const v8 b = v8_set1(load_scalar(biases, st, so + n * n_groups + g));
-        for (int64_t j = 0; j < group_size; j += 8) {
-          unpack8<bits>(row, k + j, q);
-          v8_store(dst + (k - k0) + j, v8_fma(s, v8_load(q), b));
-        }
-      }
+      dequant_row<bits>(we + n * row_bytes, scales, biases, st, so + n * n_groups, group_size,
+                        k0, len, dst);
     };
   });
 }

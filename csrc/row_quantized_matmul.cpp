@@ -25,43 +25,6 @@ namespace {
 
 using namespace tensorfold::cpu;
 
-// Writes the 8 quantised integers of elements k..k+7 (k % 8 == 0) of a row, as floats.
-template <int bits>
-inline void unpack8(const uint8_t* row, int64_t k, float* q) {
-  const uint8_t* p = row + (k * bits) / 8; // byte aligned because k % 8 == 0
-#if TF_AVX2
-  if constexpr (bits == 4) {
-    uint32_t u;
-    std::memcpy(&u, p, 4);
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u)), sh),
-                                 _mm256_set1_epi32(0xf));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  } else if constexpr (bits == 8) {
-    uint64_t u;
-    std::memcpy(&u, p, 8);
-    __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(u)));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  } else if constexpr (bits == 2) {
-    uint16_t u;
-    std::memcpy(&u, p, 2);
-    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(u), sh),
-                                 _mm256_set1_epi32(0x3));
-    _mm256_storeu_ps(q, _mm256_cvtepi32_ps(v));
-    return;
-  }
-#endif
-  uint64_t u = 0;
-  std::memcpy(&u, p, bits); // 8 values * bits = `bits` bytes
-  constexpr uint64_t mask = (uint64_t(1) << bits) - 1;
-  for (int j = 0; j < 8; ++j) {
-    q[j] = static_cast<float>((u >> (j * bits)) & mask);
-  }
-}
-
 template <int bits>
 void run_qmm(const float* xf, int64_t R, int64_t K, int64_t N, const uint8_t* w,
              const void* scales, const void* biases, FType st, int group_size, void* out,
@@ -69,17 +32,8 @@ void run_qmm(const float* xf, int64_t R, int64_t K, int64_t N, const uint8_t* w,
   const int64_t row_bytes = K * bits / 8;
   const int64_t n_groups = K / group_size;
   auto loader = [&](int64_t n, int64_t k0, int64_t len, float* dst) {
-    const uint8_t* row = w + n * row_bytes;
-    alignas(32) float q[8];
-    for (int64_t k = k0; k < k0 + len; k += group_size) {
-      const int64_t g = k / group_size;
-      const v8 s = v8_set1(load_scalar(scales, st, n * n_groups + g));
-      const v8 b = v8_set1(load_scalar(biases, st, n * n_groups + g));
-      for (int64_t j = 0; j < group_size; j += 8) {
-        unpack8<bits>(row, k + j, q);
-        v8_store(dst + (k - k0) + j, v8_fma(s, v8_load(q), b)); // scale*q + bias, fused
-      }
-    }
+    dequant_row<bits>(w + n * row_bytes, scales, biases, st, n * n_groups, group_size, k0,
+                      len, dst);
   };
   row_gemm(xf, R, K, N, out, ot, loader);
 }
