@@ -20,70 +20,17 @@ import pytest
 
 from tensorfold import kernels as K
 
-DEVICES = [mx.default_device()]
+from kernel_helpers import (  # noqa: F401  (device: pytest fixture)
+    DEVICES, _rng, bits, device, f64, garbage, make_kv, out_eps, poison, rand, run,
+    with_capacity,
+)
+
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]
 MAX_M = 16
 
 
-@pytest.fixture(params=DEVICES, ids=lambda d: f"{d.type}".split(".")[-1])
-def device(request):
-    prev = mx.default_device()
-    mx.set_default_device(request.param)
-    yield request.param
-    mx.set_default_device(prev)
-
-
 # ---------------------------------------------------------------- helpers
-
-def _rng(*key):
-    return np.random.default_rng(abs(hash(key)) % (2**32))
-
-
-def rand(rng, shape, dtype, scale=1.0):
-    """Fresh random values (never zeros)."""
-    a = rng.standard_normal(shape).astype(np.float32) * scale
-    a[a == 0] = 0.5
-    return mx.array(a).astype(dtype)
-
-
-def garbage(rng, shape, dtype):
-    """Large finite values."""
-    big = 100.0 if dtype == mx.float16 else 1e4
-    return mx.array(rng.uniform(-big, big, shape).astype(np.float32)).astype(dtype)
-
-
-def bits(a: mx.array) -> np.ndarray:
-    """Exact bit pattern of an array (for bitwise comparisons; NaN == NaN)."""
-    mx.eval(a)
-    if a.dtype in (mx.bfloat16, mx.float16):
-        return np.array(a.view(mx.uint16))
-    return np.array(a.astype(mx.float32)).view(np.uint32)
-
-
-def f64(a: mx.array) -> np.ndarray:
-    return np.array(a.astype(mx.float32)).astype(np.float64)
-
-
-def poison(nbytes: int):
-    """Leave NaN-filled buffers of this size in MLX's allocator cache, so an output whose
-    kernel skips elements shows garbage instead of lucky zeros."""
-    for _ in range(2):
-        p = mx.full((max(1, nbytes // 4),), float("nan"), dtype=mx.float32)
-        mx.eval(p)
-        del p
-
-
-def run(fn, *args, **kw):
-    out = fn(*args, **kw)
-    poison(out.nbytes)
-    out = fn(*args, **kw)
-    mx.eval(out)
-    return out
-
-
-def out_eps(dtype):
-    return {mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11, mx.float32: 2.0**-22}[dtype]
-
+# (shared ones: tests/kernel_helpers.py)
 
 def assert_rows_exact(op, x_all: mx.array, rng, n_out_rows_axis=-2):
     """x_all [16, K]: for M = 1..16, op(x[:M]) rows == op(single row); garbage rows; batch."""
@@ -178,21 +125,6 @@ def test_matmul_accuracy(device, dtype):
 
 
 # ---------------------------------------------------------------- attention
-
-def make_kv(rng, B, Hkv, cap, D, dtype, valid):
-    """KV buffers of capacity `cap`: random keys at 0..valid-1, NaN beyond (never read)."""
-    k = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
-    v = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
-    k[:, :, valid:] = np.nan
-    v[:, :, valid:] = np.nan
-    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
-
-
-def with_capacity(a: mx.array, valid: int, cap: int, fill=np.nan) -> mx.array:
-    B, H, _, D = a.shape
-    pad = mx.full((B, H, cap - valid, D), fill, dtype=a.dtype)
-    return mx.concatenate([a[:, :, :valid], pad], axis=2)
-
 
 ATT_CASES = [
     # (B, Hq, Hkv, D, offset, dtype)

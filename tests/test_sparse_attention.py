@@ -21,76 +21,17 @@ import pytest
 
 from tensorfold import kernels as K
 
-DEVICES = [mx.default_device()]
+from kernel_helpers import (  # noqa: F401  (device: pytest fixture)
+    DEVICES, _rng, bits, device, f64, make_kv, out_eps, poison, rand, run, with_capacity,
+)
+
 MAX_M = 16
 
 
-@pytest.fixture(params=DEVICES, ids=lambda d: f"{d.type}".split(".")[-1])
-def device(request):
-    prev = mx.default_device()
-    mx.set_default_device(request.param)
-    yield request.param
-    mx.set_default_device(prev)
-
-
 # ---------------------------------------------------------------- helpers
-
-def _rng(*key):
-    return np.random.default_rng(abs(hash(key)) % (2**32))
-
-
-def rand(rng, shape, dtype, scale=1.0):
-    a = rng.standard_normal(shape).astype(np.float32) * scale
-    a[a == 0] = 0.5
-    return mx.array(a).astype(dtype)
-
-
-def bits(a: mx.array) -> np.ndarray:
-    mx.eval(a)
-    if a.dtype in (mx.bfloat16, mx.float16):
-        return np.array(a.view(mx.uint16))
-    return np.array(a.astype(mx.float32)).view(np.uint32)
-
-
-def f64(a: mx.array) -> np.ndarray:
-    return np.array(a.astype(mx.float32)).astype(np.float64)
-
-
-def poison(nbytes: int):
-    for _ in range(2):
-        p = mx.full((max(1, nbytes // 4),), float("nan"), dtype=mx.float32)
-        mx.eval(p)
-        del p
-
-
-def run(fn, *args, **kw):
-    out = fn(*args, **kw)
-    poison(out.nbytes)
-    out = fn(*args, **kw)
-    mx.eval(out)
-    return out
-
-
-def out_eps(dtype):
-    return {mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11, mx.float32: 2.0**-22}[dtype]
-
+# (shared ones: tests/kernel_helpers.py)
 
 ABS_TOL = {mx.bfloat16: 2e-2, mx.float16: 4e-3, mx.float32: 2e-5}
-
-
-def make_kv(rng, B, Hkv, cap, D, dtype, valid):
-    """Random keys at 0..valid-1, NaN beyond (a kernel reading them would show NaN)."""
-    k = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
-    v = rng.standard_normal((B, Hkv, cap, D)).astype(np.float32)
-    k[:, :, valid:] = np.nan
-    v[:, :, valid:] = np.nan
-    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
-
-
-def with_capacity(a: mx.array, valid: int, cap: int, fill=np.nan) -> mx.array:
-    B, H, _, D = a.shape
-    pad = mx.full((B, H, cap - valid, D), fill, dtype=a.dtype)
-    return mx.concatenate([a[:, :, :valid], pad], axis=2)
 
 
 PATTERNS = ["rand", "one", "full", "sentinel", "beyond", "shuffled", "empty", "rand"]
