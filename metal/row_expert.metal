@@ -11,23 +11,8 @@
 // outside [0, E) writes NaN. A pair's bits depend on K / group size / bits only.
 
 // @@header
-#include <metal_stdlib>
-using namespace metal;
-
-template <int BITS>
-inline uint tf_extract(thread const uint* words, int e) {
-  const int bit = e * BITS;
-  const int wi = bit >> 5;
-  const int sh = bit & 31;
-  uint q = words[wi] >> sh;
-  if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
-  return q & ((1u << BITS) - 1u);
-}
-
-inline float tf_simd_sum(float v) {
-  for (ushort off = 16; off >= 1; off >>= 1) v = v + simd_shuffle_xor(v, off);
-  return v;
-}
+// (metal_stdlib and the shared helpers tf_extract, tf_simd_sum, tf_simd_max come from
+// common.h, prepended by _sources.py)
 
 // @@body row_expert_qmm
 // inputs x [R, K] (T), w [E, N, K*BITS/32] uint32, scales/biases [E, N, K/GS] (S),

@@ -13,28 +13,8 @@
 // merged in order into the span state, spans merged in order into the row state.
 
 // @@header
-#include <metal_stdlib>
-using namespace metal;
-
-template <int BITS>
-inline uint tf_extract(thread const uint* words, int e) {
-  const int bit = e * BITS;
-  const int wi = bit >> 5;
-  const int sh = bit & 31;
-  uint q = words[wi] >> sh;
-  if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
-  return q & ((1u << BITS) - 1u);
-}
-
-inline float tf_simd_sum(float v) {
-  for (ushort off = 16; off >= 1; off >>= 1) v = v + simd_shuffle_xor(v, off);
-  return v;
-}
-
-inline float tf_simd_max(float v) {
-  for (ushort off = 16; off >= 1; off >>= 1) v = max(v, simd_shuffle_xor(v, off));
-  return v;
-}
+// (metal_stdlib and the shared helpers tf_extract, tf_simd_sum, tf_simd_max come from
+// common.h, prepended by _sources.py)
 
 // @@body row_qmm
 // inputs x [R, K] (T), w uint32, scales/biases (S); output out [R, N] (T)

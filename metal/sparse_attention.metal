@@ -16,18 +16,8 @@
 // is outside the buffer. Compaction of the kept entries uses integer prefix sums (exact).
 
 // @@header
-#include <metal_stdlib>
-using namespace metal;
-
-inline float tf_simd_sum(float v) {
-  for (ushort off = 16; off >= 1; off >>= 1) v = v + simd_shuffle_xor(v, off);
-  return v;
-}
-
-inline float tf_simd_max(float v) {
-  for (ushort off = 16; off >= 1; off >>= 1) v = max(v, simd_shuffle_xor(v, off));
-  return v;
-}
+// (metal_stdlib and the shared helpers tf_extract, tf_simd_sum, tf_simd_max come from
+// common.h, prepended by _sources.py)
 
 // @@body sparse_attn
 // inputs q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), indices [B, M, NI] int32,
