@@ -166,6 +166,11 @@ def test_full_causal_set_equals_row_attention(device, B, Hq, Hkv, D, offset, dty
     ind = K.select_topk(scores, offset + M + 3, offset)  # more than any row sees
     assert np.array_equal(np.array(ind)[0, 2, :offset + 3], np.arange(offset + 3))
     ours = run(K.sparse_attention, q, k, v, ind, offset, scale)
+    if K.backend_face() == "cuda" and dtype == mx.float32 and D > 128:
+        # documented limit of row_attention's CUDA face (fp32 K of D > 128 exceeds 48 KB smem)
+        with pytest.raises(NotImplementedError, match="shared memory"):
+            run(K.row_attention, q, k, v, offset, scale)
+        return
     dense = run(K.row_attention, q, k, v, offset, scale)
     np.testing.assert_allclose(f64(ours), f64(dense), atol=ABS_TOL[dtype], rtol=0)
     assert np.array_equal(bits(ours), bits(dense))
