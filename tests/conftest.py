@@ -37,8 +37,8 @@ def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @pytest.fixture(scope="session")
 def tinycode_path() -> pathlib.Path:
-    """The real trained tinycode-4bit model (skips if no copy is found)."""
+    """The real trained tinycode-4bit model (fails if no copy is found: the package ships one)."""
     path = find_tinycode()
     if path is None:
-        pytest.skip("tinycode-4bit not found (set TF_TINYCODE)")
+        pytest.fail("tinycode-4bit not found: the package ships it (tensorfold/data), or set TF_TINYCODE")
     return path

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+import openai  # noqa: E402  (test dependencies: missing them must fail, not skip)
+import uvicorn  # noqa: E402
 
 from tensorfold.engine.types import GenerationEvent, GenerationStats  # noqa: E402
 from tensorfold.errors import RequestError  # noqa: E402

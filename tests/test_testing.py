@@ -14,7 +14,7 @@ from tensorfold.testing import (
 )
 from tensorfold.tokenizer import Tokenizer
 
-mlx_lm = pytest.importorskip("mlx_lm")
+import mlx_lm  # noqa: E402  (a test dependency: missing it must fail, not skip)
 
 PROMPT = "def add(a, b):\n    return a + b  # héllo 😀"
 
