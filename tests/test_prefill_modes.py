@@ -45,3 +45,20 @@ def test_kernels_prefill_computes_the_same_function(checkpoints):
     a = prefill(m, m.new_cache(), ids, PrefillMode(grid=16)).astype(mx.float32)
     b = prefill(m, m.new_cache(), ids, MODE).astype(mx.float32)
     assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 0.05
+
+
+def test_grid_rule_last_token_alone_and_snapshots_only_from_whole_chunks(checkpoints):
+    """Chunks on the grid cover ids[:-1]; the last token runs alone. A prompt of exactly 32
+    tokens (grid 16) therefore snapshots at 16, never at 32: position 31 was computed by the
+    one-token step, not by a grid chunk, so a longer prompt would compute it differently on
+    backends that are not row-invariant."""
+    from tensorfold.engine.prefill import grid_chunks
+    assert grid_chunks(0, 31, 16) == [(0, 16), (16, 31)]
+    assert grid_chunks(16, 47, 16) == [(16, 32), (32, 47)]
+    with pytest.raises(ValueError):
+        grid_chunks(5, 40, 16)
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=PrefillMode(grid=16), drafts=False)
+    eng.generate_text(prompt=list(range(3, 35)), max_tokens=2)
+    assert [len(e.tokens) for e in eng.snapshots._entries.values()] == [16]
+    eng.generate_text(prompt=list(range(3, 36)), max_tokens=2)      # 33 tokens: 32 is a whole chunk
+    assert sorted(len(e.tokens) for e in eng.snapshots._entries.values()) == [32]
