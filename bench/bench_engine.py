@@ -63,12 +63,14 @@ def main(argv=None):
     ap.add_argument("--prompts", default="512,2048")
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prefill", choices=["mlx", "kernels"], default="mlx",
+                    help="our prefill ops (mlx-lm always runs MLX's own forward)")
     ap.add_argument("--copy-prompt", action="store_true",
                     help="repetitive prompt (drafting can accept) instead of random ids")
     args = ap.parse_args(argv)
 
     import mlx_lm
-    from tensorfold.engine import Engine
+    from tensorfold.engine import Engine, PrefillMode
 
     path = args.model
     if args.shape:
@@ -77,11 +79,11 @@ def main(argv=None):
         path = shapes.write(name.removesuffix("-4bit").removesuffix("-bf16"),
                             Path(tempfile.mkdtemp()) / name,
                             bits=None if name.endswith("-bf16") else 4, layers=args.layers)
-    eng = Engine(path)
+    eng = Engine(path, prefill_mode=PrefillMode(ops=args.prefill))
     ref, tok = mlx_lm.load(str(path))
     tok._eos_token_ids = set()   # decode the full length on both sides
     vocab = eng.model.cfg.vocab_size
-    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}")
+    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}")
     print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "
           "| ours drafted | accept | tok/call | peak GB mlx-lm | ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
