@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -773,6 +774,17 @@ DEFAULT_SET: dict[str, dict[str, Any]] = {
 
 
 def write_default_set(root: str | pathlib.Path) -> dict[str, pathlib.Path]:
-    """Write the standard small test checkpoints under `root`; returns {name: path}."""
+    """Write the standard small test checkpoints under `root`; returns {name: path}.
+
+    $TF_TEST_HIDDEN (e.g. 128) widens the dense/MoE checkpoints that use the default hidden size
+    of 64: MLX 0.32.4's own CUDA quantized_matmul is wrong for K = 64 at M >= 2 (measured on an
+    H200), so GPU runs of the suites need it; the CPU suite keeps the small default."""
     root = pathlib.Path(root)
-    return {name: write_checkpoint(root / name, **kw) for name, kw in DEFAULT_SET.items()}
+    wide = int(os.environ.get("TF_TEST_HIDDEN", "0") or 0)
+    out = {}
+    for name, kw in DEFAULT_SET.items():
+        kw = dict(kw)
+        if wide and "hidden" not in kw and not name.startswith("deepseek"):
+            kw.update(hidden=wide, intermediate=2 * wide)
+        out[name] = write_checkpoint(root / name, **kw)
+    return out
