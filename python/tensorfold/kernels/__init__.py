@@ -17,6 +17,7 @@ uses the CPU primitive.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Union
 
 import mlx.core as mx
@@ -56,7 +57,10 @@ def _device_of(stream: StreamLike) -> mx.Device:
 
 
 def backend_face(stream: StreamLike = None) -> str:
-    """"cpu" | "cuda" | "metal": which face the row ops use for `stream` (default device)."""
+    """"cpu" | "cuda" | "metal": which face the row ops use for `stream` (default device).
+    TENSORFOLD_KERNELS=cpu forces the CPU face (e.g. where a GPU face cannot compile)."""
+    if os.environ.get("TENSORFOLD_KERNELS", "").lower() == "cpu":
+        return "cpu"
     dev = _device_of(stream)
     if dev.type == mx.gpu:
         if _cuda_available():
