@@ -1,6 +1,6 @@
 """deepseek_v32 (models/dsa.py) against mlx-lm 0.32.2's deepseek_v32 on the same checkpoints.
 
-Checkpoints (tensorfold.testing.DEFAULT_SET): ``deepseek_v32_mlx_4bit`` (mlx-lm's converted
+Checkpoints (tensorfold.testing.DEFAULT_SET, and two yarn-RoPE ones written below): ``deepseek_v32_mlx_4bit`` (mlx-lm's converted
 layout, 4-bit group 32, bf16) and ``deepseek_v32_hf_f32`` (HF layout: kv_b_proj and per-expert
 tensors, float32), both with index_topk 20, so prompts past 20 tokens use the sparse path.
 
@@ -236,10 +236,15 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(CheckpointError, match="FP8"):
         load_model(with_weights("fp8", fp8))
     cfg = json.loads((p / "config.json").read_text())
-    cfg["rope_scaling"] = {"type": "yarn", "factor": 40.0}
+    for bad in ({"type": "dynamic", "factor": 2.0}, {"type": "yarn"}, {"type": "yarn", "factor": "40"},
+                {"type": "yarn", "factor": 40.0, "beta_fast": -1.0}):
+        cfg["rope_scaling"] = bad
+        (p / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match="rope_scaling"):
+            load_model(p)
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 40.0}            # mlx-lm's YarnRoPE defaults
     (p / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="rope_scaling"):
-        load_model(p)
+    assert load_model(p).cfg.rope_scaling["type"] == "yarn"
 
 
 def test_info(checkpoints):
@@ -248,3 +253,126 @@ def test_info(checkpoints):
     for want in ("deepseek_v32", "MLA", "indexer", "top-20", "4-bit/g32", "routing"):
         assert want in text, want
     assert "router" in text and "weights: router               bfloat16" in text
+
+
+# ---- yarn / deepseek_yarn RoPE (DeepSeek-V3.2's real configs) -------------------------------
+YQ4, YF32 = "yarn_mlx_4bit", "yarn_hf_f32"
+
+
+@pytest.fixture(scope="module")
+def yarn(tmp_path_factory):
+    """Two yarn checkpoints and mlx-lm's models of them: the 4-bit one with the "deepseek_yarn"
+    spelling and mscale != mscale_all_dim (YarnRoPE scales its input), the float32 one as
+    DeepSeek-V3.2's config.json has it (type "yarn", factor 40, mscale = mscale_all_dim = 1)."""
+    import mlx_lm
+    from tensorfold.testing import yarn_rope_scaling
+    root = tmp_path_factory.mktemp("yarn")
+    specs = {
+        YQ4: dict(layout="mlx", bits=4, group_size=32, seed=31, max_position=4096,
+                  rope_scaling=yarn_rope_scaling(factor=16.0, original=256, mscale=1.0,
+                                                 mscale_all_dim=0.707, rope_type="deepseek_yarn")),
+        YF32: dict(layout="hf", dtype="float32", seed=32, max_position=163840,
+                   rope_scaling=yarn_rope_scaling()),
+    }
+    out = {}
+    for name, kw in specs.items():
+        p = write_checkpoint(root / name, family="deepseek_v32", **kw)
+        ref, _ = mlx_lm.load(str(p))
+        out[name] = (load_model(p), ref, p)
+    return out
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_yarn_rope_equals_mlx_lm(traditional):
+    """make_dsa_rope == mlx-lm's initialize_rope(...) bit for bit (rope dims only and wider
+    inputs, as the indexer's), and yarn really changes the result."""
+    from mlx_lm.models.rope_utils import initialize_rope
+    from tensorfold.models.config import ModelConfig
+    from tensorfold.models.dsa import make_dsa_rope
+    from tensorfold.testing import yarn_rope_scaling
+    rd = 16
+    for sc in (yarn_rope_scaling(), yarn_rope_scaling(factor=8.0, original=64, beta_fast=16.0, beta_slow=2.0,
+                                                        mscale=0.8, mscale_all_dim=0.5, rope_type="deepseek_yarn"),
+               {"type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 2.0}):
+        cfg = ModelConfig._dsa_rope_scaling(sc)
+        mc = ModelConfig(path=None, family="deepseek_v32", hidden_size=0, num_layers=0, num_heads=0,
+                         num_kv_heads=0, head_dim=0, intermediate_size=0, vocab_size=0, rms_norm_eps=0,
+                         rope_theta=10000.0, rope_scaling=cfg, max_position=0, tie_embeddings=False,
+                         attention_bias=False, qk_norm=False, dtype="bfloat16", quantization=None,
+                         qk_rope_head_dim=rd)
+        ours = make_dsa_rope(mc, traditional)
+        ref = initialize_rope(rd, 10000.0, traditional, scaling_config=sc, max_position_embeddings=4096)
+        for dt in (mx.bfloat16, mx.float32):
+            for width in (rd, 64):
+                x = mx.array(np.random.default_rng(width).standard_normal((1, 2, 9, width)).astype(np.float32)).astype(dt)
+                for off in (0, 37, 5000):
+                    assert mx.array_equal(ours(x, off), ref(x, offset=off)).item(), (sc, dt, width, off)
+                plain = mx.fast.rope(x, rd, traditional=traditional, base=10000.0, scale=1.0, offset=37)
+                assert not mx.array_equal(ours(x, 37), plain).item()
+
+
+@pytest.mark.parametrize("name", [YQ4, YF32])
+def test_yarn_dense_prefill_bitwise(yarn, name):
+    from mlx_lm.models.cache import make_prompt_cache
+    ours, ref, _ = yarn[name]
+    assert ours.scale == ref.model.layers[0].self_attn.scale
+    ids = _ids(ours.cfg.vocab_size, ours.cfg.index_topk, 7)
+    want = ref(mx.array([ids]), cache=make_prompt_cache(ref))[0]
+    got = ours.forward(mx.array([ids]), ours.new_cache(), exact=False, all_logits=True)
+    assert mx.array_equal(got, want).item()
+    c, rc = ours.new_cache(), make_prompt_cache(ref)
+    for s, e in [(0, 7), (7, 16), (16, 17), (17, 20)]:
+        a = ours.forward(mx.array([ids[s:e]]), c, exact=False)
+        b = ref(mx.array([ids[s:e]]), cache=rc)[0, -1:]
+        assert mx.array_equal(a, b).item(), (s, e)
+
+
+def test_yarn_sparse_prefill_f32_close_to_mlx_lm(yarn, monkeypatch):
+    ours, ref, _ = yarn[YF32]
+    _ties_low_indexer(monkeypatch)
+    for n in (48, 90):
+        ids = _ids(ours.cfg.vocab_size, n, n + 1)
+        want = ref(mx.array([ids]))[0]
+        got = ours.forward(mx.array([ids]), ours.new_cache(), exact=False, all_logits=True)
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert err < 1e-5, (n, err)
+
+
+def test_yarn_exact_decode_close_to_prefill(yarn):
+    ours, _, _ = yarn[YF32]
+    ids = mx.array([_ids(ours.cfg.vocab_size, 44, 8)])
+    a = ours.forward(ids, ours.new_cache(), exact=False, all_logits=True)
+    c = ours.new_cache()
+    ours.forward(ids[:, :30], c, exact=False, logits=False)
+    b = ours.forward(ids[:, 30:], c, exact=True, all_logits=True)
+    assert (mx.abs(a[30:] - b).max() / mx.abs(a).max()).item() < 1e-4
+    one = ours.new_cache()
+    e = ours.forward(ids[:, :12], one, exact=True, all_logits=True)
+    assert (mx.abs(a[:12] - e).max() / mx.abs(a).max()).item() < 1e-4
+
+
+def test_yarn_decode_rows_are_row_exact(yarn):
+    from tensorfold.engine.rowcheck import row_check
+    ours, _, _ = yarn[YQ4]
+    assert row_check(ours, k=8, prompt_len=16)
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_yarn_engine_drafted_equals_serial(yarn, i):
+    from tensorfold.engine import Engine, PrefillMode, SamplingParams
+    from tensorfold.engine.proposers import ContextCopy
+    from test_engine import MixProposer
+    if "engine" not in yarn:
+        yarn["engine"] = Engine(yarn[YQ4][2], prefill_mode=PrefillMode(grid=16))
+    eng = yarn["engine"]
+    vocab = eng.model.cfg.vocab_size
+    plen = [5, 17, 33, 47][i]
+    prompt = np.random.default_rng(50 + i).integers(3, vocab, size=plen).tolist()
+    p = SamplingParams(temperature=[0.0, 0.9, 1.3, 0.5][i], top_p=[1.0, 0.9, 1.0, 0.6][i], seed=100 + i)
+    text, serial, st = eng.generate_text(prompt=prompt, max_tokens=30, sampling=p, draft=False)
+    props = [MixProposer(plen, serial, vocab, i)] if i % 2 == 0 else [ContextCopy()]
+    dtext, drafted, dst = eng.generate_text(prompt=prompt, max_tokens=30, sampling=p, draft=True,
+                                            proposers=props)
+    assert drafted == serial and dtext == text and dst.token_hash == st.token_hash
+    if i % 2 == 0 and st.completion_tokens > 3:
+        assert dst.drafted > 0

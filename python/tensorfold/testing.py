@@ -739,6 +739,23 @@ def llama3_rope_scaling(factor: float = 8.0, original: int = 1024) -> dict:
     }
 
 
+def yarn_rope_scaling(factor: float = 40.0, original: int = 4096, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0, mscale: float = 1.0, mscale_all_dim: float = 1.0,
+                      rope_type: str = "yarn") -> dict:
+    """DeepSeek-V3 / V3.2's rope_scaling (``{"type": "yarn", ...}`` as their config.json has it;
+    rope_type="deepseek_yarn" writes that spelling): pass as write_checkpoint(rope_scaling=...)
+    with family="deepseek_v32"."""
+    return {
+        "type": rope_type,
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(beta_fast),
+        "beta_slow": float(beta_slow),
+        "mscale": float(mscale),
+        "mscale_all_dim": float(mscale_all_dim),
+    }
+
+
 DEFAULT_SET: dict[str, dict[str, Any]] = {
     "qwen3_hf_bf16": dict(family="qwen3", layout="hf", seed=0),
     "qwen3_mlx_4bit": dict(family="qwen3", layout="mlx", bits=4, seed=1),

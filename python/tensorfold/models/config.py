@@ -118,7 +118,9 @@ class ModelConfig:
         rope_params = raw.get("rope_parameters") or {}
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
-        if rope_scaling:
+        if rope_scaling and mt in DSA_FAMILIES:
+            rope_scaling = cls._dsa_rope_scaling(rope_scaling)
+        elif rope_scaling:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rtype not in ("default", "linear", "llama3"):
                 raise CheckpointError(f"unsupported rope_scaling type {rtype!r}")
@@ -133,10 +135,6 @@ class ModelConfig:
         family = FAMILIES[mt]
         moe = cls._moe_fields(raw, need, hidden) if family in MOE_FAMILIES else {}
         if family in DSA_FAMILIES:
-            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "linear":
-                raise CheckpointError(
-                    f"deepseek_v32: rope_scaling {rope_scaling.get('rope_type', rope_scaling.get('type'))!r} "
-                    "is not supported yet (default and linear RoPE only)")
             moe = cls._dsa_fields(raw, need, hidden, heads)
             head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]
         return cls(
@@ -173,6 +171,37 @@ class ModelConfig:
         return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
                     decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(only))),
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+
+    @staticmethod
+    def _dsa_rope_scaling(sc) -> dict:
+        """deepseek_v32's rope_scaling, read as mlx-lm's initialize_rope reads it ("type" before
+        "rope_type"): default, linear, or yarn / deepseek_yarn (YarnRoPE). The dict is kept even
+        for "default": mlx-lm's attention applies ``mscale_all_dim`` whatever the type."""
+        if not isinstance(sc, dict):
+            raise CheckpointError("config.json: rope_scaling must be an object")
+        rtype = sc.get("type") or sc.get("rope_type", "default")
+        if rtype not in ("default", "linear", "yarn", "deepseek_yarn"):
+            raise CheckpointError(f"deepseek_v32: unsupported rope_scaling type {rtype!r} "
+                                  "(default, linear, yarn, deepseek_yarn)")
+        num = (int, float)
+        if rtype != "default" or "factor" in sc or sc.get("mscale_all_dim"):
+            f = sc.get("factor")
+            if not isinstance(f, num) or isinstance(f, bool) or not f > 0:
+                raise CheckpointError(f"deepseek_v32: rope_scaling factor must be a positive number, got {f!r}")
+        if rtype in ("yarn", "deepseek_yarn"):
+            for key in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                        "mscale_all_dim"):
+                v = sc.get(key)
+                if v is not None and (not isinstance(v, num) or isinstance(v, bool)):
+                    raise CheckpointError(f"deepseek_v32: rope_scaling {key} must be a number, got {v!r}")
+            if not sc.get("original_max_position_embeddings", 4096) > 0:
+                raise CheckpointError("deepseek_v32: rope_scaling original_max_position_embeddings must be > 0")
+            if not sc.get("beta_fast", 32) > 0 or not sc.get("beta_slow", 1) > 0:
+                raise CheckpointError("deepseek_v32: rope_scaling beta_fast / beta_slow must be > 0")
+        mad = sc.get("mscale_all_dim", 0)
+        if mad is not None and (not isinstance(mad, num) or isinstance(mad, bool)):
+            raise CheckpointError(f"deepseek_v32: rope_scaling mscale_all_dim must be a number, got {mad!r}")
+        return dict(sc, type=rtype)
 
     @staticmethod
     def _dsa_fields(raw: dict, need, hidden: int, heads: int) -> dict:

@@ -7,6 +7,8 @@ Weights and math follow mlx-lm 0.32.2's deepseek_v32.py.
   nn.quantize writes it) or the Hugging Face layout (``self_attn.kv_b_proj`` split per head
   and per-expert ``mlp.experts.{e}.*`` stacked at load, as mlx-lm's sanitize does). FP8
   (``weight_scale_inv``) checkpoints are refused with a CheckpointError.
+- RoPE: default, linear, or yarn / deepseek_yarn as mlx-lm's initialize_rope builds YarnRoPE
+  (`make_dsa_rope`; DeepSeek-V3.2's config.json has type "yarn", factor 40).
 - KV cache (models/kv.py, one KV head): per layer ``keys`` hold the MLA latent and the rotary
   key concatenated ([kv_lora_rank + qk_rope_head_dim], what the absorbed attention reads) and
   ``values`` hold the indexer's keys ([index_head_dim]); both go through snapshot / restore
@@ -160,6 +162,51 @@ def causal_mask(N: int, offset: int) -> mx.array:
     return linds[:, None] >= rinds[None]
 
 
+def yarn_freqs(dims: int, base: float, sc: dict):
+    """mlx-lm's YarnRoPE (rope_utils.py) constants, op for op: (input mscale, freqs [dims // 2])."""
+    factor = sc["factor"]
+    orig = sc.get("original_max_position_embeddings", 4096)
+    beta_fast, beta_slow = sc.get("beta_fast", 32), sc.get("beta_slow", 1)
+    mscale, mscale_all_dim = sc.get("mscale", 1), sc.get("mscale_all_dim", 0)
+
+    def correction_dim(num_rotations):
+        return (dims * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    def get_mscale(scale=1, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    freq_extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    freq_inter = factor * freq_extra
+    freq_mask = 1.0 - ramp
+    freqs = (freq_inter * freq_extra) / (freq_inter * freq_mask + freq_extra * (1 - freq_mask))
+    return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), freqs
+
+
+def make_dsa_rope(cfg: ModelConfig, traditional: bool):
+    """RoPE over the first qk_rope_head_dim features as mlx-lm's initialize_rope builds it for
+    deepseek_v32: nn.RoPE (default / linear) or YarnRoPE (yarn / deepseek_yarn: the input
+    scaled by mscale / mscale_all_dim's ratio, then custom frequencies)."""
+    sc, base, rd = cfg.rope_scaling, cfg.rope_theta, cfg.qk_rope_head_dim
+    rtype = (sc.get("type") or sc.get("rope_type", "default")) if sc else "default"
+    if rtype in ("yarn", "deepseek_yarn"):
+        ms, freqs = yarn_freqs(rd, base, sc)
+        mx.eval(freqs)
+
+        def rope(x, off):
+            if ms != 1.0:
+                x = x.at[..., :rd].multiply(ms)
+            return mx.fast.rope(x, rd, traditional=traditional, base=None, scale=1.0, offset=off,
+                                freqs=freqs)
+        return rope
+    scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
+    return lambda x, off: mx.fast.rope(x, rd, traditional=traditional, base=base, scale=scale, offset=off)
+
+
 class DSALayer:
     def __init__(self, cfg: ModelConfig, w: dict, i: int):
         p = f"model.layers.{i}"
@@ -221,11 +268,8 @@ class DSAModel(DenseModel):
         weights = dict(weights)    # kv_b_proj is split in place
         super().__init__(cfg, weights)
         sc = cfg.rope_scaling
-        rscale = 1.0 / sc["factor"] if sc else 1.0
-        base, rd = cfg.rope_theta, cfg.qk_rope_head_dim
-        self.rope = lambda x, off: mx.fast.rope(x, rd, traditional=True, base=base, scale=rscale, offset=off)
-        inter = cfg.indexer_rope_interleave
-        self.irope = lambda x, off: mx.fast.rope(x, rd, traditional=inter, base=base, scale=rscale, offset=off)
+        self.rope = make_dsa_rope(cfg, traditional=True)
+        self.irope = make_dsa_rope(cfg, traditional=cfg.indexer_rope_interleave)
         self.scale = cfg.head_dim ** -0.5
         mscale_all_dim = (sc or {}).get("mscale_all_dim", 0)
         if mscale_all_dim and sc["factor"] > 1:
