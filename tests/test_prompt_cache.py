@@ -138,6 +138,7 @@ def _prime(model_path, snap, mode=PrefillMode(grid=GRID), msgs=None):
     eng = Engine(model_path, prefill_mode=mode, snapshot_dir=snap, drafts=False)
     msgs = msgs or _conversation(50, seed=9)[0]
     eng.generate_text(messages=msgs, max_tokens=4, sampling=P)
+    eng.disk.flush()          # snapshots are written by a background writer
     return msgs
 
 
@@ -225,6 +226,7 @@ def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path):
     system = {"role": "system", "content": _words(60, 1)}
     eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
     eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
+    eng.disk.flush()
     pinned = [e for e in eng.disk.entries if e.pinned]
     assert len(pinned) == 1 and len(pinned[0].tokens) % GRID == 0
     # a new engine warms the pinned block in the background; another user's chat reuses it
@@ -261,3 +263,26 @@ def test_disk_store_bounded_newest_kept(tmp_path):
     store.save("k" * 32, [2] * 16, kv)
     assert len(store.entries) == 1 and int(store.entries[0].tokens[0]) == 2
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def test_snapshots_are_written_in_the_background(tmp_path):
+    """save_async returns before the file exists; flush waits; the file equals a synchronous save."""
+    import threading
+    store = DiskStore(tmp_path / "a")
+    kv = [(mx.random.normal((1, 2, 32, 16)).astype(mx.bfloat16), mx.random.normal((1, 2, 32, 16)).astype(mx.bfloat16))]
+    gate = threading.Event()
+    real = store._write
+    store._write = lambda *a: (gate.wait(30), real(*a))[1]
+    store.save_async("k" * 32, list(range(32)), kv)
+    assert store.entries == []                       # not on disk yet: the caller did not wait
+    gate.set()
+    store.flush()
+    assert len(store.entries) == 1
+    sync = DiskStore(tmp_path / "b")
+    sync.save("k" * 32, list(range(32)), kv)
+    from tensorfold.cache.disk import read_tensors
+    a, b = read_tensors(store.entries[0]), read_tensors(sync.entries[0])
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+    # MLX itself reads our files
+    loaded = mx.load(str(store.entries[0].path))
+    assert mx.array_equal(loaded["k.0"], kv[0][0]).item()

@@ -8,6 +8,7 @@ tampered, foreign or other-format file is ignored with a warning."""
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import json
@@ -104,7 +105,11 @@ class DiskStore:
         self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._writer = None
+        self._queue = None
         self.entries: list[DiskEntry] = []
         self.scan()
 
@@ -151,26 +156,75 @@ class DiskStore:
         with self._lock:
             self.entries = [e for e in self.entries if e.path != entry.path]
 
-    def save(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> Path:
+    # ---- writing: arrays leave MLX on the caller's (engine) thread; files are written by a
+    # ---- background writer with numpy only, so a request never waits for the disk
+    _TAG = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+
+    def _job(self, key: str, tokens, kv, pinned: bool):
         toks = np.asarray(tokens, dtype=np.int32)
-        th = hashlib.sha256(toks.tobytes()).hexdigest()
-        arrays = {}
-        for i, (k, v) in enumerate(kv):
-            arrays[f"k.{i}"], arrays[f"v.{i}"] = k, v
-        mx.eval(list(arrays.values()))
+        mx.eval([a for pair in kv for a in pair])
         flat = []
-        for i in range(len(kv)):
-            for name in (f"k.{i}", f"v.{i}"):
-                a = arrays[name]
+        for k, v in kv:
+            for a in (k, v):
                 flat.append(np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a))
+        return key, toks, flat, pinned, ("BF16" if kv and kv[0][0].dtype == mx.bfloat16 else None)
+
+    def save(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> Path:
+        """Write a snapshot now (atomically); returns its path."""
+        return self._write(*self._job(key, tokens, kv, pinned))
+
+    def save_async(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> None:
+        """Copy the arrays out of MLX here, write the file in the background writer."""
+        job = self._job(key, tokens, kv, pinned)
+        with self._lock:
+            if self._writer is None:
+                self._queue = __import__("queue").Queue()
+                self._writer = threading.Thread(target=self._drain, name="tensorfold-snapshot-writer",
+                                                daemon=True)
+                self._writer.start()
+                atexit.register(self.flush)
+            self._pending += 1
+        self._queue.put(job)
+
+    def _drain(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                self._write(*job)
+            except OSError as e:
+                log.warning("could not write a snapshot to %s: %s", self.dir, e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def flush(self, timeout: float | None = 600) -> None:
+        """Wait until every queued snapshot is on disk."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def _write(self, key: str, toks: np.ndarray, flat: list[np.ndarray], pinned: bool, bf16) -> Path:
+        th = hashlib.sha256(toks.tobytes()).hexdigest()
         meta = {"format": FORMAT, "key": key, "tokens": str(len(toks)), "token_hash": th,
                 "token_ids": base64.b64encode(toks.tobytes()).decode(), "created": repr(time.time()),
                 "checksum": _checksum(flat), "pinned": "1" if pinned else "0"}
+        header, off = {"__metadata__": meta}, 0
+        for i, a in enumerate(flat):
+            name = f"{'kv'[i % 2]}.{i // 2}"
+            tag = "BF16" if (bf16 and a.dtype == np.uint16) else self._TAG[a.dtype]
+            header[name] = {"dtype": tag, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+            off += a.nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
         name = f"{key[:12]}-{th[:16]}-{len(toks)}.safetensors"
         final = self.dir / name
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
-        mx.save_safetensors(str(tmp), arrays, metadata=meta)
-        with open(tmp, "rb+") as fh:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(head)))
+            fh.write(head)
+            for a in flat:
+                fh.write(np.ascontiguousarray(a).tobytes())
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         dfd = os.open(self.dir, os.O_RDONLY)

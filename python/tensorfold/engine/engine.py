@@ -144,7 +144,7 @@ class Engine:
         self.snapshots.add(self.cache_key, ids[:p], snap, pinned=pinned)
         if self.disk is not None:
             try:
-                self.disk.save(self.cache_key, ids[:p], snap, pinned=pinned)
+                self.disk.save_async(self.cache_key, ids[:p], snap, pinned=pinned)
             except OSError as e:
                 log.warning("could not write a snapshot to %s: %s", self.disk.dir, e)
 
