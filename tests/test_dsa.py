@@ -376,3 +376,51 @@ def test_yarn_engine_drafted_equals_serial(yarn, i):
     assert drafted == serial and dtext == text and dst.token_hash == st.token_hash
     if i % 2 == 0 and st.completion_tokens > 3:
         assert dst.drafted > 0
+
+
+# ---- LayerQueue in prefill ------------------------------------------------------------------
+@pytest.mark.parametrize("name", [Q4, F32])
+def test_layer_queue_prefill_bounded_and_equal(pair, monkeypatch, name):
+    """Each prefill layer's hidden state and cache writes go to LayerQueue(2): bounded in-flight
+    layers, and the same logits / cache bits as the plain one-graph forward (dense and sparse)."""
+    ours, _ = pair[name]
+    ids = mx.array([_ids(ours.cfg.vocab_size, 60, 9)])
+    runs = []
+    for queued in (True, False):
+        if not queued:
+            monkeypatch.setattr(ours, "_layer_done", lambda *a: None)
+        c = ours.new_cache()
+        out = [ours.forward(ids[:, :16], c, exact=False, all_logits=True)]    # <= index_topk
+        q = ours.last_queue
+        if queued:
+            assert q.depth == 2 and 0 < q.max_in_flight <= 2 and q.pushed == ours.cfg.num_layers
+        out.append(ours.forward(ids[:, 16:], c, exact=False, all_logits=True))   # sparse
+        runs.append((out, [c.keys[i][..., :60, :] for i in range(ours.cfg.num_layers)]
+                     + [c.values[i][..., :60, :] for i in range(ours.cfg.num_layers)]))
+    (a, ca), (b, cb) = runs
+    assert all(mx.array_equal(x, y).item() for x, y in zip(a + ca, b + cb))
+    monkeypatch.undo()
+    before = ours.last_queue
+    ours.forward(ids[:, :3], ours.new_cache(), exact=True)                  # decode: no queue
+    assert ours.last_queue is before
+
+
+def test_layer_queue_yarn_equals_mlx_lm(yarn):
+    """The queued prefill of the yarn checkpoint still equals mlx-lm bit for bit."""
+    from mlx_lm.models.cache import make_prompt_cache
+    ours, ref, _ = yarn[YQ4]
+    ids = _ids(ours.cfg.vocab_size, ours.cfg.index_topk, 10)
+    got = ours.forward(mx.array([ids]), ours.new_cache(), exact=False, all_logits=True)
+    assert ours.last_queue.pushed == ours.cfg.num_layers and ours.last_queue.max_in_flight <= 2
+    assert mx.array_equal(got, ref(mx.array([ids]), cache=make_prompt_cache(ref))[0]).item()
+
+
+def test_layer_queue_bounds_deep_model(tmp_path, monkeypatch):
+    """5 layers: the queue really caps in-flight layers at 2, and changes no bit."""
+    m = load_model(write_checkpoint(tmp_path / "deep", family="deepseek_v32", layout="mlx", bits=4,
+                                    group_size=32, layers=5, seed=33))
+    ids = mx.array([_ids(m.cfg.vocab_size, 40, 11)])
+    a = m.forward(ids, m.new_cache(), exact=False, all_logits=True)
+    assert m.last_queue == (2, 2, 5)
+    monkeypatch.setattr(m, "_layer_done", lambda *a: None)
+    assert mx.array_equal(a, m.forward(ids, m.new_cache(), exact=False, all_logits=True)).item()

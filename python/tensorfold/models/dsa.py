@@ -20,6 +20,9 @@ Weights and math follow mlx-lm 0.32.2's deepseek_v32.py.
   ``kernels.sparse_attention`` over the selected latent keys (absorbed form: q = [embed_q(q_nope)
   | q_pe] against [latent | k_pe]), never an L x S mask: fp32 softmax, so logits differ
   from mlx-lm's masked bf16 sdpa within rounding (tests/test_dsa.py states the tolerance).
+- Each prefill layer's outputs (hidden state and its cache writes: latent + rotary keys and
+  the indexer's keys) go to a native ``LayerQueue(2)``, as in models/moe.py: at most two layers
+  are queued ahead of the device; the logits are the same bits as without it.
 - Decode (`exact=True`): row-exact throughout: every Linear / per-head MultiLinear through
   the row matmuls, indexer scores per head through ``row_matmul`` summed in a fixed order,
   ``select_topk``, ``sparse_attention`` (or ``row_attention`` while ``use_sparse`` is false:
@@ -33,12 +36,14 @@ import math
 
 import mlx.core as mx
 
+from .. import _ext
 from ..errors import CheckpointError
 from .config import ModelConfig
 from .dense import DenseModel, swiglu
 from .kv import KVCache
 from .loader import Linear, take_linear, take_vector
-from .moe import PROJS, Experts, _gather_sort, _scatter_unsort, take_experts, topk_deterministic
+from .moe import (PROJS, Experts, QueueStats, _gather_sort, _scatter_unsort, take_experts,
+                  topk_deterministic)
 
 
 class MultiLinear:
@@ -261,7 +266,11 @@ class DSALayer:
 class DSAModel(DenseModel):
     """deepseek_v32 with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
 
+    queue_depth = 2
+
     def __init__(self, cfg: ModelConfig, weights: dict):
+        self._queue = None
+        self.last_queue = None      # QueueStats of the last prefill forward (instrumentation)
         if any(k.endswith("weight_scale_inv") for k in weights):
             raise CheckpointError(f"{cfg.path}: FP8 (weight_scale_inv) checkpoints are not supported; "
                                   "convert with mlx-lm first")
@@ -303,6 +312,21 @@ class DSAModel(DenseModel):
                 for e in ly.experts:
                     out += e.arrays()
         return out
+
+    # ---- bounded prefill (as MoEModel) ------------------------------------------------------
+    def _layer_done(self, i: int, h, cache, exact: bool) -> None:
+        if self._queue is not None:
+            self._queue.push([h, cache.keys[i], cache.values[i]])
+
+    def forward(self, ids: mx.array, cache, *, exact: bool, all_logits: bool = False,
+                logits: bool = True):
+        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
+        try:
+            return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
+        finally:
+            q, self._queue = self._queue, None
+            if q is not None:   # keep the numbers, not the queue (it references the last layers)
+                self.last_queue = QueueStats(q.depth, q.max_in_flight, q.pushed)
 
     # ---- attention -------------------------------------------------------------------------
     def _index_scores(self, ly: DSALayer, x, qr, ib, off: int, exact: bool):
