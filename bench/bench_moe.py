@@ -61,46 +61,25 @@ def write_moe(name: str, out: Path, bits: int = 4, group_size: int = 64, seed: i
     mx.random.seed(seed)
     d, hd, f, E = s["hidden"], s["head_dim"], s["moe_intermediate"], s["experts"]
 
-    def lin(shape, std, b=bits):
-        w = (mx.random.normal(shape) * std).astype(mx.bfloat16)
-        q, sc, bi = mx.quantize(w, group_size=group_size, bits=b)
-        return {"weight": q, "scales": sc, "biases": bi}
-
-    shard, n, index = {}, 0, {}
-
-    def flush(final=False):
-        nonlocal shard, n
-        if shard and (final or sum(a.nbytes for a in shard.values()) > 2**30):
-            n += 1
-            fname = f"model-{n:05d}.safetensors"
-            mx.save_safetensors(str(out / fname), shard, metadata={"format": "mlx"})
-            index.update({k: fname for k in shard})
-            shard = {}
-
-    def put(prefix, tensors):
-        for k, v in tensors.items():
-            shard[f"{prefix}.{k}"] = v
-        mx.eval(list(shard.values()))
-
-    put("model.embed_tokens", lin((s["vocab"], d), 1.0))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shapes import ShardWriter, layer_norms, random_linear
+    lin = lambda shape, std, b=bits: random_linear(shape, std, b, group_size)  # noqa: E731
+    w = ShardWriter(out)
+    w.put("model.embed_tokens", lin((s["vocab"], d), 1.0))
     for i in range(s["layers"]):
         p = f"model.layers.{i}"
-        put(f"{p}.self_attn.q_proj", lin((s["heads"] * hd, d), d ** -0.5))
-        put(f"{p}.self_attn.k_proj", lin((s["kv_heads"] * hd, d), d ** -0.5))
-        put(f"{p}.self_attn.v_proj", lin((s["kv_heads"] * hd, d), d ** -0.5))
-        put(f"{p}.self_attn.o_proj", lin((d, s["heads"] * hd), (s["heads"] * hd) ** -0.5 / 4))
-        put(f"{p}.mlp.gate", lin((E, d), 2 * d ** -0.5, b=8))
-        put(f"{p}.mlp.switch_mlp.gate_proj", lin((E, f, d), d ** -0.5))
-        put(f"{p}.mlp.switch_mlp.up_proj", lin((E, f, d), d ** -0.5))
-        put(f"{p}.mlp.switch_mlp.down_proj", lin((E, d, f), f ** -0.5 / 4))
-        for nm, size in (("input_layernorm", d), ("post_attention_layernorm", d),
-                         ("self_attn.q_norm", hd), ("self_attn.k_norm", hd)):
-            shard[f"{p}.{nm}.weight"] = mx.ones((size,), mx.bfloat16)
-        flush()
-    shard["model.norm.weight"] = mx.ones((d,), mx.bfloat16)
-    put("lm_head", lin((s["vocab"], d), d ** -0.5 * 4))
-    flush(final=True)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        w.put(f"{p}.self_attn.q_proj", lin((s["heads"] * hd, d), d ** -0.5))
+        w.put(f"{p}.self_attn.k_proj", lin((s["kv_heads"] * hd, d), d ** -0.5))
+        w.put(f"{p}.self_attn.v_proj", lin((s["kv_heads"] * hd, d), d ** -0.5))
+        w.put(f"{p}.self_attn.o_proj", lin((d, s["heads"] * hd), (s["heads"] * hd) ** -0.5 / 4))
+        w.put(f"{p}.mlp.gate", lin((E, d), 2 * d ** -0.5, b=8))
+        w.put(f"{p}.mlp.switch_mlp.gate_proj", lin((E, f, d), d ** -0.5))
+        w.put(f"{p}.mlp.switch_mlp.up_proj", lin((E, f, d), d ** -0.5))
+        w.put(f"{p}.mlp.switch_mlp.down_proj", lin((E, d, f), f ** -0.5 / 4))
+        w.put("", layer_norms(p, d, hd))
+        w.flush()
+    w.put("lm_head", lin((s["vocab"], d), d ** -0.5 * 4))
+    w.finish({"model.norm.weight": mx.ones((d,), mx.bfloat16)})
     return out
 
 

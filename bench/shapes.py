@@ -23,6 +23,47 @@ SHAPES = {
 }
 
 
+def random_linear(shape, std, bits, group_size):
+    """A random bf16 weight of `shape`, MLX-affine quantized when `bits` is set."""
+    w = (mx.random.normal(shape) * std).astype(mx.bfloat16)
+    if not bits:
+        return {"weight": w}
+    q, sc, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return {"weight": q, "scales": sc, "biases": b}
+
+
+class ShardWriter:
+    """Tensors written in ~1 GiB safetensors shards as they are made, plus the index."""
+
+    def __init__(self, out: Path):
+        self.out, self.shard, self.n, self.index = Path(out), {}, 0, {}
+
+    def put(self, prefix: str, tensors: dict) -> None:
+        for k, v in tensors.items():
+            self.shard[f"{prefix}.{k}" if prefix else k] = v
+        mx.eval(list(self.shard.values()))
+
+    def flush(self, final: bool = False) -> None:
+        if self.shard and (final or sum(a.nbytes for a in self.shard.values()) > 2**30):
+            self.n += 1
+            fname = f"model-{self.n:05d}.safetensors"
+            mx.save_safetensors(str(self.out / fname), self.shard, metadata={"format": "mlx"})
+            self.index.update({k: fname for k in self.shard})
+            self.shard = {}
+
+    def finish(self, norms: dict) -> None:
+        self.put("", norms)
+        self.flush(final=True)
+        (self.out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": self.index}))
+
+
+def layer_norms(p: str, d: int, hd: int) -> dict:
+    return {f"{p}.{nm}.weight": mx.ones((size,), mx.bfloat16)
+            for nm, size in (("input_layernorm", d), ("post_attention_layernorm", d),
+                             ("self_attn.q_norm", hd), ("self_attn.k_norm", hd))}
+
+
 def write(name: str, out: Path, bits: int | None = 4, group_size: int = 64, seed: int = 0,
           layers: int | None = None) -> Path:
     from tensorfold.testing import write_checkpoint
@@ -48,47 +89,22 @@ def write(name: str, out: Path, bits: int | None = 4, group_size: int = 64, seed
     mx.random.seed(seed)
     d, hd = s["hidden"], s["head_dim"]
 
-    def lin(o, i, std):
-        w = (mx.random.normal((o, i)) * std).astype(mx.bfloat16)
-        if not bits:
-            return {"weight": w}
-        q, sc, b = mx.quantize(w, group_size=group_size, bits=bits)
-        return {"weight": q, "scales": sc, "biases": b}
-
-    shard, n, index = {}, 0, {}
-
-    def flush(final=False):
-        nonlocal shard, n
-        if shard and (final or sum(a.nbytes for a in shard.values()) > 2**30):
-            n += 1
-            fname = f"model-{n:05d}.safetensors"
-            mx.save_safetensors(str(out / fname), shard, metadata={"format": "mlx"})
-            index.update({k: fname for k in shard})
-            shard = {}
-
-    def put(prefix, tensors):
-        for k, v in tensors.items():
-            shard[f"{prefix}.{k}"] = v
-        mx.eval(list(shard.values()))
-
-    put("model.embed_tokens", lin(s["vocab"], d, 1.0))
+    lin = lambda o, i, std: random_linear((o, i), std, bits, group_size)  # noqa: E731
+    w = ShardWriter(out)
+    w.put("model.embed_tokens", lin(s["vocab"], d, 1.0))
     for i in range(s["layers"]):
         p = f"model.layers.{i}"
-        put(f"{p}.self_attn.q_proj", lin(s["heads"] * hd, d, d ** -0.5))
-        put(f"{p}.self_attn.k_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
-        put(f"{p}.self_attn.v_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
-        put(f"{p}.self_attn.o_proj", lin(d, s["heads"] * hd, (s["heads"] * hd) ** -0.5 / 4))
-        put(f"{p}.mlp.gate_proj", lin(s["intermediate"], d, d ** -0.5))
-        put(f"{p}.mlp.up_proj", lin(s["intermediate"], d, d ** -0.5))
-        put(f"{p}.mlp.down_proj", lin(d, s["intermediate"], s["intermediate"] ** -0.5 / 4))
-        for nm, size in (("input_layernorm", d), ("post_attention_layernorm", d),
-                         ("self_attn.q_norm", hd), ("self_attn.k_norm", hd)):
-            shard[f"{p}.{nm}.weight"] = mx.ones((size,), mx.bfloat16)
-        flush()
-    shard["model.norm.weight"] = mx.ones((d,), mx.bfloat16)
-    put("lm_head", lin(s["vocab"], d, d ** -0.5 * 4))
-    flush(final=True)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        w.put(f"{p}.self_attn.q_proj", lin(s["heads"] * hd, d, d ** -0.5))
+        w.put(f"{p}.self_attn.k_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
+        w.put(f"{p}.self_attn.v_proj", lin(s["kv_heads"] * hd, d, d ** -0.5))
+        w.put(f"{p}.self_attn.o_proj", lin(d, s["heads"] * hd, (s["heads"] * hd) ** -0.5 / 4))
+        w.put(f"{p}.mlp.gate_proj", lin(s["intermediate"], d, d ** -0.5))
+        w.put(f"{p}.mlp.up_proj", lin(s["intermediate"], d, d ** -0.5))
+        w.put(f"{p}.mlp.down_proj", lin(d, s["intermediate"], s["intermediate"] ** -0.5 / 4))
+        w.put("", layer_norms(p, d, hd))
+        w.flush()
+    w.put("lm_head", lin(s["vocab"], d, d ** -0.5 * 4))
+    w.finish({"model.norm.weight": mx.ones((d,), mx.bfloat16)})
     return out
 
 
