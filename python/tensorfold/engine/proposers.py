@@ -48,19 +48,20 @@ class ContextCopy(Proposer):
     def __init__(self, ngram_max: int = 4, ngram_min: int = 2):
         super().__init__()
         self.nmax, self.nmin = ngram_max, ngram_min
-        self._seen: list[int] = []
+        self._n = 0                          # tokens indexed so far
+        self._last = None                    # the last of them (detects a new sequence)
         self._index: dict[tuple, int] = {}   # n-gram -> end position of its latest occurrence
 
     def _sync(self, tokens: list[int]) -> None:
-        n = len(self._seen)
-        if n > len(tokens) or (n and self._seen[-1] != tokens[n - 1]):   # a new sequence
-            self._seen, self._index, n = [], {}, 0
-        for end in range(max(n, 1), len(tokens) + 1):
+        """Index the n-grams that end at positions added since the last call (append-only)."""
+        n = self._n
+        if n > len(tokens) or (n and self._last != tokens[n - 1]):   # a new sequence
+            self._index, n = {}, 0
+        for end in range(max(n, 1), len(tokens)):   # an occurrence needs a continuation
             for m in range(self.nmin, self.nmax + 1):
-                if end - m >= 0 and end < len(tokens):
-                    # only index occurrences that have a continuation
+                if end - m >= 0:
                     self._index[tuple(tokens[end - m:end])] = end
-        self._seen = list(tokens)
+        self._n, self._last = len(tokens), (tokens[-1] if tokens else None)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         self._sync(tokens)
