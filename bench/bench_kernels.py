@@ -4,7 +4,7 @@ pytest-benchmark mode (default device; on a CUDA machine that is the GPU):
     pytest bench/bench_kernels.py --benchmark-only [-k qmm]
     TF_BENCH_QUICK=1 pytest bench/bench_kernels.py ...   # smaller shapes (CPU)
 Table mode (markdown: median us, GB/s, MLX/ours time ratio; CPU and, if present, GPU):
-    python bench/bench_kernels.py --table [--quick] [--cpu-only] [--full-cpu] [--ops qmm,mm,attn]
+    python bench/bench_kernels.py --table [--quick] [--cpu-only | --gpu-only] [--full-cpu] [--ops qmm,mm,attn]
 (the CPU part of the table uses the quick shapes unless --full-cpu)
 
 Every timed call evaluates its result (mx.eval inside the timed function). Weights are
@@ -97,27 +97,39 @@ class Case:
         self.i += 1
         return w
 
-    def ours(self):
+    def _ours(self):
         w = self._next()
         if self.op == "qmm":
-            y = K.row_quantized_matmul(self.x, *w, 64, 4)
-        elif self.op == "mm":
-            y = K.row_matmul(self.x, *w)
-        else:
-            y = K.row_attention(self.q, w[0], w[1], self.offset, self.scale)
-        mx.eval(y)
+            return K.row_quantized_matmul(self.x, *w, 64, 4)
+        if self.op == "mm":
+            return K.row_matmul(self.x, *w)
+        return K.row_attention(self.q, w[0], w[1], self.offset, self.scale)
+
+    def _theirs(self):
+        w = self._next()
+        if self.op == "qmm":
+            return mx.quantized_matmul(self.x, *w, transpose=True, group_size=64, bits=4)
+        if self.op == "mm":
+            return self.x @ w[0].T
+        return mx.fast.scaled_dot_product_attention(
+            self.q, w[0], w[1], scale=self.scale, mask="causal" if self.M > 1 else None)
+
+    def ours(self):
+        mx.eval(self._ours())
 
     def theirs(self):
-        w = self._next()
-        if self.op == "qmm":
-            y = mx.quantized_matmul(self.x, *w, transpose=True, group_size=64, bits=4)
-        elif self.op == "mm":
-            y = self.x @ w[0].T
-        else:
-            y = mx.fast.scaled_dot_product_attention(
-                self.q, w[0], w[1], scale=self.scale,
-                mask="causal" if self.M > 1 else None)
-        mx.eval(y)
+        mx.eval(self._theirs())
+
+    # Stream mode (GPU): STREAM calls on rotating weight copies, all evaluated by one
+    # mx.eval; time / STREAM is the per-call device time with launch latency overlapped,
+    # as inside a model's forward. Every result is evaluated.
+    STREAM = 24
+
+    def ours_stream(self):
+        mx.eval([self._ours() for _ in range(self.STREAM)])
+
+    def theirs_stream(self):
+        mx.eval([self._theirs() for _ in range(self.STREAM)])
 
 
 def on_gpu() -> bool:
@@ -189,20 +201,39 @@ def table(ops, q, device_names, full_cpu=False):
         mx.set_default_device(dev)
         face = K.backend_face()
         lines.append(f"\n### {dev_name} (tensorfold face: {face})\n")
-        lines.append("| op | shape | M | tensorfold us | GB/s | MLX us | MLX/tensorfold |")
-        lines.append("|---|---|---|---|---|---|---|")
+        if dev_name == "gpu":
+            lines.append(f"(stream mode: {Case.STREAM} calls on rotating weights per mx.eval, "
+                         "us per call; last column: one evaluated call each, ours / MLX us)\n")
+            lines.append("| op | shape | M | tensorfold us | GB/s | MLX us | MLX/tensorfold "
+                         "| single call us |")
+            lines.append("|---|---|---|---|---|---|---|---|")
+        else:
+            lines.append("| op | shape | M | tensorfold us | GB/s | MLX us | MLX/tensorfold |")
+            lines.append("|---|---|---|---|---|---|---|")
         for op in ops:
             shapes = attn_keys(q) if op == "attn" else gemm_shapes(q)
             for shape in shapes:
                 for M in MS:
                     case = Case(op, shape, M)
-                    t_ours = _median_us(case.ours)
-                    max_reps = 3 if (dev_name == "cpu" and op == "qmm") else 50
-                    t_mlx = _median_us(case.theirs, min_time=0.2, max_reps=max_reps, min_reps=1)
-                    gbs = case.bytes / (t_ours * 1e-6) / 1e9
                     sh = "x".join(map(str, shape)) if isinstance(shape, tuple) else f"{shape} keys"
-                    lines.append(f"| {op} | {sh} | {M} | {t_ours:.0f} | {gbs:.1f} | "
-                                 f"{t_mlx:.0f} | {t_mlx / t_ours:.2f} |")
+                    if dev_name == "gpu":
+                        n = Case.STREAM
+                        t_ours = _median_us(case.ours_stream, max_reps=30) / n
+                        t_mlx = _median_us(case.theirs_stream, max_reps=30) / n
+                        t1_ours = _median_us(case.ours)
+                        t1_mlx = _median_us(case.theirs)
+                        gbs = case.bytes / (t_ours * 1e-6) / 1e9
+                        lines.append(f"| {op} | {sh} | {M} | {t_ours:.1f} | {gbs:.0f} | "
+                                     f"{t_mlx:.1f} | {t_mlx / t_ours:.2f} | "
+                                     f"{t1_ours:.0f} / {t1_mlx:.0f} |")
+                    else:
+                        t_ours = _median_us(case.ours)
+                        max_reps = 3 if (dev_name == "cpu" and op == "qmm") else 50
+                        t_mlx = _median_us(case.theirs, min_time=0.2, max_reps=max_reps,
+                                           min_reps=1)
+                        gbs = case.bytes / (t_ours * 1e-6) / 1e9
+                        lines.append(f"| {op} | {sh} | {M} | {t_ours:.0f} | {gbs:.1f} | "
+                                     f"{t_mlx:.0f} | {t_mlx / t_ours:.2f} |")
                     print(lines[-1], file=sys.stderr, flush=True)
                     del case
     return "\n".join(lines)
@@ -213,6 +244,7 @@ def main():
     ap.add_argument("--table", action="store_true", help="print a markdown table")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (also TF_BENCH_QUICK=1)")
     ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--gpu-only", action="store_true")
     ap.add_argument("--full-cpu", action="store_true",
                     help="full shapes on CPU too (MLX's CPU quantized matmul takes minutes)")
     ap.add_argument("--ops", default="qmm,mm,attn")
@@ -220,7 +252,7 @@ def main():
     if not args.table:
         ap.print_help()
         return
-    devices = ["cpu"]
+    devices = [] if args.gpu_only else ["cpu"]
     gpu = (hasattr(mx, "cuda") and mx.cuda.is_available()) or mx.metal.is_available()
     if gpu and not args.cpu_only:
         devices.append("gpu")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200 (MLX CUDA backend), after `bash .gpu/b/install.sh` built the project there:
 #   bash bench/gpu_run.sh tests     # CUDA property tests + engine exactness suite
+#   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
@@ -19,6 +20,10 @@ if [ -n "$inc" ] && [ -d "$inc" ] && [ ! -f "$inc/crt/mma.h" ]; then
 fi
 python3 -c 'import mlx.core as mx, tensorfold.kernels as K; print("mlx", mx.__version__, mx.default_device(), "face", K.backend_face())'
 case "${1:-tests}" in
+  gemm)
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matmul" 2>&1 | tee "$out/test_gemm.log" | tail -15
+    python3 bench/bench_kernels.py --table --gpu-only --ops qmm,mm 2>&1 | tee "$out/bench_gemm.md" | tail -45
+    ;;
   tests)
     python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$out/test_kernels.log" | tail -25
     python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_models.py tests/test_prompt_cache.py \

@@ -38,6 +38,21 @@ for T in (bf, f16, f32):
     CASES.append(("row_expert_mm", dict(T=T, W=T, K=2048, N=768, E=128, TOPK=8),
                   dict(x=T, w=T, indices=i32), dict(out=T)))
 
+# tensor-core GEMMs, with the plans the wrapper picks for real shapes
+from tensorfold.kernels._cuda import tc_plan  # noqa: E402
+
+for T in (bf, f16):
+    for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
+                           (4096, 12288, 128, 8), (72, 256, 64, 8), (1152, 384, 64, 4)):
+        NT, CB, SPLIT = tc_plan(N, K, GS, bits)
+        CASES.append(("row_qmm_tc", dict(T=T, S=T, K=K, N=N, GS=GS, BITS=bits, NT=NT, CB=CB,
+                                         SPLIT=SPLIT),
+                      dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
+    for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
+        NT, CB, SPLIT = tc_plan(N, K)
+        CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT),
+                      dict(x=T, w=T), dict(out=T)))
+
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
 # latent widths 512 / 576 with one KV head (K read from global memory).
 from tensorfold.kernels._cuda import sparse_smem  # noqa: E402
@@ -53,9 +68,12 @@ for T in (bf, f16, f32):
 
 def main():
     verbose = "-v" in sys.argv
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for idx, (name, tmpl, ins, outs) in enumerate(CASES):
+            if only and name not in only:
+                continue
             path = os.path.join(tmp, f"k{idx}.cu")
             with open(path, "w") as f:
                 f.write(standalone_source(name, tmpl, ins, outs))

@@ -26,6 +26,147 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
 // tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
+// ---- tensor-core helpers (row_qmm_tc, row_mm_tc) ---------------------------------------
+// mma.sync m16n8k16, fp32 accumulate. Fragment layout (PTX ISA, "Matrix fragments for
+// mma.m16n8k16"): lane = 4 * g + t.  A (16 x 16, row): a0 = A[g][2t, 2t+1],
+// a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9].
+// B (16 x 8, col): b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g].
+// C/D (16 x 8): c0 = D[g][2t], c1 = D[g][2t+1], c2 = D[g+8][2t], c3 = D[g+8][2t+1].
+// Each element of D is its own dot product in the tensor core: its bits depend on its row
+// of A, its column of B and its C only, never on other rows or columns.
+__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
+                                       __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
+                                       __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two packed 16-bit ones (the A operand that turns an mma into a row sum of B).
+__device__ __forceinline__ unsigned int tf_ones2(__nv_bfloat16) { return 0x3F803F80u; }
+__device__ __forceinline__ unsigned int tf_ones2(__half) { return 0x3C003C00u; }
+
+// Nibbles j and j+4 of a 4-bit word as two exact 16-bit integers (low half: nibble j).
+// 0x4300 is bf16 128.0 and 0x6400 is fp16 1024.0: OR-ing a nibble into the mantissa gives
+// 128 + q (1024 + q), and subtracting the magic again is exact.
+__device__ __forceinline__ unsigned int tf_q4pair(unsigned int w, int j, __nv_bfloat16) {
+  const unsigned int v = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+  __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&v);
+  const unsigned int m = 0x43004300u;
+  h = __hsub2(h, *reinterpret_cast<const __nv_bfloat162*>(&m));
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+__device__ __forceinline__ unsigned int tf_q4pair(unsigned int w, int j, __half) {
+  const unsigned int v = ((w >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
+  __half2 h = *reinterpret_cast<const __half2*>(&v);
+  const unsigned int m = 0x64006400u;
+  h = __hsub2(h, *reinterpret_cast<const __half2*>(&m));
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+// G consecutive 2-byte scales (or biases) of one weight row with one vector load.
+__device__ __forceinline__ void tf_set_bits(__nv_bfloat16& v, unsigned int b) {
+  v = __ushort_as_bfloat16(static_cast<unsigned short>(b & 0xffffu));
+}
+__device__ __forceinline__ void tf_set_bits(__half& v, unsigned int b) {
+  v = __ushort_as_half(static_cast<unsigned short>(b & 0xffffu));
+}
+template <int G, typename S>
+__device__ __forceinline__ void tf_load_vec(const S* p, S* out) {
+  if constexpr (G == 1) {
+    out[0] = p[0];
+  } else if constexpr (G == 2) {
+    const unsigned int u = __ldg(reinterpret_cast<const unsigned int*>(p));
+    tf_set_bits(out[0], u); tf_set_bits(out[1], u >> 16);
+  } else if constexpr (G == 4) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    tf_set_bits(out[0], u.x); tf_set_bits(out[1], u.x >> 16);
+    tf_set_bits(out[2], u.y); tf_set_bits(out[3], u.y >> 16);
+  } else {
+    static_assert(G == 8, "tf_load_vec: 1, 2, 4 or 8 values");
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const unsigned int v[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { tf_set_bits(out[2 * i], v[i]); tf_set_bits(out[2 * i + 1], v[i] >> 16); }
+  }
+}
+
+// Split-K reduction in warp order ((w0 + w1) + w2) + ..., then warp 0 stores its fragments:
+// acc[nt][mt][i] is out[r0 + 8 mt + 2 t + (i & 1), nbase + 16 nt + 8 (i >> 1) + g].
+template <typename T, int NT, int SPLIT>
+__device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red, T* out,
+                                             int warp, int lane, bool two, int rows, int r0,
+                                             int nbase, int N) {
+  if constexpr (SPLIT > 1) {
+    if (warp > 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            red[((((warp - 1) * NT + nt) * 2 + mt) * 4 + i) * 32 + lane] = acc[nt][mt][i];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int v = 1; v < SPLIT; ++v) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc[nt][mt][i] = __fadd_rn(acc[nt][mt][i],
+                                         red[((((v - 1) * NT + nt) * 2 + mt) * 4 + i) * 32 + lane]);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (warp != 0) return;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt == 1 && !two) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = mt * 8 + 2 * t + (i & 1);
+        const int n = nbase + nt * 16 + 8 * (i >> 1) + g;
+        if (m < rows && n < N) out[(size_t)(r0 + m) * N + n] = tf_from_float<T>(acc[nt][mt][i]);
+      }
+    }
+  }
+}
+
+// Byte j of w0 and byte j of w1 (8-bit values) as two exact 16-bit integers.
+__device__ __forceinline__ float tf_byte_f(unsigned int w, int j) {
+  return __fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u + j)), 8388608.0f);
+}
+__device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int w1, int j,
+                                                  __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(tf_byte_f(w0, j), tf_byte_f(w1, j));
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+__device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int w1, int j,
+                                                  __half) {
+  __half2 h = __floats2half2_rn(tf_byte_f(w0, j), tf_byte_f(w1, j));
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+
 // @@body row_qmm
 // inputs: x [R, K] (T), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S)
 // output: out [R, N] (T).   template: T, S, K, N, GS, BITS
@@ -179,3 +320,261 @@ for (int m = 0; m < MAXM; ++m) {
     }
   }
 }
+
+// ============================================================================================
+// Tensor-core faces (bf16 / fp16 activations; 4- and 8-bit or same-dtype dense weights).
+//
+// Arithmetic of out[r, n], fixed by (K, GS, BITS, CB, SPLIT), which the wrapper derives from
+// the weight shape only:
+//   K is cut into 32-element blocks; blocks are grouped into chunks of CB blocks; chunk c
+//   belongs to warp c / (NCHUNK / SPLIT) of the block (split K). Inside a block, lane t of
+//   each quad holds the 8 consecutive elements 32 * blk + 8 t .. + 7 of its weight rows and
+//   of its x rows, so each mma k-step of 16 covers 16 fixed elements of one 32-block.
+//   Quantized: per group, P = sum q * x (q as exact 16-bit integers, fp32 accumulation in
+//   the tensor core, C chained through the group's k-steps in order) and X = sum x (the
+//   same mma with A = ones); then acc = fma(scale, P, acc); acc = fma(bias, X, acc) per
+//   group in order. Dense: acc chained through every k-step in order.
+//   The SPLIT warp partials are added in warp order: ((w0 + w1) + w2) + ...
+// A call with M rows runs the same instructions for row r whatever M is: rows are the N
+// side of the mma (8 per tile; a second tile for rows 8..15 of the 16-row block), and each
+// mma output element depends only on its own row of x.
+//
+// Memory: each block owns 16 * NT weight rows; each lane issues all CB blocks' weight loads
+// (and the chunk's scales / biases) before using them, so a warp keeps 4 KB in flight; x
+// (tiny, shared by all blocks) comes through L1 / L2.
+
+// @@body row_qmm_tc
+// inputs: x [R, K] (T = bf16 / fp16), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S,
+// 2 bytes)   output: out [R, N] (T).   template: T, S, K, N, GS, BITS (4 / 8), NT, CB, SPLIT
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory (SPLIT - 1) * NT * 1024 bytes.
+constexpr int KW = K * BITS / 32;
+constexpr int NG = K / GS;
+constexpr int BPG = GS / 32;
+constexpr int GPC = CB / BPG;
+constexpr int NCHUNK = K / (32 * CB);
+constexpr int CPW = NCHUNK / SPLIT;
+constexpr int WPB = BITS / 4;
+static_assert(BITS == 4 || BITS == 8, "row_qmm_tc: 4 or 8 bits");
+static_assert(CB % BPG == 0 && K % (32 * CB) == 0 && NCHUNK % SPLIT == 0, "row_qmm_tc: plan");
+static_assert(sizeof(S) == 2, "row_qmm_tc: 2-byte scales");
+extern __shared__ float red[];
+const int R = x_shape[0];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int gq = lane >> 2, tq = lane & 3;
+const int nbase = blockIdx.x * (16 * NT);
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
+const bool two = rows > 8;  // warp-uniform
+int nrow[NT][2];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) nrow[nt][h] = min(nbase + nt * 16 + 8 * h + gq, N - 1);
+}
+const T* xrow[2];
+bool xok[2];
+#pragma unroll
+for (int mt = 0; mt < 2; ++mt) {
+  const int m = mt * 8 + gq;
+  xok[mt] = m < rows;
+  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
+}
+const T tag = tf_from_float<T>(0.0f);
+unsigned int ones[4];
+#pragma unroll
+for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
+float acc[NT][2][4];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
+  }
+}
+#pragma unroll 1
+for (int ci = 0; ci < CPW; ++ci) {
+  const int chunk = warp * CPW + ci;
+  const int blk0 = chunk * CB;
+  const int grp0 = chunk * GPC;
+  // every load of the chunk first
+  unsigned int wq[CB][NT][2][WPB];
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned int* p = w + (size_t)nrow[nt][h] * KW + (size_t)(blk0 + b) * BITS + tq * WPB;
+        if constexpr (WPB == 1) {
+          wq[b][nt][h][0] = __ldg(p);
+        } else {
+          const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+          wq[b][nt][h][0] = u.x;
+          wq[b][nt][h][1] = u.y;
+        }
+      }
+    }
+  }
+  S sc[NT][2][GPC], bi[NT][2][GPC];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tf_load_vec<GPC>(scales + (size_t)nrow[nt][h] * NG + grp0, sc[nt][h]);
+      tf_load_vec<GPC>(biases + (size_t)nrow[nt][h] * NG + grp0, bi[nt][h]);
+    }
+  }
+#pragma unroll
+  for (int gi = 0; gi < GPC; ++gi) {
+    float P[NT][2][4], X[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      X[0][i] = 0.0f;
+      X[1][i] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        P[nt][0][i] = 0.0f;
+        P[nt][1][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int bb = 0; bb < BPG; ++bb) {
+      const int b = gi * BPG + bb;
+      unsigned int xb[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint4 u = make_uint4(0u, 0u, 0u, 0u);
+        if ((mt == 0 || two) && xok[mt]) {
+          u = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blk0 + b) * 32));
+        }
+        // pairs (x_j, x_{j+4}), j = 0..3, matching tf_q4pair / tf_q8pair
+        xb[mt][0] = __byte_perm(u.x, u.z, 0x5410);
+        xb[mt][1] = __byte_perm(u.x, u.z, 0x7632);
+        xb[mt][2] = __byte_perm(u.y, u.w, 0x5410);
+        xb[mt][3] = __byte_perm(u.y, u.w, 0x7632);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          unsigned int a[4];
+          if constexpr (BITS == 4) {
+            a[0] = tf_q4pair(wq[b][nt][0][0], 2 * s, tag);
+            a[1] = tf_q4pair(wq[b][nt][1][0], 2 * s, tag);
+            a[2] = tf_q4pair(wq[b][nt][0][0], 2 * s + 1, tag);
+            a[3] = tf_q4pair(wq[b][nt][1][0], 2 * s + 1, tag);
+          } else {
+            a[0] = tf_q8pair(wq[b][nt][0][0], wq[b][nt][0][WPB - 1], 2 * s, tag);
+            a[1] = tf_q8pair(wq[b][nt][1][0], wq[b][nt][1][WPB - 1], 2 * s, tag);
+            a[2] = tf_q8pair(wq[b][nt][0][0], wq[b][nt][0][WPB - 1], 2 * s + 1, tag);
+            a[3] = tf_q8pair(wq[b][nt][1][0], wq[b][nt][1][WPB - 1], 2 * s + 1, tag);
+          }
+          tf_mma(P[nt][0], a, &xb[0][2 * s], tag);
+          if (two) tf_mma(P[nt][1], a, &xb[1][2 * s], tag);
+        }
+        tf_mma(X[0], ones, &xb[0][2 * s], tag);
+        if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
+      }
+    }
+    // fold the group: acc = fma(scale, P, acc); acc = fma(bias, X, acc)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        if (mt == 0 || two) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int h = i >> 1;
+            acc[nt][mt][i] = __fmaf_rn(tf_to_float(sc[nt][h][gi]), P[nt][mt][i], acc[nt][mt][i]);
+            acc[nt][mt][i] = __fmaf_rn(tf_to_float(bi[nt][h][gi]), X[mt][i & 1], acc[nt][mt][i]);
+          }
+        }
+      }
+    }
+  }
+}
+tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
+
+// @@body row_mm_tc
+// inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).
+// template: T, K, N, NT, CB, SPLIT.   launch: as row_qmm_tc.
+constexpr int NCHUNK = K / (32 * CB);
+constexpr int CPW = NCHUNK / SPLIT;
+static_assert(K % (32 * CB) == 0 && NCHUNK % SPLIT == 0, "row_mm_tc: plan");
+extern __shared__ float red[];
+const int R = x_shape[0];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int gq = lane >> 2, tq = lane & 3;
+const int nbase = blockIdx.x * (16 * NT);
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
+const bool two = rows > 8;
+const T* wrow[NT][2];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    wrow[nt][h] = w + (size_t)min(nbase + nt * 16 + 8 * h + gq, N - 1) * K + tq * 8;
+  }
+}
+const T* xrow[2];
+bool xok[2];
+#pragma unroll
+for (int mt = 0; mt < 2; ++mt) {
+  const int m = mt * 8 + gq;
+  xok[mt] = m < rows;
+  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
+}
+const T tag = tf_from_float<T>(0.0f);
+float acc[NT][2][4];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
+  }
+}
+#pragma unroll 1
+for (int ci = 0; ci < CPW; ++ci) {
+  const int blk0 = (warp * CPW + ci) * CB;
+  uint4 wv[CB][NT][2];
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wv[b][nt][h] = __ldg(reinterpret_cast<const uint4*>(wrow[nt][h] + (size_t)(blk0 + b) * 32));
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+    unsigned int xb[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if ((mt == 0 || two) && xok[mt]) {
+        u = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blk0 + b) * 32));
+      }
+      xb[mt][0] = u.x; xb[mt][1] = u.y; xb[mt][2] = u.z; xb[mt][3] = u.w;
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[b][nt][0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[b][nt][1]);
+        const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
+        tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
+        if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
+      }
+    }
+  }
+}
+tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);

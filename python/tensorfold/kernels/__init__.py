@@ -26,6 +26,7 @@ from tensorfold import _ext
 
 __all__ = [
     "backend_face",
+    "uses_tensor_cores",
     "row_quantized_matmul",
     "row_matmul",
     "row_attention",
@@ -68,6 +69,17 @@ def backend_face(stream: StreamLike = None) -> str:
         if _metal_available():
             return "metal"
     return "cpu"
+
+
+def uses_tensor_cores(x: mx.array, w: mx.array, scales: Optional[mx.array], group_size: int,
+                      bits: int) -> bool:
+    """Whether the CUDA face of row_quantized_matmul (bits > 0) / row_matmul (bits == 0)
+    takes its tensor-core kernel for these dtypes and this weight shape (never M-dependent)."""
+    from . import _cuda
+    if bits:
+        K = w.shape[-1] * 32 // bits
+        return _cuda.quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits)
+    return _cuda.matmul_tc_ok(x.dtype, w.dtype, w.shape[-1])
 
 
 def _gpu_stream(stream: StreamLike):

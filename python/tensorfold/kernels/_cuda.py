@@ -33,6 +33,8 @@ ATTN_WARPS = 8
 _KERNELS = {
     "row_qmm": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_mm": (["x", "w"], ["out"], "row_gemm.cu"),
+    "row_qmm_tc": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
+    "row_mm_tc": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
@@ -78,6 +80,54 @@ def _gemm_launch(R: int, N: int, dtype):
     return (nblk * GEMM_THREADS, rblk, 1), (GEMM_THREADS, 1, 1), smem
 
 
+# ---- tensor-core plan (row_qmm_tc / row_mm_tc): a function of the weight shape only ----
+TC_TYPES = (mx.bfloat16, mx.float16)
+TC_TARGET_WARPS = 132 * 32   # enough warps in flight to cover HBM latency on an H200
+TC_MAX_SPLIT = 8          # <= 256 threads per block: launchable at any register count
+WORDS_IN_FLIGHT = 16         # weight words each lane loads ahead (registers: <= 128 per thread)
+
+
+def tc_plan(N: int, K: int, group_size: int | None = None, bits: int | None = None):
+    """(NT, CB, SPLIT) for the tensor-core GEMMs: NT 16-column tiles per warp, CB 32-element
+    blocks per chunk (every load of a chunk is issued before its first use: 32 weight words
+    per lane), SPLIT warps splitting K inside a block. Depends on (N, K, group size, bits):
+    never on the number of rows, so every M runs the same arithmetic."""
+    NT = 2 if N > 16 else 1
+    if bits is None:            # dense: a uint4 (8 weights) per lane per weight row per block
+        per_block = NT * 2 * 4
+        bpg = 1
+    else:
+        per_block = NT * 2 * (bits // 4)
+        bpg = group_size // 32
+    nblk = K // 32
+    cb_max = max(1, WORDS_IN_FLIGHT // per_block)
+    cands = [cb for cb in range(bpg, max(cb_max, bpg) + 1, bpg)
+             if nblk % cb == 0 and cb // bpg in (1, 2, 4)]
+    CB = max(cands)
+    nchunk = nblk // CB
+    nblocks = -(-N // (16 * NT))
+    divs = [d for d in range(1, TC_MAX_SPLIT + 1) if nchunk % d == 0]
+    enough = [d for d in divs if nblocks * d >= TC_TARGET_WARPS]
+    SPLIT = min(enough) if enough else max(divs)
+    return NT, CB, SPLIT
+
+
+def _tc_launch(R: int, N: int, NT: int, SPLIT: int):
+    nblocks = -(-N // (16 * NT))
+    smem = (SPLIT - 1) * NT * 2 * 4 * 32 * 4
+    return (nblocks * 32 * SPLIT, -(-R // 16), 1), (32 * SPLIT, 1, 1), smem
+
+
+def quantized_tc_ok(x_dtype, scales_dtype, K: int, group_size: int, bits: int) -> bool:
+    """Whether row_quantized_matmul takes the tensor-core face (dtype / shape only)."""
+    return (x_dtype in TC_TYPES and scales_dtype in TC_TYPES and bits in (4, 8)
+            and group_size in (32, 64, 128) and K % group_size == 0)
+
+
+def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
+    return x_dtype in TC_TYPES and w_dtype == x_dtype and K % 64 == 0
+
+
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
     if bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
@@ -86,6 +136,18 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
+    if quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits):
+        NT, CB, SPLIT = tc_plan(N, K, group_size, bits)
+        grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
+        out = _kernel("row_qmm_tc", smem)(
+            inputs=[x2, w, scales, biases],
+            template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
+                      ("GS", group_size), ("BITS", bits), ("NT", NT), ("CB", CB),
+                      ("SPLIT", SPLIT)],
+            grid=grid, threadgroup=tg,
+            output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
+        )[0]
+        return out.reshape(*lead, N)
     grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_qmm", smem)(
         inputs=[x2, w, scales, biases],
@@ -104,6 +166,17 @@ def matmul(x, w, stream):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
+    if matmul_tc_ok(x.dtype, w.dtype, K):
+        NT, CB, SPLIT = tc_plan(N, K)
+        grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
+        out = _kernel("row_mm_tc", smem)(
+            inputs=[x2, w],
+            template=[("T", x.dtype), ("K", K), ("N", N), ("NT", NT), ("CB", CB),
+                      ("SPLIT", SPLIT)],
+            grid=grid, threadgroup=tg,
+            output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
+        )[0]
+        return out.reshape(*lead, N)
     grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_mm", smem)(
         inputs=[x2, w],

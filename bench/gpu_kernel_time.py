@@ -1,0 +1,110 @@
+"""Device time of each GEMM kernel (ours vs MLX's own op), measured by Nsight Compute.
+
+On the H200 (after building the project there):
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+        python3 bench/gpu_kernel_time.py > ncu.csv
+    python3 bench/gpu_kernel_time.py --report ncu.csv
+
+ncu times every kernel alone with cold caches (it flushes them before each replay), so the
+numbers are device time without launch or host overhead. Between cases the script runs a
+tiny marker kernel named after the case, which is how --report groups the kernels.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+
+import mlx.core as mx
+
+SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288),
+          (151936, 4096)]
+MS = [1, 2, 4, 8, 16]
+REPS = 3
+
+
+def marker(tag: str):
+    k = mx.fast.cuda_kernel(name=f"tfmark_{tag}", input_names=["a"], output_names=["o"],
+                            source="o[0] = a[0];")
+    mx.eval(k(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+              output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+
+
+def run():
+    from tensorfold import kernels as K
+    for op in ("qmm", "mm"):
+        for (N, Kd) in SHAPES:
+            if op == "mm" and N not in (4096, 151936):
+                continue
+            w = mx.random.normal((N, Kd)) * 0.02
+            if op == "qmm":
+                wq, s, b = mx.quantize(w, group_size=64, bits=4)
+                s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+                mx.eval(wq, s, b)
+            else:
+                wb = w.astype(mx.bfloat16)
+                mx.eval(wb)
+            del w
+            for M in MS:
+                x = (mx.random.normal((M, Kd)) * 0.5).astype(mx.bfloat16)
+                mx.eval(x)
+                for impl in ("ours", "mlx"):
+                    marker(f"{op}_{N}x{Kd}_M{M}_{impl}")
+                    for _ in range(REPS):
+                        if op == "qmm":
+                            y = (K.row_quantized_matmul(x, wq, s, b, 64, 4) if impl == "ours" else
+                                 mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64,
+                                                     bits=4))
+                        else:
+                            y = K.row_matmul(x, wb) if impl == "ours" else x @ wb.T
+                        mx.eval(y)
+    marker("end")
+
+
+def report(path):
+    rows = list(csv.DictReader(l for l in open(path) if l.startswith('"')))
+    cur, data = None, {}
+    for r in rows:
+        name = r.get("Kernel Name") or r.get("Function Name") or ""
+        if "tfmark_" in name:
+            cur = name.split("tfmark_")[1].split("(")[0].split("<")[0]
+            continue
+        if cur is None:
+            continue
+        d = data.setdefault(cur, {})
+        e = d.setdefault(r["ID"], {"name": name})
+        e[r["Metric Name"]] = float(r["Metric Value"].replace(",", ""))
+        e.setdefault("unit_" + r["Metric Name"], r["Metric Unit"])
+    print("| op | N x K | M | ours us | ours GB/s | MLX us | MLX GB/s | MLX / ours | kernels (ours; MLX) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    keys = sorted({k.rsplit("_", 1)[0] for k in data if k != "end"},
+                  key=lambda k: (k.split("_")[0], [int(v) for v in k.split("_")[1].split("x")],
+                                 int(k.split("_M")[1])))
+    for key in keys:
+        op, shape, m = key.split("_")
+        out = []
+        names = []
+        for impl in ("ours", "mlx"):
+            ks = data.get(f"{key}_{impl}", {})
+            # one call may launch several kernels: sum per call (REPS calls), median over calls
+            tot = sum(e.get("gpu__time_duration.sum", 0.0) for e in ks.values())
+            byt = sum(e.get("dram__bytes_read.sum", 0.0) for e in ks.values())
+            unit = next((e.get("unit_gpu__time_duration.sum") for e in ks.values()), "nsecond")
+            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
+            bunit = next((e.get("unit_dram__bytes_read.sum") for e in ks.values()), "byte")
+            bscale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(bunit, 1)
+            t = tot * scale / REPS
+            gbs = (byt * bscale / REPS) / (t * 1e-6) / 1e9 if t else 0.0
+            out.append((t, gbs))
+            names.append(",".join(sorted({e["name"].split("(")[0][:40] for e in ks.values()})))
+        (to, go), (tm, gm) = out
+        print(f"| {op} | {shape} | {m[1:]} | {to:.1f} | {go:.0f} | {tm:.1f} | {gm:.0f} | "
+              f"{tm / to if to else 0:.2f} | {names[0]}; {names[1]} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        report(sys.argv[2])
+    else:
+        run()
