@@ -44,13 +44,13 @@ from tensorfold.kernels._cuda import tc_plan  # noqa: E402
 for T in (bf, f16):
     for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
                            (4096, 12288, 128, 8), (72, 256, 64, 8), (1152, 384, 64, 4)):
-        NT, CB, SPLIT = tc_plan(N, K, GS, bits)
+        NT, CB, SPLIT, DB = tc_plan(N, K, GS, bits)
         CASES.append(("row_qmm_tc", dict(T=T, S=T, K=K, N=N, GS=GS, BITS=bits, NT=NT, CB=CB,
-                                         SPLIT=SPLIT),
+                                         SPLIT=SPLIT, DB=DB),
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
-        NT, CB, SPLIT = tc_plan(N, K)
-        CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT),
+        NT, CB, SPLIT, DB = tc_plan(N, K)
+        CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT, DB=DB),
                       dict(x=T, w=T), dict(out=T)))
 
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA

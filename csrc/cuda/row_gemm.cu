@@ -345,7 +345,8 @@ for (int m = 0; m < MAXM; ++m) {
 
 // @@body row_qmm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S,
-// 2 bytes)   output: out [R, N] (T).   template: T, S, K, N, GS, BITS (4 / 8), NT, CB, SPLIT
+// 2 bytes)   output: out [R, N] (T).
+// template: T, S, K, N, GS, BITS (4 / 8), NT, CB, SPLIT, DB (double-buffered chunk loads)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory (SPLIT - 1) * NT * 1024 bytes.
 constexpr int KW = K * BITS / 32;
@@ -394,13 +395,15 @@ for (int nt = 0; nt < NT; ++nt) {
     for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
   }
 }
-#pragma unroll 1
-for (int ci = 0; ci < CPW; ++ci) {
+// one chunk's weight words and scales / biases, loaded before any of them is used
+struct Chunk {
+  unsigned int wq[CB][NT][2][WPB];
+  S sc[NT][2][GPC], bi[NT][2][GPC];
+};
+auto load = [&](int ci, Chunk& c) {
   const int chunk = warp * CPW + ci;
   const int blk0 = chunk * CB;
   const int grp0 = chunk * GPC;
-  // every load of the chunk first
-  unsigned int wq[CB][NT][2][WPB];
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
@@ -409,24 +412,26 @@ for (int ci = 0; ci < CPW; ++ci) {
       for (int h = 0; h < 2; ++h) {
         const unsigned int* p = w + (size_t)nrow[nt][h] * KW + (size_t)(blk0 + b) * BITS + tq * WPB;
         if constexpr (WPB == 1) {
-          wq[b][nt][h][0] = __ldg(p);
+          c.wq[b][nt][h][0] = __ldg(p);
         } else {
           const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-          wq[b][nt][h][0] = u.x;
-          wq[b][nt][h][1] = u.y;
+          c.wq[b][nt][h][0] = u.x;
+          c.wq[b][nt][h][1] = u.y;
         }
       }
     }
   }
-  S sc[NT][2][GPC], bi[NT][2][GPC];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      tf_load_vec<GPC>(scales + (size_t)nrow[nt][h] * NG + grp0, sc[nt][h]);
-      tf_load_vec<GPC>(biases + (size_t)nrow[nt][h] * NG + grp0, bi[nt][h]);
+      tf_load_vec<GPC>(scales + (size_t)nrow[nt][h] * NG + grp0, c.sc[nt][h]);
+      tf_load_vec<GPC>(biases + (size_t)nrow[nt][h] * NG + grp0, c.bi[nt][h]);
     }
   }
+};
+auto compute = [&](int ci, const Chunk& c) {
+  const int blk0 = (warp * CPW + ci) * CB;
 #pragma unroll
   for (int gi = 0; gi < GPC; ++gi) {
     float P[NT][2][4], X[2][4];
@@ -462,15 +467,15 @@ for (int ci = 0; ci < CPW; ++ci) {
         for (int nt = 0; nt < NT; ++nt) {
           unsigned int a[4];
           if constexpr (BITS == 4) {
-            a[0] = tf_q4pair(wq[b][nt][0][0], 2 * s, tag);
-            a[1] = tf_q4pair(wq[b][nt][1][0], 2 * s, tag);
-            a[2] = tf_q4pair(wq[b][nt][0][0], 2 * s + 1, tag);
-            a[3] = tf_q4pair(wq[b][nt][1][0], 2 * s + 1, tag);
+            a[0] = tf_q4pair(c.wq[b][nt][0][0], 2 * s, tag);
+            a[1] = tf_q4pair(c.wq[b][nt][1][0], 2 * s, tag);
+            a[2] = tf_q4pair(c.wq[b][nt][0][0], 2 * s + 1, tag);
+            a[3] = tf_q4pair(c.wq[b][nt][1][0], 2 * s + 1, tag);
           } else {
-            a[0] = tf_q8pair(wq[b][nt][0][0], wq[b][nt][0][WPB - 1], 2 * s, tag);
-            a[1] = tf_q8pair(wq[b][nt][1][0], wq[b][nt][1][WPB - 1], 2 * s, tag);
-            a[2] = tf_q8pair(wq[b][nt][0][0], wq[b][nt][0][WPB - 1], 2 * s + 1, tag);
-            a[3] = tf_q8pair(wq[b][nt][1][0], wq[b][nt][1][WPB - 1], 2 * s + 1, tag);
+            a[0] = tf_q8pair(c.wq[b][nt][0][0], c.wq[b][nt][0][WPB - 1], 2 * s, tag);
+            a[1] = tf_q8pair(c.wq[b][nt][1][0], c.wq[b][nt][1][WPB - 1], 2 * s, tag);
+            a[2] = tf_q8pair(c.wq[b][nt][0][0], c.wq[b][nt][0][WPB - 1], 2 * s + 1, tag);
+            a[3] = tf_q8pair(c.wq[b][nt][1][0], c.wq[b][nt][1][WPB - 1], 2 * s + 1, tag);
           }
           tf_mma(P[nt][0], a, &xb[0][2 * s], tag);
           if (two) tf_mma(P[nt][1], a, &xb[1][2 * s], tag);
@@ -488,19 +493,40 @@ for (int ci = 0; ci < CPW; ++ci) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int h = i >> 1;
-            acc[nt][mt][i] = __fmaf_rn(tf_to_float(sc[nt][h][gi]), P[nt][mt][i], acc[nt][mt][i]);
-            acc[nt][mt][i] = __fmaf_rn(tf_to_float(bi[nt][h][gi]), X[mt][i & 1], acc[nt][mt][i]);
+            acc[nt][mt][i] = __fmaf_rn(tf_to_float(c.sc[nt][h][gi]), P[nt][mt][i], acc[nt][mt][i]);
+            acc[nt][mt][i] = __fmaf_rn(tf_to_float(c.bi[nt][h][gi]), X[mt][i & 1], acc[nt][mt][i]);
           }
         }
       }
     }
+  }
+};
+if constexpr (DB) {
+  // chunk ci + 1's loads are in flight while chunk ci is computed (same order of arithmetic)
+  Chunk ca, cb;
+  load(0, ca);
+#pragma unroll 1
+  for (int ci = 0; ci < CPW; ci += 2) {
+    if (ci + 1 < CPW) load(ci + 1, cb);
+    compute(ci, ca);
+    if (ci + 1 < CPW) {
+      if (ci + 2 < CPW) load(ci + 2, ca);
+      compute(ci + 1, cb);
+    }
+  }
+} else {
+  Chunk ca;
+#pragma unroll 1
+  for (int ci = 0; ci < CPW; ++ci) {
+    load(ci, ca);
+    compute(ci, ca);
   }
 }
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).
-// template: T, K, N, NT, CB, SPLIT.   launch: as row_qmm_tc.
+// template: T, K, N, NT, CB, SPLIT, DB.   launch: as row_qmm_tc.
 constexpr int NCHUNK = K / (32 * CB);
 constexpr int CPW = NCHUNK / SPLIT;
 static_assert(K % (32 * CB) == 0 && NCHUNK % SPLIT == 0, "row_mm_tc: plan");
@@ -539,10 +565,8 @@ for (int nt = 0; nt < NT; ++nt) {
     for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
   }
 }
-#pragma unroll 1
-for (int ci = 0; ci < CPW; ++ci) {
+auto load = [&](int ci, uint4 (&wv)[CB][NT][2]) {
   const int blk0 = (warp * CPW + ci) * CB;
-  uint4 wv[CB][NT][2];
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
@@ -553,6 +577,9 @@ for (int ci = 0; ci < CPW; ++ci) {
       }
     }
   }
+};
+auto compute = [&](int ci, const uint4 (&wv)[CB][NT][2]) {
+  const int blk0 = (warp * CPW + ci) * CB;
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
     unsigned int xb[2][4];
@@ -575,6 +602,26 @@ for (int ci = 0; ci < CPW; ++ci) {
         if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
       }
     }
+  }
+};
+if constexpr (DB) {
+  uint4 wa[CB][NT][2], wb[CB][NT][2];
+  load(0, wa);
+#pragma unroll 1
+  for (int ci = 0; ci < CPW; ci += 2) {
+    if (ci + 1 < CPW) load(ci + 1, wb);
+    compute(ci, wa);
+    if (ci + 1 < CPW) {
+      if (ci + 2 < CPW) load(ci + 2, wa);
+      compute(ci + 1, wb);
+    }
+  }
+} else {
+  uint4 wa[CB][NT][2];
+#pragma unroll 1
+  for (int ci = 0; ci < CPW; ++ci) {
+    load(ci, wa);
+    compute(ci, wa);
   }
 }
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);

@@ -17,6 +17,7 @@ uses the CPU primitive.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Optional, Union
 
@@ -63,6 +64,12 @@ def backend_face(stream: StreamLike = None) -> str:
     if os.environ.get("TENSORFOLD_KERNELS", "").lower() == "cpu":
         return "cpu"
     dev = _device_of(stream)
+    return _face_of(dev.type == mx.gpu)
+
+
+@functools.lru_cache(maxsize=None)
+def _face_of(gpu: bool) -> str:
+    dev = mx.Device(mx.gpu) if gpu else mx.Device(mx.cpu)
     if dev.type == mx.gpu:
         if _cuda_available():
             return "cuda"

@@ -84,19 +84,21 @@ def _gemm_launch(R: int, N: int, dtype):
 TC_TYPES = (mx.bfloat16, mx.float16)
 TC_TARGET_WARPS = 132 * 32   # enough warps in flight to cover HBM latency on an H200
 TC_MAX_SPLIT = 8          # <= 256 threads per block: launchable at any register count
-WORDS_IN_FLIGHT = 16         # weight words each lane loads ahead (registers: <= 128 per thread)
+WORDS_IN_FLIGHT = 8          # weight words per lane per chunk (H200 sweep: NT 1, CB 4 best)
 
 
 def tc_plan(N: int, K: int, group_size: int | None = None, bits: int | None = None):
-    """(NT, CB, SPLIT) for the tensor-core GEMMs: NT 16-column tiles per warp, CB 32-element
-    blocks per chunk (every load of a chunk is issued before its first use: 32 weight words
-    per lane), SPLIT warps splitting K inside a block. Depends on (N, K, group size, bits):
-    never on the number of rows, so every M runs the same arithmetic."""
-    NT = 2 if N > 16 else 1
+    """(NT, CB, SPLIT, DB) for the tensor-core GEMMs: NT 16-column tiles per warp, CB
+    32-element blocks per chunk (every load of a chunk is issued before its first use),
+    SPLIT warps splitting K inside a block, DB double-buffered chunks (chunk i + 1 loads
+    while chunk i computes). A function of (N, K, group size, bits) only: never of the
+    number of rows, so every M runs the same arithmetic."""
     if bits is None:            # dense: a uint4 (8 weights) per lane per weight row per block
+        NT = 2 if N > 16 else 1
         per_block = NT * 2 * 4
         bpg = 1
-    else:
+    else:                       # one 16-row tile per warp: <= 128 registers with DB
+        NT = 1
         per_block = NT * 2 * (bits // 4)
         bpg = group_size // 32
     nblk = K // 32
@@ -109,13 +111,35 @@ def tc_plan(N: int, K: int, group_size: int | None = None, bits: int | None = No
     divs = [d for d in range(1, TC_MAX_SPLIT + 1) if nchunk % d == 0]
     enough = [d for d in divs if nblocks * d >= TC_TARGET_WARPS]
     SPLIT = min(enough) if enough else max(divs)
-    return NT, CB, SPLIT
+    return NT, CB, SPLIT, False   # DB: no gain on the H200 sweep (bench/gpu_tc_sweep.py)
 
 
 def _tc_launch(R: int, N: int, NT: int, SPLIT: int):
     nblocks = -(-N // (16 * NT))
     smem = (SPLIT - 1) * NT * 2 * 4 * 32 * 4
     return (nblocks * 32 * SPLIT, -(-R // 16), 1), (32 * SPLIT, 1, 1), smem
+
+
+@functools.lru_cache(maxsize=4096)
+def _qmm_tc_call(T, S, K: int, N: int, gs: int, bits: int, R: int, plan=None):
+    """Everything about one tensor-core quantized call but its arrays, computed once per
+    (dtypes, shape, rows): the per-call Python cost is what a decode step pays per op."""
+    NT, CB, SPLIT, DB = plan or tc_plan(N, K, gs, bits)
+    grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
+    kern = _kernel("row_qmm_tc", smem)
+    template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("BITS", bits),
+                ("NT", NT), ("CB", CB), ("SPLIT", SPLIT), ("DB", DB)]
+    return kern, template, grid, tg, [(R, N)], [T]
+
+
+@functools.lru_cache(maxsize=4096)
+def _mm_tc_call(T, K: int, N: int, R: int, plan=None):
+    NT, CB, SPLIT, DB = plan or tc_plan(N, K)
+    grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
+    kern = _kernel("row_mm_tc", smem)
+    template = [("T", T), ("K", K), ("N", N), ("NT", NT), ("CB", CB), ("SPLIT", SPLIT),
+                ("DB", DB)]
+    return kern, template, grid, tg, [(R, N)], [T]
 
 
 def quantized_tc_ok(x_dtype, scales_dtype, K: int, group_size: int, bits: int) -> bool:
@@ -128,26 +152,22 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
     return x_dtype in TC_TYPES and w_dtype == x_dtype and K % 64 == 0
 
 
-def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
+def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
+    """plan: (NT, CB, SPLIT, DB) override, for benchmarks that sweep plans only."""
     if bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
     N = w.shape[0]
     K = w.shape[1] * 32 // bits
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
     if quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits):
-        NT, CB, SPLIT = tc_plan(N, K, group_size, bits)
-        grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
-        out = _kernel("row_qmm_tc", smem)(
-            inputs=[x2, w, scales, biases],
-            template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
-                      ("GS", group_size), ("BITS", bits), ("NT", NT), ("CB", CB),
-                      ("SPLIT", SPLIT)],
-            grid=grid, threadgroup=tg,
-            output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
-        )[0]
-        return out.reshape(*lead, N)
+        kern, template, grid, tg, oshape, odtype = _qmm_tc_call(
+            x.dtype, scales.dtype, K, N, group_size, bits, R, plan)
+        out = kern(inputs=[x2, w, scales, biases], template=template, grid=grid,
+                   threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
+                   stream=stream)[0]
+        return out if x.ndim == 2 else out.reshape(*lead, N)
     grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_qmm", smem)(
         inputs=[x2, w, scales, biases],
@@ -159,24 +179,18 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream):
     return out.reshape(*lead, N)
 
 
-def matmul(x, w, stream):
+def matmul(x, w, stream, plan=None):
     N, K = w.shape
     if K % 32 != 0:
         raise ValueError("row_matmul (cuda): K must be a multiple of 32")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
     if matmul_tc_ok(x.dtype, w.dtype, K):
-        NT, CB, SPLIT = tc_plan(N, K)
-        grid, tg, smem = _tc_launch(R, N, NT, SPLIT)
-        out = _kernel("row_mm_tc", smem)(
-            inputs=[x2, w],
-            template=[("T", x.dtype), ("K", K), ("N", N), ("NT", NT), ("CB", CB),
-                      ("SPLIT", SPLIT)],
-            grid=grid, threadgroup=tg,
-            output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
-        )[0]
-        return out.reshape(*lead, N)
+        kern, template, grid, tg, oshape, odtype = _mm_tc_call(x.dtype, K, N, R, plan)
+        out = kern(inputs=[x2, w], template=template, grid=grid, threadgroup=tg,
+                   output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
+        return out if x.ndim == 2 else out.reshape(*lead, N)
     grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_mm", smem)(
         inputs=[x2, w],
@@ -185,6 +199,19 @@ def matmul(x, w, stream):
         output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
     )[0]
     return out.reshape(*lead, N)
+
+
+_SCALES: dict = {}
+
+
+def _scale_array(scale: float) -> mx.array:
+    """The softmax scale as a 1-element fp32 array, made once per value (a decode step
+    would otherwise build one per layer)."""
+    a = _SCALES.get(scale)
+    if a is None:
+        a = _SCALES[scale] = mx.array([scale], dtype=mx.float32)
+        mx.eval(a)
+    return a
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -196,7 +223,7 @@ def attention(q, k, v, offset, scale, stream):
     if smem > 48 * 1024:
         raise NotImplementedError(f"row_attention (cuda): head size {D} with {k.dtype} keys needs "
                                   f"{smem} bytes of shared memory (max 48 KB); use bf16/fp16 KV")
-    scale_f = mx.array([scale], dtype=mx.float32)
+    scale_f = _scale_array(scale)
     part = _kernel("row_attn_partial", smem)(
         inputs=[q, k, v, offset, scale_f],
         template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)],

@@ -1,0 +1,111 @@
+"""Sweep the tensor-core GEMM plan (NT, CB, SPLIT, DB) on real shapes, timed by Nsight Compute.
+
+On the H200:
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"row_qmm_tc|tfmark" python3 bench/gpu_tc_sweep.py > sweep.csv
+    python3 bench/gpu_tc_sweep.py --report sweep.csv
+
+Used to choose kernels._cuda.tc_plan (a function of the weight shape only); the rows of one
+shape never change the plan. 4-bit, group 64, bf16 activations, M = 1 and 16.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+
+import mlx.core as mx
+
+SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
+REPS = 3
+
+
+def plans(N, K):
+    out = []
+    nblk = K // 32
+    for NT in (1, 2):
+        for CB, DB in ((4, False), (2, True), (4, True)):
+            if nblk % CB:
+                continue
+            nchunk = nblk // CB
+            for SPLIT in ((1, 2) if N > 100000 else (4, 8)):
+                if nchunk % SPLIT == 0:
+                    out.append((NT, CB, SPLIT, DB))
+    return out
+
+
+def run():
+    import os
+    import time
+    from tensorfold.kernels import _cuda
+    t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
+    from gpu_kernel_time import marker
+    stream = mx.default_stream(mx.gpu)
+    for N, K in SHAPES:
+        if time.perf_counter() > t_end:  # stop cleanly so that ncu still writes its report
+            print("sweep budget spent before", N, K, file=sys.stderr)
+            break
+        w = mx.random.normal((N, K)) * 0.02
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+        mx.eval(wq, s, b)
+        del w
+        x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
+        mx.eval(x16)
+        ones = {}
+        for M in (1, 16):
+            x = x16[:M]
+            ref = None
+            for plan in plans(N, K):
+                marker(f"{N}x{K}_M{M}_" + "_".join(str(int(v)) for v in plan))
+                for _ in range(REPS):
+                    y = _cuda.quantized_matmul(x, wq, s, b, 64, 4, stream, plan=plan)
+                    mx.eval(y)
+                # row-exact: row 0 of the 16-row call has the bits of the 1-row call
+                if M == 1:
+                    ones[plan] = y
+                else:
+                    assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
+                # every plan computes the same product (to the rounding of its own order)
+                if ref is None:
+                    ref = y.astype(mx.float32)
+                else:
+                    err = mx.abs(y.astype(mx.float32) - ref).max().item()
+                    assert err < 0.05 * (mx.abs(ref).max().item() + 1e-6), (plan, err)
+        print(N, K, "row-exact for", len(plans(N, K)), "plans", file=sys.stderr, flush=True)
+    marker("end")
+
+
+def report(path):
+    rows = list(csv.DictReader(l for l in open(path) if l.startswith('"')))
+    cur, t = None, {}
+    for r in rows:
+        n = r.get("Kernel Name") or ""
+        if "tfmark_" in n:
+            cur = n.split("tfmark_")[1].split("(")[0]
+            continue
+        if cur is None or "row_qmm_tc" not in n or r["Metric Name"] != "gpu__time_duration.sum":
+            continue
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
+        t.setdefault(cur, []).append(float(r["Metric Value"].replace(",", "")) * scale)
+    by_shape = {}
+    for key, v in t.items():
+        shape, m, *plan = key.split("_")
+        by_shape.setdefault((shape, m), []).append((statistics.median(v), plan))
+    for (shape, m), lst in sorted(by_shape.items()):
+        N, K = map(int, shape.split("x"))
+        byts = N * K / 2 + N * K / 64 * 4
+        lst.sort()
+        print(f"{shape} {m}: " + "; ".join(
+            f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}: {us:.1f} us {byts / us / 1e6:.2f} TB/s"
+            for us, p in lst[:6]))
+        print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        report(sys.argv[2])
+    else:
+        sys.path.insert(0, "bench")
+        run()
