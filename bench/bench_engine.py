@@ -67,6 +67,9 @@ def main(argv=None):
                     help="our prefill ops (mlx-lm always runs MLX's own forward)")
     ap.add_argument("--copy-prompt", action="store_true",
                     help="repetitive prompt (drafting can accept) instead of random ids")
+    ap.add_argument("--host-decode", action="store_true",
+                    help="serial greedy decode reads every step's logits back and samples on the "
+                         "host (the path before pipelining; same tokens)")
     args = ap.parse_args(argv)
 
     import mlx_lm
@@ -80,10 +83,12 @@ def main(argv=None):
                             Path(tempfile.mkdtemp()) / name,
                             bits=None if name.endswith("-bf16") else 4, layers=args.layers)
     eng = Engine(path, prefill_mode=PrefillMode(ops=args.prefill))
+    eng._pipeline = not args.host_decode
     ref, tok = mlx_lm.load(str(path))
     tok._eos_token_ids = set()   # decode the full length on both sides
     vocab = eng.model.cfg.vocab_size
-    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}")
+    print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}"
+          f"  serial decode={'host' if args.host_decode else 'pipelined'}")
     print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "
           "| ours drafted | accept | tok/call | peak GB mlx-lm | ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

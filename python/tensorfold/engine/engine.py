@@ -26,7 +26,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .prefill import PrefillMode, prefill
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
-from .sampling import prompt_seed, sample
+from .sampling import greedy_device, prompt_seed, sample
 from .stops import StopMatcher
 from .types import GenerationEvent, GenerationStats, SamplingParams
 
@@ -60,6 +60,9 @@ class Engine:
                 raise RequestError(f"drafter {drafter} has another tokenizer than the model", param="drafter")
             self.drafter = DraftModel(dm, self.mode)
         self.drafts_enabled = drafts
+        # greedy rounds without drafts: build step t+1 while step t runs (_decode_pipelined).
+        # False forces the host path (tests compare the two, token for token).
+        self._pipeline = True
         self.row_exact = None
         if drafts:
             self.row_exact = row_check(self.model, k=min(draft_width + 1, 16))
@@ -270,6 +273,9 @@ class Engine:
         stats.ttft_s = time.perf_counter() - t0
         yield GenerationEvent(text=text, token_ids=[first])
 
+        if finish is None and not proposers and p.temperature <= 0.0 and self._pipeline:
+            finish = yield from self._decode_pipelined(cache, tokens, reply, max_tokens, accept, cancel)
+
         while finish is None:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -318,6 +324,45 @@ class Engine:
         stats.token_hash = hashlib.sha256(np.asarray(reply, dtype=np.int64).tobytes()).hexdigest()[:16]
         stats.finish_reason = finish
         yield GenerationEvent(text="", token_ids=[], finish_reason=finish, stats=stats)
+
+    def _decode_pipelined(self, cache, tokens: list[int], reply: list[int], max_tokens: int, accept,
+                          cancel):
+        """Greedy decode without drafts, one step ahead of the host: while step t runs on the
+        device, step t+1's graph is built on its (unread) token and launched with async_eval; only
+        then is step t's token read and passed to `accept`. Yields the same events as the host
+        loop in `generate` (one per token) and returns the finish reason.
+
+        Same tokens as the host loop: the step is the same forward call and greedy_device is
+        `sample`'s greedy branch on the device. Same cache state at the end: a step launched for a
+        token that turns out to be the last (EOS, stop string, cancel) is trimmed off; a step past
+        max_tokens (so past the context, which bounds max_tokens) is never launched."""
+
+        def step(tok):
+            """Feed `tok` (an int, or an unread [1] device token) at cache.offset; returns the
+            greedy next token, launched on the device, unread."""
+            ids = tok.reshape(1, 1) if isinstance(tok, mx.array) else mx.array([[tok]])
+            rows = self.model.forward(ids, cache, exact=True, all_logits=True)
+            nxt = greedy_device(rows)                # [1]
+            mx.async_eval(nxt)
+            return nxt
+
+        if cancel is not None and cancel.is_set():
+            return "cancelled"
+        # invariant at the loop head: cur is the token at position len(tokens), its step launched,
+        # and cache.offset == len(tokens)
+        cur = step(tokens[-1])
+        finish = None
+        while finish is None:
+            nxt = step(cur) if len(reply) + 1 < max_tokens else None
+            tok = cur.item()
+            tokens.append(tok)
+            text, finish = accept(tok)
+            yield GenerationEvent(text=text, token_ids=[tok])
+            if finish is None and cancel is not None and cancel.is_set():
+                finish = "cancelled"
+            cur = nxt
+        cache.trim(len(tokens) - 1)                  # what the host loop leaves: the last token unfed
+        return finish
 
     def generate_text(self, *args, **kwargs) -> tuple[str, list[int], GenerationStats]:
         """Run generate to the end: (text, reply token ids, stats)."""

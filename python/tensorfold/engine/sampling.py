@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+import mlx.core as mx
 import numpy as np
 
 from .types import SamplingParams
@@ -92,3 +93,29 @@ def sample(logits: np.ndarray, seed: int, position: int, p: SamplingParams) -> i
     u = keyed_uniforms(seed, position, x.shape[0], ids)
     g = x[ids] - np.log(-np.log(u))
     return int(ids[np.argmax(g)])  # argmax returns the lowest id among equal maxima
+
+
+_IDS: dict[int, tuple[mx.array, mx.array]] = {}   # V -> evaluated (arange(0, V), arange(V, 2V))
+
+
+def greedy_device(logits: mx.array) -> mx.array:
+    """The device twin of the greedy branch of `sample` (temperature <= 0): for logits [..., V]
+    returns the int32 token id(s) [...] that ``int(np.argmax(row))`` gives for the same row cast
+    to float32, bit for bit, without reading the logits back to the host.
+
+    The tie rule is explicit, not MLX's argmax's: the lowest id among the row's maxima. NaN is
+    ordered as numpy orders it (the first NaN wins, whatever MLX's max does with NaN); a row of
+    -inf gives id 0, as numpy does. Only a cast, comparisons, max and min: nothing rounds."""
+    x = logits.astype(mx.float32)          # exact; also faster than bf16 compares on the CPU
+    V = x.shape[-1]
+    tabs = _IDS.get(V)
+    if tabs is None:
+        tabs = _IDS[V] = (mx.arange(V, dtype=mx.int32), mx.arange(V, 2 * V, dtype=mx.int32))
+        mx.eval(tabs)
+    ids, ids_v = tabs
+    nan = mx.isnan(x)
+    m = mx.max(mx.where(nan, -mx.inf, x), axis=-1, keepdims=True)
+    # NaN ids stay in [0, V) and come first; the maxima's ids go to [V, 2V); the rest to 2V.
+    # A row always has a NaN or a maximum (-inf == -inf), so the min is < 2V.
+    r = mx.min(mx.where(nan, ids, mx.where(x == m, ids_v, 2 * V)), axis=-1)
+    return r % V
