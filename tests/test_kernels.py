@@ -96,6 +96,18 @@ def test_quantized_matmul_accuracy(device, bits_, group_size, dtype):
     assert e_ours <= 2.0 * e_mlx + out_eps(dtype) * np.abs(ref).max(), (e_ours, e_mlx)
 
 
+@pytest.mark.parametrize("N,Kd", [(1152, 384), (384, 1152), (200, 2048)],
+                         ids=["1152x384", "384x1152", "200x2048"])
+def test_quantized_matmul_row_exact_model_shapes(device, N, Kd):
+    """Model-like shapes: on CUDA these take other tensor-core plans (split 3, 8, ...) than the
+    small case above (tinycode's hidden size is 384)."""
+    rng = _rng("qmm-shapes", N, Kd)
+    wq, s, b = make_quantized(rng, N, Kd, 64, 4, mx.bfloat16)
+    x = rand(rng, (MAX_M, Kd), mx.bfloat16)
+    op = lambda xx: K.row_quantized_matmul(xx, wq, s, b, 64, 4)  # noqa: E731
+    assert_rows_exact(op, x, rng)
+
+
 # ---------------------------------------------------------------- dense matmul
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
