@@ -96,8 +96,8 @@ def test_quantized_matmul_accuracy(device, bits_, group_size, dtype):
     assert e_ours <= 2.0 * e_mlx + out_eps(dtype) * np.abs(ref).max(), (e_ours, e_mlx)
 
 
-@pytest.mark.parametrize("N,Kd", [(1152, 384), (384, 1152), (200, 2048)],
-                         ids=["1152x384", "384x1152", "200x2048"])
+@pytest.mark.parametrize("N,Kd", [(128, 384), (1024, 384), (384, 1024), (8192, 384), (200, 2048)],
+                         ids=["128x384", "1024x384", "384x1024", "8192x384", "200x2048"])
 def test_quantized_matmul_row_exact_model_shapes(device, N, Kd):
     """Model-like shapes: on CUDA these take other tensor-core plans (split 3, 8, ...) than the
     small case above (tinycode's hidden size is 384)."""
@@ -145,6 +145,7 @@ ATT_CASES = [
     (1, 2, 2, 128, 255, mx.float32),
     (1, 4, 2, 96, 0, mx.bfloat16),
     (1, 2, 1, 256, 70, mx.bfloat16),
+    (1, 6, 2, 64, 250, mx.bfloat16),   # tinycode's heads; the window crosses a 256-key span
 ]
 ATT_IDS = [f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-off{c[4]}-{str(c[5]).split('.')[-1]}"
            for c in ATT_CASES]
