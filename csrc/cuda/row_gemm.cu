@@ -99,6 +99,32 @@ __device__ __forceinline__ void tf_load_vec(const S* p, S* out) {
   }
 }
 
+// The chunk loop of the tensor-core GEMMs: chunks 0..CPW-1 in order; with DB, chunk ci + 1's
+// loads are issued before chunk ci is computed (two register buffers), same arithmetic.
+template <int CPW, bool DB, typename Buf, typename Load, typename Compute>
+__device__ __forceinline__ void tf_chunks(Load&& load, Compute&& compute) {
+  if constexpr (DB) {
+    Buf ca, cb;
+    load(0, ca);
+#pragma unroll 1
+    for (int ci = 0; ci < CPW; ci += 2) {
+      if (ci + 1 < CPW) load(ci + 1, cb);
+      compute(ci, ca);
+      if (ci + 1 < CPW) {
+        if (ci + 2 < CPW) load(ci + 2, ca);
+        compute(ci + 1, cb);
+      }
+    }
+  } else {
+    Buf ca;
+#pragma unroll 1
+    for (int ci = 0; ci < CPW; ++ci) {
+      load(ci, ca);
+      compute(ci, ca);
+    }
+  }
+}
+
 // Split-K reduction in warp order ((w0 + w1) + w2) + ..., then warp 0 stores its fragments:
 // acc[nt][mt][i] is out[r0 + 8 mt + 2 t + (i & 1), nbase + 16 nt + 8 (i >> 1) + g].
 template <typename T, int NT, int SPLIT>
@@ -501,27 +527,7 @@ auto compute = [&](int ci, const Chunk& c) {
     }
   }
 };
-if constexpr (DB) {
-  // chunk ci + 1's loads are in flight while chunk ci is computed (same order of arithmetic)
-  Chunk ca, cb;
-  load(0, ca);
-#pragma unroll 1
-  for (int ci = 0; ci < CPW; ci += 2) {
-    if (ci + 1 < CPW) load(ci + 1, cb);
-    compute(ci, ca);
-    if (ci + 1 < CPW) {
-      if (ci + 2 < CPW) load(ci + 2, ca);
-      compute(ci + 1, cb);
-    }
-  }
-} else {
-  Chunk ca;
-#pragma unroll 1
-  for (int ci = 0; ci < CPW; ++ci) {
-    load(ci, ca);
-    compute(ci, ca);
-  }
-}
+tf_chunks<CPW, DB, Chunk>(load, compute);
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 
 // @@body row_mm_tc
@@ -565,7 +571,10 @@ for (int nt = 0; nt < NT; ++nt) {
     for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
   }
 }
-auto load = [&](int ci, uint4 (&wv)[CB][NT][2]) {
+struct Chunk {
+  uint4 wv[CB][NT][2];
+};
+auto load = [&](int ci, Chunk& c) {
   const int blk0 = (warp * CPW + ci) * CB;
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
@@ -573,12 +582,12 @@ auto load = [&](int ci, uint4 (&wv)[CB][NT][2]) {
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        wv[b][nt][h] = __ldg(reinterpret_cast<const uint4*>(wrow[nt][h] + (size_t)(blk0 + b) * 32));
+        c.wv[b][nt][h] = __ldg(reinterpret_cast<const uint4*>(wrow[nt][h] + (size_t)(blk0 + b) * 32));
       }
     }
   }
 };
-auto compute = [&](int ci, const uint4 (&wv)[CB][NT][2]) {
+auto compute = [&](int ci, const Chunk& c) {
   const int blk0 = (warp * CPW + ci) * CB;
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
@@ -595,8 +604,8 @@ auto compute = [&](int ci, const uint4 (&wv)[CB][NT][2]) {
     for (int s = 0; s < 2; ++s) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[b][nt][0]);
-        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[b][nt][1]);
+        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&c.wv[b][nt][0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&c.wv[b][nt][1]);
         const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
         tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
         if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
@@ -604,24 +613,5 @@ auto compute = [&](int ci, const uint4 (&wv)[CB][NT][2]) {
     }
   }
 };
-if constexpr (DB) {
-  uint4 wa[CB][NT][2], wb[CB][NT][2];
-  load(0, wa);
-#pragma unroll 1
-  for (int ci = 0; ci < CPW; ci += 2) {
-    if (ci + 1 < CPW) load(ci + 1, wb);
-    compute(ci, wa);
-    if (ci + 1 < CPW) {
-      if (ci + 2 < CPW) load(ci + 2, wa);
-      compute(ci + 1, wb);
-    }
-  }
-} else {
-  uint4 wa[CB][NT][2];
-#pragma unroll 1
-  for (int ci = 0; ci < CPW; ++ci) {
-    load(ci, wa);
-    compute(ci, wa);
-  }
-}
+tf_chunks<CPW, DB, Chunk>(load, compute);
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
