@@ -2,6 +2,7 @@
 # On the lent H200 (MLX CUDA backend), after `bash .gpu/b/install.sh` built the project there:
 #   bash bench/gpu_run.sh tests     # CUDA property tests + engine exactness suite
 #   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
+#   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
@@ -29,8 +30,18 @@ case "${1:-tests}" in
     python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_models.py tests/test_prompt_cache.py \
         tests/test_sampling.py tests/test_layer_queue.py 2>&1 | tee "$out/test_engine.log" | tail -25
     ;;
+  diag)     # the open H200 mismatches: resumed + drafted (issue 4/5)
+    python3 bench/gpu_diag_resume.py 2>&1 | tee "$out/diag_resume.txt" | tail -5
+    ;;
+  sparse)   # issue 8: fp32 D = 192 accuracy failure (the assertion prints ours / MLX's error), H200 table
+    python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py -k "d192" 2>&1 | tee "$out/sparse_d192.log" | tail -20
+    python3 bench/bench_sparse_attention.py --table 2>&1 | tee "$out/bench_sparse.md" | tail -20
+    ;;
+  moe)      # issue 7: Qwen3-30B-A3B-shaped 4-bit, peak memory at 2k / 16k / 64k, prompt and decode
+    python3 bench/bench_moe.py --shape qwen3-30b-a3b 2>&1 | tee "$out/bench_moe.md" | tail -12
+    ;;
   bench)
-    python3 bench/bench_kernels.py --table 2>&1 | tee "$out/bench_kernels.md" | tail -60
+    python3 bench/bench_kernels.py --table --gpu-only 2>&1 | tee "$out/bench_kernels.md" | tail -60
     python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,8192} --decode 128 --repeat 3 \
         2>&1 | tee "$out/bench_engine.md" | tail -12
     ;;
