@@ -13,6 +13,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/dtype.h"
@@ -104,6 +105,15 @@ inline void store_scalar(void* p, FType t, int64_t i, float v) {
 
 // Converts n values (any FType) to float32, exactly (all three widen exactly).
 void convert_to_f32(const void* src, FType t, int64_t n, float* dst);
+
+// The rows of x (all of it, contiguous) as fp32: x's own data when it is fp32, else widened
+// exactly into buf.
+inline const float* rows_as_f32(const mlx::core::array& x, FType xt, std::vector<float>& buf) {
+  if (xt == FType::f32) return x.data<float>();
+  buf.resize(x.size());
+  convert_to_f32(x.data<void>(), xt, static_cast<int64_t>(x.size()), buf.data());
+  return buf.data();
+}
 
 // ---------------------------------------------------------------- 8-lane vectors
 // Lane j of an accumulator always holds the partial sum of elements k with k % 8 == j

@@ -19,6 +19,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_common.h"
+#include "cpu_primitive.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -96,30 +97,15 @@ void attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
   });
 }
 
-class RowAttention : public mx::UnaryPrimitive {
+class RowAttention : public CpuPrimitive {
  public:
-  RowAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  RowAttention(mx::Stream s, float scale) : CpuPrimitive(s, "row_attention"), scale_(scale) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
-                  k = mx::array::unsafe_weak_copy(inputs[1]),
-                  v = mx::array::unsafe_weak_copy(inputs[2]),
-                  off = mx::array::unsafe_weak_copy(inputs[3]),
-                  out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
-      if (out.size() == 0) return;
-      const int64_t offset = off.data<int32_t>()[0];
-      attention_cpu(q, k, v, offset, scale, out);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(
-        "tensorfold row_attention: the C++ primitive is CPU only; GPU faces go through "
-        "tensorfold.kernels.row_attention (CUDA / Metal kernels).");
+  Task make_task() const override {
+    // inputs: q, k, v, offset
+    return [scale = scale_](std::vector<mx::array>& in, mx::array& out) {
+      attention_cpu(in[0], in[1], in[2], in[3].data<int32_t>()[0], scale, out);
+    };
   }
 
   const char* name() const override { return "RowAttention"; }

@@ -32,6 +32,7 @@
 #include <nanobind/stl/optional.h>
 
 #include "cpu_common.h"
+#include "cpu_primitive.h"
 #include "cpu_rowgemm.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -120,29 +121,17 @@ void run_quant(const Plan& p, const float* xf, int64_t K, int64_t N, const uint8
   });
 }
 
-class RowExpertMatmul : public mx::UnaryPrimitive {
+class RowExpertMatmul : public CpuPrimitive {
  public:
   RowExpertMatmul(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+      : CpuPrimitive(s, "row_expert_matmul"), group_size_(group_size), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const bool quant = bits_ > 0;
-    const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    const auto& idx = inputs.back();
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::optional<mx::array> sc, bi;
-    if (quant) {
-      sc = mx::array::unsafe_weak_copy(inputs[2]);
-      bi = mx::array::unsafe_weak_copy(inputs[3]);
-    }
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                  idx = mx::array::unsafe_weak_copy(idx), sc, bi,
-                  out = mx::array::unsafe_weak_copy(out), gs = group_size_,
-                  bits = bits_]() mutable {
+  Task make_task() const override {
+    // inputs: x, w[, scales, biases], indices
+    return [gs = group_size_, bits = bits_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array& x = in[0];
+      const mx::array& w = in[1];
+      const mx::array& idx = in.back();
       const int64_t K = x.shape(-1);
       const int64_t R = K ? static_cast<int64_t>(x.size()) / K : 0;
       const int64_t k = idx.shape(-1);
@@ -151,12 +140,7 @@ class RowExpertMatmul : public mx::UnaryPrimitive {
       if (R == 0 || N == 0 || k == 0) return;
       const FType xt = ftype_of(x.dtype(), "x");
       std::vector<float> xbuf;
-      const float* xf = x.data<float>();
-      if (xt != FType::f32) {
-        xbuf.resize(R * K);
-        convert_to_f32(x.data<void>(), xt, R * K, xbuf.data());
-        xf = xbuf.data();
-      }
+      const float* xf = rows_as_f32(x, xt, xbuf);
       const Plan plan = make_plan(idx.data<int32_t>(), R, k, E, N);
       void* op = out.data<void>();
       if (bits == 0) {
@@ -171,10 +155,10 @@ class RowExpertMatmul : public mx::UnaryPrimitive {
         });
         return;
       }
-      const FType st = ftype_of(sc->dtype(), "scales");
+      const FType st = ftype_of(in[2].dtype(), "scales");
       const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
-      const void* sp = sc->data<void>();
-      const void* bp = bi->data<void>();
+      const void* sp = in[2].data<void>();
+      const void* bp = in[3].data<void>();
       switch (bits) {
         case 2: run_quant<2>(plan, xf, K, N, wp, sp, bp, st, gs, op, xt); break;
         case 3: run_quant<3>(plan, xf, K, N, wp, sp, bp, st, gs, op, xt); break;
@@ -184,13 +168,7 @@ class RowExpertMatmul : public mx::UnaryPrimitive {
         case 8: run_quant<8>(plan, xf, K, N, wp, sp, bp, st, gs, op, xt); break;
         default: throw std::invalid_argument("row_expert_matmul: unsupported bits");
       }
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(
-        "tensorfold row_expert_matmul: the C++ primitive is CPU only; GPU faces go through "
-        "tensorfold.kernels.row_expert_matmul (CUDA / Metal kernels).");
+    };
   }
 
   const char* name() const override { return "RowExpertMatmul"; }

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "cpu_common.h"
+#include "cpu_primitive.h"
 #include "cpu_rowgemm.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -19,20 +20,14 @@ namespace {
 
 using namespace tensorfold::cpu;
 
-class RowMatmul : public mx::UnaryPrimitive {
+class RowMatmul : public CpuPrimitive {
  public:
-  explicit RowMatmul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  explicit RowMatmul(mx::Stream s) : CpuPrimitive(s, "row_matmul") {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_input_array(w);
-    enc.set_output_array(out);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                  out = mx::array::unsafe_weak_copy(out)]() mutable {
+  Task make_task() const override {
+    return [](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array& x = in[0];
+      const mx::array& w = in[1];
       const int64_t K = x.shape(-1);
       const int64_t R = K ? static_cast<int64_t>(x.size()) / K : 0;
       const int64_t N = out.shape(-1);
@@ -40,25 +35,14 @@ class RowMatmul : public mx::UnaryPrimitive {
       const FType xt = ftype_of(x.dtype(), "x");
       const FType wt = ftype_of(w.dtype(), "w");
       std::vector<float> xbuf;
-      const float* xf = x.data<float>();
-      if (xt != FType::f32) {
-        xbuf.resize(R * K);
-        convert_to_f32(x.data<void>(), xt, R * K, xbuf.data());
-        xf = xbuf.data();
-      }
+      const float* xf = rows_as_f32(x, xt, xbuf);
       const char* wp = static_cast<const char*>(w.data<void>());
       const int64_t esz = (wt == FType::f32) ? 4 : 2;
       auto loader = [&](int64_t n, int64_t k0, int64_t len, float* dst) {
         convert_to_f32(wp + (n * K + k0) * esz, wt, len, dst);
       };
       row_gemm(xf, R, K, N, out.data<void>(), xt, loader);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(
-        "tensorfold row_matmul: the C++ primitive is CPU only; GPU faces go through "
-        "tensorfold.kernels.row_matmul (CUDA / Metal kernels).");
+    };
   }
 
   const char* name() const override { return "RowMatmul"; }

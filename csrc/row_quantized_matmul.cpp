@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "cpu_common.h"
+#include "cpu_primitive.h"
 #include "cpu_rowgemm.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -38,28 +39,17 @@ void run_qmm(const float* xf, int64_t R, int64_t K, int64_t N, const uint8_t* w,
   row_gemm(xf, R, K, N, out, ot, loader);
 }
 
-class RowQuantizedMatmul : public mx::UnaryPrimitive {
+class RowQuantizedMatmul : public CpuPrimitive {
  public:
   RowQuantizedMatmul(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+      : CpuPrimitive(s, "row_quantized_matmul"), group_size_(group_size), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    const auto& scales = inputs[2];
-    const auto& biases = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_input_array(w);
-    enc.set_input_array(scales);
-    enc.set_input_array(biases);
-    enc.set_output_array(out);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                  scales = mx::array::unsafe_weak_copy(scales),
-                  biases = mx::array::unsafe_weak_copy(biases),
-                  out = mx::array::unsafe_weak_copy(out), gs = group_size_,
-                  bits = bits_]() mutable {
+  Task make_task() const override {
+    return [gs = group_size_, bits = bits_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array& x = in[0];
+      const mx::array& w = in[1];
+      const mx::array& scales = in[2];
+      const mx::array& biases = in[3];
       const int64_t K = x.shape(-1);
       const int64_t R = K ? static_cast<int64_t>(x.size()) / K : 0;
       const int64_t N = out.shape(-1);
@@ -67,12 +57,7 @@ class RowQuantizedMatmul : public mx::UnaryPrimitive {
       const FType xt = ftype_of(x.dtype(), "x");
       const FType st = ftype_of(scales.dtype(), "scales");
       std::vector<float> xbuf;
-      const float* xf = x.data<float>();
-      if (xt != FType::f32) {
-        xbuf.resize(R * K);
-        convert_to_f32(x.data<void>(), xt, R * K, xbuf.data());
-        xf = xbuf.data();
-      }
+      const float* xf = rows_as_f32(x, xt, xbuf);
       const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
       const void* sp = scales.data<void>();
       const void* bp = biases.data<void>();
@@ -86,13 +71,7 @@ class RowQuantizedMatmul : public mx::UnaryPrimitive {
         case 8: run_qmm<8>(xf, R, K, N, wp, sp, bp, st, gs, op, xt); break;
         default: throw std::invalid_argument("row_quantized_matmul: unsupported bits");
       }
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(
-        "tensorfold row_quantized_matmul: the C++ primitive is CPU only; GPU faces go "
-        "through tensorfold.kernels.row_quantized_matmul (CUDA / Metal kernels).");
+    };
   }
 
   const char* name() const override { return "RowQuantizedMatmul"; }

@@ -31,6 +31,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_common.h"
+#include "cpu_primitive.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -133,31 +134,16 @@ void sparse_attention_cpu(const mx::array& q, const mx::array& k, const mx::arra
   });
 }
 
-class SparseAttention : public mx::UnaryPrimitive {
+class SparseAttention : public CpuPrimitive {
  public:
-  SparseAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  SparseAttention(mx::Stream s, float scale)
+      : CpuPrimitive(s, "sparse_attention"), scale_(scale) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
-                  k = mx::array::unsafe_weak_copy(inputs[1]),
-                  v = mx::array::unsafe_weak_copy(inputs[2]),
-                  ind = mx::array::unsafe_weak_copy(inputs[3]),
-                  off = mx::array::unsafe_weak_copy(inputs[4]),
-                  out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
-      if (out.size() == 0) return;
-      const int64_t offset = off.data<int32_t>()[0];
-      sparse_attention_cpu(q, k, v, ind, offset, scale, out);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(
-        "tensorfold sparse_attention: the C++ primitive is CPU only; GPU faces go through "
-        "tensorfold.kernels.sparse_attention (CUDA / Metal kernels).");
+  Task make_task() const override {
+    // inputs: q, k, v, indices, offset
+    return [scale = scale_](std::vector<mx::array>& in, mx::array& out) {
+      sparse_attention_cpu(in[0], in[1], in[2], in[3], in[4].data<int32_t>()[0], scale, out);
+    };
   }
 
   const char* name() const override { return "SparseAttention"; }
