@@ -85,3 +85,18 @@ __device__ __forceinline__ float tf_warp_sum(float v) {
   }
   return v;
 }
+
+// The 8 dequantised weights jb .. jb+7 of each of NCW columns' 32-element chunks:
+// wh[c][jj] = fma(scale_c, q, bias_c) (fp32, round to nearest).
+template <int BITS, int NCW>
+__device__ __forceinline__ void tf_dequant8(const unsigned int (&words)[NCW][BITS],
+                                            const float (&sc)[NCW], const float (&bi)[NCW],
+                                            int jb, float (&wh)[NCW][8]) {
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      wh[c][jj] = __fmaf_rn(sc[c], (float)tf_extract<BITS>(words[c], jb + jj), bi[c]);
+    }
+  }
+}

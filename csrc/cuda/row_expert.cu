@@ -61,13 +61,7 @@ if (n0 < N) {
 #pragma unroll
       for (int jb = 0; jb < 32; jb += 8) {
         float wh[NCW][8];
-#pragma unroll
-        for (int c = 0; c < NCW; ++c) {
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            wh[c][jj] = __fmaf_rn(sc[c], (float)tf_extract<BITS>(words[c], jb + jj), bi[c]);
-          }
-        }
+        tf_dequant8<BITS, NCW>(words, sc, bi, jb, wh);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           const float xv = tf_to_float(xr[ch * 32 + jb + jj]);

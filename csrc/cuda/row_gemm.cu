@@ -26,6 +26,55 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
 // tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
+// ---- helpers of the staged GEMMs (row_qmm, row_mm) --------------------------------------
+// Rows r0 .. r0+rows-1, columns kt .. kt+KT-1 of x into shared memory, XOR swizzled so that
+// lane l reading element j of its chunk hits bank (l ^ j); zeros past K.
+template <typename T, int K, int KT>
+__device__ __forceinline__ void tf_stage_x(const T* x, T* xs, int r0, int rows, int kt) {
+  for (int e = threadIdx.x; e < rows * KT; e += blockDim.x) {
+    const int m = e / KT;
+    const int kk = e % KT;
+    T v = tf_from_float<T>(0.0f);
+    if (kt + kk < K) v = x[(size_t)(r0 + m) * K + kt + kk];
+    const int ln = kk >> 5, j = kk & 31;
+    xs[m * KT + j * 32 + (ln ^ j)] = v;
+  }
+}
+
+// acc[m][c] = fma(wh[c][jj], x[m][jb + jj], acc[m][c]) for jj = 0..7 in order, each staged row.
+template <typename T, int KT, int MAXM, int NCW>
+__device__ __forceinline__ void tf_fma_rows(float (&acc)[MAXM][NCW], const float (&wh)[NCW][8],
+                                            const T* xs, int rows, int lane, int jb) {
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < rows) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = jb + jj;
+        const float xv = tf_to_float(xs[m * KT + j * 32 + (lane ^ j)]);
+#pragma unroll
+        for (int c = 0; c < NCW; ++c) acc[m][c] = __fmaf_rn(wh[c][jj], xv, acc[m][c]);
+      }
+    }
+  }
+}
+
+// The butterfly over lanes, then lane 0 stores out[r0 + m, n0 + c].
+template <typename T, int MAXM, int NCW>
+__device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], T* out, int rows, int r0,
+                                              int n0, int N, int lane) {
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < rows) {
+#pragma unroll
+      for (int c = 0; c < NCW; ++c) {
+        const float v = tf_warp_sum(acc[m][c]);
+        if (lane == 0 && n0 + c < N) out[(size_t)(r0 + m) * N + n0 + c] = tf_from_float<T>(v);
+      }
+    }
+  }
+}
+
 // ---- tensor-core helpers (row_qmm_tc, row_mm_tc) ---------------------------------------
 // mma.sync m16n8k16, fp32 accumulate. Fragment layout (PTX ISA, "Matrix fragments for
 // mma.m16n8k16"): lane = 4 * g + t.  A (16 x 16, row): a0 = A[g][2t, 2t+1],
@@ -221,14 +270,7 @@ for (int m = 0; m < MAXM; ++m) {
 }
 for (int kt = 0; kt < K; kt += KT) {
   __syncthreads();
-  for (int e = threadIdx.x; e < rows * KT; e += blockDim.x) {
-    const int m = e / KT;
-    const int kk = e % KT;
-    T v = tf_from_float<T>(0.0f);
-    if (kt + kk < K) v = x[(size_t)(r0 + m) * K + kt + kk];
-    const int ln = kk >> 5, j = kk & 31;
-    xs[m * KT + j * 32 + (ln ^ j)] = v;
-  }
+  tf_stage_x<T, K, KT>(x, xs, r0, rows, kt);
   __syncthreads();
   const int ch = (kt >> 5) + lane;
   if (ch < NCHUNK && n0 < N) {
@@ -245,38 +287,12 @@ for (int kt = 0; kt < K; kt += KT) {
 #pragma unroll
     for (int jb = 0; jb < 32; jb += 8) {
       float wh[NCW][8];
-#pragma unroll
-      for (int c = 0; c < NCW; ++c) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          wh[c][jj] = __fmaf_rn(sc[c], (float)tf_extract<BITS>(words[c], jb + jj), bi[c]);
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < MAXM; ++m) {
-        if (m < rows) {
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int j = jb + jj;
-            const float xv = tf_to_float(xs[m * KT + j * 32 + (lane ^ j)]);
-#pragma unroll
-            for (int c = 0; c < NCW; ++c) acc[m][c] = __fmaf_rn(wh[c][jj], xv, acc[m][c]);
-          }
-        }
-      }
+      tf_dequant8<BITS, NCW>(words, sc, bi, jb, wh);
+      tf_fma_rows<T, KT, MAXM, NCW>(acc, wh, xs, rows, lane, jb);
     }
   }
 }
-#pragma unroll
-for (int m = 0; m < MAXM; ++m) {
-  if (m < rows) {
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const float v = tf_warp_sum(acc[m][c]);
-      if (lane == 0 && n0 + c < N) out[(size_t)(r0 + m) * N + n0 + c] = tf_from_float<T>(v);
-    }
-  }
-}
+tf_store_rows<T, MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
 
 // @@body row_mm
 // inputs: x [R, K] (T), w [N, K] (W)      output: out [R, N] (T).  template: T, W, K, N
@@ -302,14 +318,7 @@ for (int m = 0; m < MAXM; ++m) {
 }
 for (int kt = 0; kt < K; kt += KT) {
   __syncthreads();
-  for (int e = threadIdx.x; e < rows * KT; e += blockDim.x) {
-    const int m = e / KT;
-    const int kk = e % KT;
-    T v = tf_from_float<T>(0.0f);
-    if (kt + kk < K) v = x[(size_t)(r0 + m) * K + kt + kk];
-    const int ln = kk >> 5, j = kk & 31;
-    xs[m * KT + j * 32 + (ln ^ j)] = v;
-  }
+  tf_stage_x<T, K, KT>(x, xs, r0, rows, kt);
   __syncthreads();
   const int ch = (kt >> 5) + lane;
   if (ch < NCHUNK && n0 < N) {
@@ -321,31 +330,11 @@ for (int kt = 0; kt < K; kt += KT) {
         const int n = min(n0 + c, N - 1);
         tf_load8(w + (size_t)n * K + (size_t)ch * 32 + jb, wh[c]);
       }
-#pragma unroll
-      for (int m = 0; m < MAXM; ++m) {
-        if (m < rows) {
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int j = jb + jj;
-            const float xv = tf_to_float(xs[m * KT + j * 32 + (lane ^ j)]);
-#pragma unroll
-            for (int c = 0; c < NCW; ++c) acc[m][c] = __fmaf_rn(wh[c][jj], xv, acc[m][c]);
-          }
-        }
-      }
+      tf_fma_rows<T, KT, MAXM, NCW>(acc, wh, xs, rows, lane, jb);
     }
   }
 }
-#pragma unroll
-for (int m = 0; m < MAXM; ++m) {
-  if (m < rows) {
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const float v = tf_warp_sum(acc[m][c]);
-      if (lane == 0 && n0 + c < N) out[(size_t)(r0 + m) * N + n0 + c] = tf_from_float<T>(v);
-    }
-  }
-}
+tf_store_rows<T, MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
 
 // ============================================================================================
 // Tensor-core faces (bf16 / fp16 activations; 4- and 8-bit or same-dtype dense weights).
