@@ -100,3 +100,28 @@ __device__ __forceinline__ void tf_dequant8(const unsigned int (&words)[NCW][BIT
     }
   }
 }
+
+// One 64-key chunk of a warp's online softmax (row_attn_partial, sparse_attn): lane holds the
+// scores sa (key lane) and sb (key lane + 32) of the chunk's n valid keys. Writes the chunk's
+// weights exp(s - mc) to es[0..63]; returns the chunk's weight sum lc, the new running maximum
+// mn and the factors fa = exp(mrun - mn), fb = exp(mc - mn) that rescale the running state and
+// the chunk. The caller then does o = fma(chunk_o, fb, o * fa), l = l * fa + lc * fb, m = mn.
+struct TfChunkSoftmax {
+  float lc, mn, fa, fb;
+};
+__device__ __forceinline__ TfChunkSoftmax tf_chunk_softmax(float sa, float sb, int n, int lane,
+                                                           float* es, float mrun) {
+  float mc = fmaxf(sa, sb);
+#pragma unroll
+  for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
+  const float ea = lane < n ? expf(__fsub_rn(sa, mc)) : 0.0f;
+  const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mc)) : 0.0f;
+  es[lane] = ea;
+  es[lane + 32] = eb;
+  float lc = __fadd_rn(ea, eb);
+#pragma unroll
+  for (int sh = 16; sh >= 1; sh >>= 1) lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, sh));
+  __syncwarp();
+  const float mn = fmaxf(mrun, mc);
+  return {lc, mn, expf(__fsub_rn(mrun, mn)), expf(__fsub_rn(mc, mn))};
+}

@@ -140,20 +140,8 @@ for (;;) {
       for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(kr[d]), acc);
       sb = __fmul_rn(acc, scale);
     }
-    float mc = fmaxf(sa, sb);
-#pragma unroll
-    for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-    const float ea = lane < n ? expf(__fsub_rn(sa, mc)) : 0.0f;
-    const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mc)) : 0.0f;
-    es[warp * C + lane] = ea;
-    es[warp * C + lane + 32] = eb;
-    float lc = __fadd_rn(ea, eb);
-#pragma unroll
-    for (int sh = 16; sh >= 1; sh >>= 1) lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, sh));
-    __syncwarp();
-    const float mn = fmaxf(m_sp, mc);
-    const float fa = expf(__fsub_rn(m_sp, mn));
-    const float fb = expf(__fsub_rn(mc, mn));
+    const TfChunkSoftmax cs = tf_chunk_softmax(sa, sb, n, lane, es + warp * C, m_sp);
+    const float lc = cs.lc, mn = cs.mn, fa = cs.fa, fb = cs.fb;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int d = lane + 32 * t;
