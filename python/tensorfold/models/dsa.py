@@ -38,11 +38,12 @@ import mlx.core as mx
 
 from .. import _ext
 from ..errors import CheckpointError
+from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, swiglu
 from .kv import KVCache
 from .loader import Linear, take_linear, take_vector
-from .moe import (PROJS, Experts, QueueStats, _gather_sort, _scatter_unsort, take_experts,
+from .moe import (PROJS, Experts, _gather_sort, _scatter_unsort, take_experts,
                   topk_deterministic)
 
 
@@ -263,14 +264,10 @@ class DSALayer:
         return out + list(self.shared or ())
 
 
-class DSAModel(DenseModel):
+class DSAModel(BoundedPrefill, DenseModel):
     """deepseek_v32 with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
 
-    queue_depth = 2
-
     def __init__(self, cfg: ModelConfig, weights: dict):
-        self._queue = None
-        self.last_queue = None      # QueueStats of the last prefill forward (instrumentation)
         if any(k.endswith("weight_scale_inv") for k in weights):
             raise CheckpointError(f"{cfg.path}: FP8 (weight_scale_inv) checkpoints are not supported; "
                                   "convert with mlx-lm first")
@@ -312,21 +309,6 @@ class DSAModel(DenseModel):
                 for e in ly.experts:
                     out += e.arrays()
         return out
-
-    # ---- bounded prefill (as MoEModel) ------------------------------------------------------
-    def _layer_done(self, i: int, h, cache, exact: bool) -> None:
-        if self._queue is not None:
-            self._queue.push([h, cache.keys[i], cache.values[i]])
-
-    def forward(self, ids: mx.array, cache, *, exact: bool, all_logits: bool = False,
-                logits: bool = True):
-        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
-        try:
-            return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
-        finally:
-            q, self._queue = self._queue, None
-            if q is not None:   # keep the numbers, not the queue (it references the last layers)
-                self.last_queue = QueueStats(q.depth, q.max_in_flight, q.pushed)
 
     # ---- attention -------------------------------------------------------------------------
     def _index_scores(self, ly: DSALayer, x, qr, ib, off: int, exact: bool):

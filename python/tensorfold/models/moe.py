@@ -19,24 +19,15 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 
-from .. import _ext
 from ..errors import CheckpointError
+from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, Layer, swiglu
 from .loader import Linear, take_linear
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-class QueueStats(NamedTuple):
-    """What the last prefill forward's LayerQueue saw."""
-    depth: int
-    max_in_flight: int
-    pushed: int
 
 
 class Experts:
@@ -162,15 +153,8 @@ def topk_deterministic(scores: mx.array, k: int) -> mx.array:
     return (hit.astype(mx.int32) * ids).sum(axis=-1)
 
 
-class MoEModel(DenseModel):
+class MoEModel(BoundedPrefill, DenseModel):
     """qwen3_moe with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
-
-    queue_depth = 2
-
-    def __init__(self, cfg: ModelConfig, weights: dict):
-        self._queue = None
-        self.last_queue = None      # QueueStats of the last prefill forward (instrumentation)
-        super().__init__(cfg, weights)
 
     def _make_layer(self, cfg: ModelConfig, weights: dict, i: int) -> Layer:
         if not cfg.moe_layer(i):
@@ -240,18 +224,3 @@ class MoEModel(DenseModel):
         for j in range(1, k):
             acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
         return acc.astype(x.dtype).reshape(shape)
-
-    # ---- bounded prefill -------------------------------------------------------------------
-    def _layer_done(self, i: int, h, cache, exact: bool) -> None:
-        if self._queue is not None:
-            self._queue.push([h, cache.keys[i], cache.values[i]])
-
-    def forward(self, ids: mx.array, cache, *, exact: bool, all_logits: bool = False,
-                logits: bool = True):
-        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
-        try:
-            return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
-        finally:
-            q, self._queue = self._queue, None
-            if q is not None:   # keep the numbers, not the queue (it references the last layers)
-                self.last_queue = QueueStats(q.depth, q.max_in_flight, q.pushed)

@@ -1,0 +1,38 @@
+"""Bounded prefill for the families whose layers are heavy (MoE, DSA): each layer's hidden
+state and cache writes go to the native LayerQueue, which starts evaluating them and waits on
+layer i - depth before more is built, so at most `queue_depth` layers are queued ahead of the
+device and peak memory does not grow with the prompt. Decode (exact=True) is not queued."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .. import _ext
+
+
+class QueueStats(NamedTuple):
+    """What the last prefill forward's LayerQueue saw."""
+    depth: int
+    max_in_flight: int
+    pushed: int
+
+
+class BoundedPrefill:
+    """Mixin before DenseModel: `class MoEModel(BoundedPrefill, DenseModel)`."""
+
+    queue_depth = 2
+    _queue = None
+    last_queue = None      # QueueStats of the last prefill forward (instrumentation)
+
+    def _layer_done(self, i: int, h, cache, exact: bool) -> None:
+        if self._queue is not None:
+            self._queue.push([h, cache.keys[i], cache.values[i]])
+
+    def forward(self, ids, cache, *, exact: bool, all_logits: bool = False, logits: bool = True):
+        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
+        try:
+            return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
+        finally:
+            q, self._queue = self._queue, None
+            if q is not None:   # keep the numbers, not the queue (it references the last layers)
+                self.last_queue = QueueStats(q.depth, q.max_in_flight, q.pushed)
