@@ -91,19 +91,28 @@ class DenseModel:
         return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
 
     def parameters(self) -> list[mx.array]:
+        """Every weight array once: the linears', the final norm, then each layer's others."""
         out = []
         for lin in self._linears():
             out += [a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None]
         out.append(self.norm)
         for ly in self.layers:
-            out += [a for a in (ly.in_norm, ly.post_norm, ly.q_norm, ly.k_norm) if a is not None]
+            out += self._layer_arrays(ly)
         return out
 
     def _linears(self) -> list[Linear]:
         lins = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
         for ly in self.layers:
-            lins += [t for t in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down) if t is not None]
+            lins += self._layer_linears(ly)
         return lins
+
+    # a family with other layers overrides these two
+    def _layer_linears(self, ly) -> list[Linear]:
+        return [t for t in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down) if t is not None]
+
+    def _layer_arrays(self, ly) -> list[mx.array]:
+        """A layer's weights that are not in its linears (norms)."""
+        return [a for a in (ly.in_norm, ly.post_norm, ly.q_norm, ly.k_norm) if a is not None]
 
     def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool):
         B, L, _ = x.shape

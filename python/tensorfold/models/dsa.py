@@ -290,24 +290,16 @@ class DSAModel(BoundedPrefill, DenseModel):
         return KVCache(c.num_layers, 1, c.kv_lora_rank + c.qk_rope_head_dim, self.dtype,
                        value_dim=c.index_head_dim)
 
-    def _linears(self) -> list[Linear]:
-        lins = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
-        for ly in self.layers:
-            lins += ly.linears()
-        return lins
+    def _layer_linears(self, ly: DSALayer) -> list[Linear]:
+        return ly.linears()
 
-    def parameters(self) -> list[mx.array]:
-        out = []
-        for lin in self._linears():
-            out += [a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None]
-        out.append(self.norm)
-        for ly in self.layers:
-            out += [ly.in_norm, ly.post_norm, ly.q_a_norm, ly.kv_a_norm, ly.k_norm_w, ly.k_norm_b]
-            out += ly.embed_q.arrays() + ly.unembed_out.arrays()
-            if ly.experts is not None:
-                out.append(ly.router_bias)
-                for e in ly.experts:
-                    out += e.arrays()
+    def _layer_arrays(self, ly: DSALayer) -> list[mx.array]:
+        out = [ly.in_norm, ly.post_norm, ly.q_a_norm, ly.kv_a_norm, ly.k_norm_w, ly.k_norm_b]
+        out += ly.embed_q.arrays() + ly.unembed_out.arrays()
+        if ly.experts is not None:
+            out.append(ly.router_bias)
+            for e in ly.experts:
+                out += e.arrays()
         return out
 
     # ---- attention -------------------------------------------------------------------------
