@@ -239,6 +239,34 @@ def _np_dtype_to_mx(dtype: str):
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}") from None
 
 
+def _draws(seed: int):
+    """(normal(shape, std), norm_w(n)): float32 draws from one seeded generator, in call order."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_w(n):
+        return (1.0 + normal((n,), 0.05)).astype(np.float32)
+
+    return normal, norm_w
+
+
+def _mlp_weights(w: dict, prefix: str, normal, hidden: int, f: int, resid: float,
+                 lead: tuple = ()) -> None:
+    """gate / up / down projections of a SwiGLU MLP under `prefix` (lead: stacked experts)."""
+    w[prefix + "gate_proj.weight"] = normal((*lead, f, hidden), 1 / math.sqrt(hidden))
+    w[prefix + "up_proj.weight"] = normal((*lead, f, hidden), 1 / math.sqrt(hidden))
+    w[prefix + "down_proj.weight"] = normal((*lead, hidden, f), resid / math.sqrt(f))
+
+
+def _final_weights(w: dict, normal, norm_w, vocab: int, hidden: int, tie_embeddings: bool) -> None:
+    w["model.norm.weight"] = norm_w(hidden)
+    if not tie_embeddings:
+        # std 2/sqrt(hidden) on RMS-normed states: logits with std ~2, peaked but not one-hot.
+        w["lm_head.weight"] = normal((vocab, hidden), 2 / math.sqrt(hidden))
+
+
 def _make_weights(
     *,
     family: str,
@@ -253,13 +281,7 @@ def _make_weights(
     seed: int,
     moe: dict | None = None,
 ) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-
-    def normal(shape, std):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-
-    def norm_w(n):
-        return (1.0 + normal((n,), 0.05)).astype(np.float32)
+    normal, norm_w = _draws(seed)
 
     resid = 1.0 / math.sqrt(2 * layers)
     w: dict[str, np.ndarray] = {}
@@ -288,30 +310,17 @@ def _make_weights(
             # routing is neither uniform nor one-hot
             w[p + "mlp.gate.weight"] = normal((E, hidden), 2 / math.sqrt(hidden))
             # stacked [E, out, in] as mlx-lm's SwitchGLU holds them (split per expert for "hf")
-            w[p + "mlp.switch_mlp.gate_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
-            w[p + "mlp.switch_mlp.up_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
-            w[p + "mlp.switch_mlp.down_proj.weight"] = normal((E, hidden, f), resid / math.sqrt(f))
+            _mlp_weights(w, p + "mlp.switch_mlp.", normal, hidden, f, resid, lead=(E,))
             continue
-        w[p + "mlp.gate_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
-        w[p + "mlp.up_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
-        w[p + "mlp.down_proj.weight"] = normal((hidden, intermediate), resid / math.sqrt(intermediate))
-    w["model.norm.weight"] = norm_w(hidden)
-    if not tie_embeddings:
-        # std 2/sqrt(hidden) on RMS-normed states: logits with std ~2, peaked but not one-hot.
-        w["lm_head.weight"] = normal((vocab, hidden), 2 / math.sqrt(hidden))
+        _mlp_weights(w, p + "mlp.", normal, hidden, intermediate, resid)
+    _final_weights(w, normal, norm_w, vocab, hidden, tie_embeddings)
     return w
 
 
 def _make_dsa_weights(*, vocab: int, hidden: int, layers: int, heads: int, intermediate: int,
                       tie_embeddings: bool, seed: int, moe: dict, d: dict) -> dict[str, np.ndarray]:
     """deepseek_v32 weights under mlx-lm's names (embed_q / unembed_out, stacked switch_mlp)."""
-    rng = np.random.default_rng(seed)
-
-    def normal(shape, std):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-
-    def norm_w(n):
-        return (1.0 + normal((n,), 0.05)).astype(np.float32)
+    normal, norm_w = _draws(seed)
 
     ql, kvr, rd = d["q_lora_rank"], d["kv_lora_rank"], d["qk_rope_head_dim"]
     nope, vh, Hi, ihd = d["qk_nope_head_dim"], d["v_head_dim"], d["index_n_heads"], d["index_head_dim"]
@@ -340,21 +349,13 @@ def _make_dsa_weights(*, vocab: int, hidden: int, layers: int, heads: int, inter
             E, f = moe["num_experts"], moe["moe_intermediate_size"]
             w[p + "mlp.gate.weight"] = normal((E, hidden), 2 / math.sqrt(hidden))
             w[p + "mlp.gate.e_score_correction_bias"] = normal((E,), 0.1)
-            w[p + "mlp.switch_mlp.gate_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
-            w[p + "mlp.switch_mlp.up_proj.weight"] = normal((E, f, hidden), 1 / math.sqrt(hidden))
-            w[p + "mlp.switch_mlp.down_proj.weight"] = normal((E, hidden, f), resid / math.sqrt(f))
+            _mlp_weights(w, p + "mlp.switch_mlp.", normal, hidden, f, resid, lead=(E,))
             if d["n_shared_experts"]:
-                fs = f * d["n_shared_experts"]
-                w[p + "mlp.shared_experts.gate_proj.weight"] = normal((fs, hidden), 1 / math.sqrt(hidden))
-                w[p + "mlp.shared_experts.up_proj.weight"] = normal((fs, hidden), 1 / math.sqrt(hidden))
-                w[p + "mlp.shared_experts.down_proj.weight"] = normal((hidden, fs), resid / math.sqrt(fs))
+                _mlp_weights(w, p + "mlp.shared_experts.", normal, hidden,
+                             f * d["n_shared_experts"], resid)
             continue
-        w[p + "mlp.gate_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
-        w[p + "mlp.up_proj.weight"] = normal((intermediate, hidden), 1 / math.sqrt(hidden))
-        w[p + "mlp.down_proj.weight"] = normal((hidden, intermediate), resid / math.sqrt(intermediate))
-    w["model.norm.weight"] = norm_w(hidden)
-    if not tie_embeddings:
-        w["lm_head.weight"] = normal((vocab, hidden), 2 / math.sqrt(hidden))
+        _mlp_weights(w, p + "mlp.", normal, hidden, intermediate, resid)
+    _final_weights(w, normal, norm_w, vocab, hidden, tie_embeddings)
     return w
 
 
