@@ -154,8 +154,6 @@ def test_full_causal_set_equals_row_attention(device, B, Hq, Hkv, D, offset, dty
     """Given every key 0..offset+i in ascending order (what select_topk returns while a
     row sees <= topk keys), sparse_attention is bit-identical to row_attention: the
     use_sparse switch can never change a row's bits."""
-    if D > 256 and K.backend_face() == "metal":
-        pytest.skip("row_attention's Metal face stops at D = 256 (never compiled here)")
     rng = _rng("sp-full", B, Hq, Hkv, D, offset, str(dtype))
     M = 7
     scale = D ** -0.5
