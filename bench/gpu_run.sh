@@ -3,6 +3,7 @@
 #   bash bench/gpu_run.sh tests     # CUDA property tests + engine exactness suite
 #   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
 #   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
+#   bash bench/gpu_run.sh decode    # 8B-shaped decode: compiled step vs eager vs mlx-lm
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
@@ -30,8 +31,14 @@ case "${1:-tests}" in
     python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_models.py tests/test_prompt_cache.py \
         tests/test_sampling.py tests/test_layer_queue.py 2>&1 | tee "$out/test_engine.log" | tail -25
     ;;
-  diag)     # the open H200 mismatches: resumed + drafted (issue 4/5)
-    python3 bench/gpu_diag_resume.py 2>&1 | tee "$out/diag_resume.txt" | tail -5
+  diag)     # the open H200 mismatches: resumed + drafted (issue 4/5); rows shadow-checks every
+            # verify call and traces the first op whose row differs
+    timeout 240 python3 bench/gpu_diag_rows.py 2>&1 | tee "$out/diag_rows.txt" | tail -25
+    timeout 120 python3 bench/gpu_diag_resume.py 2>&1 | tee "$out/diag_resume.txt" | tail -5
+    ;;
+  decode)   # issue 4: 8B-shaped 4-bit decode, compiled exact step vs eager vs mlx-lm
+    python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \
+        --eager-too 2>&1 | tee "$out/bench_decode.md" | tail -6
     ;;
   sparse)   # issue 8: fp32 D = 192 accuracy failure (the assertion prints ours / MLX's error), H200 table
     python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py -k "d192" 2>&1 | tee "$out/sparse_d192.log" | tail -20

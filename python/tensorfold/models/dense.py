@@ -5,11 +5,18 @@
 - Decode (`exact=True`): every matmul (LM head included) and the attention go through the
   row-exact kernels; norms, RoPE and elementwise ops are per-row by construction. Row i's bits
   then do not depend on how many rows share the call — what makes drafted == serial.
+  Every exact forward runs one `mx.compile`d step (`_exact_step`): traced once per (rows,
+  KV capacity), then replayed without Python building the graph (a decode step's host cost
+  was the graph build, ~15 us per custom-kernel call). The offset reaches the step as an
+  array (RoPE, cache writes and the attention take it at run time), so one trace serves
+  every position. Serial steps and verify calls all go through it: one code path for every
+  M. TENSORFOLD_COMPILE_DECODE=0 runs the same ops eagerly (debugging, benchmarks).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import mlx.core as mx
@@ -70,7 +77,23 @@ class Layer:
             self.q_norm = self.k_norm = None
 
 
+class StepCache:
+    """KVCache's interface inside the compiled exact step: the offset is an int32 [1] array and
+    writes are dynamic slice updates, so the traced graph does not depend on the position."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = list(keys), list(values), offset
+
+    def write(self, layer: int, k, v):
+        self.keys[layer] = mx.slice_update(self.keys[layer], k, self.offset, axes=(2,))
+        self.values[layer] = mx.slice_update(self.values[layer], v, self.offset, axes=(2,))
+        return self.keys[layer], self.values[layer]
+
+
 class DenseModel:
+    # families whose exact forward reads the offset on the host (deepseek_v32) set False
+    compiled_decode = os.environ.get("TENSORFOLD_COMPILE_DECODE", "1") != "0"
+
     def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
@@ -152,6 +175,8 @@ class DenseModel:
         Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None."""
         L = ids.shape[1]
         cache.reserve(cache.offset + L)
+        if exact and logits and all_logits and self.compiled_decode:
+            return self._exact_compiled(ids, cache)
         h = self.embed.embed(ids)
         for i, ly in enumerate(self.layers):
             h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, exact)
@@ -169,3 +194,26 @@ class DenseModel:
                                            bits=self.lm_head.bits))
             if self.lm_head.quantized else (lambda t: t @ self.lm_head.weight.T))
         return head(h)[0]
+
+    # ---- the compiled exact step ------------------------------------------------------------
+    def _exact_body(self, ids, offset, keys, values):
+        """forward(exact=True, all_logits=True) as a pure function of (ids, offset, KV buffers)."""
+        cache = StepCache(keys, values, offset)
+        h = self.embed.embed(ids)
+        for i, ly in enumerate(self.layers):
+            h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, True)
+            h = h + self._mlp(ly, mx.fast.rms_norm(h, ly.post_norm, self.eps), True)
+        h = mx.fast.rms_norm(h, self.norm, self.eps)
+        return self.lm_head.exact(h)[0], cache.keys, cache.values
+
+    def _exact_compiled(self, ids, cache: KVCache):
+        step = self.__dict__.get("_exact_step")
+        if step is None:
+            step = self._exact_step = mx.compile(self._exact_body)
+        off = mx.array([cache.offset], dtype=mx.int32)
+        logits, keys, values = step(ids, off, cache.keys, cache.values)
+        # rebinding drops the old buffers' last host references: the slice updates can
+        # write in place (MLX donates a buffer nothing else holds)
+        cache.keys, cache.values = keys, values
+        cache.offset += ids.shape[1]
+        return logits

@@ -267,6 +267,8 @@ class DSALayer:
 class DSAModel(BoundedPrefill, DenseModel):
     """deepseek_v32 with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
 
+    compiled_decode = False     # the exact attention reads the offset on the host (dense vs sparse)
+
     def __init__(self, cfg: ModelConfig, weights: dict):
         if any(k.endswith("weight_scale_inv") for k in weights):
             raise CheckpointError(f"{cfg.path}: FP8 (weight_scale_inv) checkpoints are not supported; "

@@ -1,0 +1,61 @@
+"""The compiled exact step (DenseModel._exact_step): one trace per (rows, KV capacity) serves every
+position, it runs for serial steps and verify calls alike, and it gives the eager exact forward's
+tokens and KV (the same ops; TENSORFOLD_COMPILE_DECODE=0 is the eager path)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tensorfold.models import load_model
+
+FAMILIES = ["qwen3_mlx_4bit", "qwen3_hf_bf16", "qwen2_mlx_4bit_tied", "qwen3_moe_mlx_4bit"]
+
+
+def _decode(model, ids, steps, block=1):
+    """Prefill ids, then feed `steps` tokens `block` at a time through the exact forward."""
+    c = model.new_cache()
+    model.forward(mx.array([ids]), c, exact=False, logits=False)
+    rows = []
+    for s in range(0, len(steps), block):
+        rows.append(model.forward(mx.array([steps[s: s + block]]), c, exact=True, all_logits=True))
+    mx.eval(rows, c.arrays())
+    return mx.concatenate(rows, axis=0), c
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
+    model = load_model(checkpoints[name])
+    assert model.compiled_decode
+    traces = []
+    body = model._exact_body
+
+    def counted(*a):
+        traces.append(a[0].shape)
+        return body(*a)
+
+    monkeypatch.setattr(model, "_exact_body", counted)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, model.cfg.vocab_size, 20).tolist()
+    steps = rng.integers(3, model.cfg.vocab_size, 24).tolist()
+    _decode(model, ids, steps)                 # 24 one-row steps, one capacity (256)
+    assert traces == [(1, 1)]
+    _decode(model, ids, steps, block=4)        # 6 four-row calls: one more trace
+    assert traces == [(1, 1), (1, 4)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_equals_eager_and_rows(checkpoints, name, monkeypatch):
+    model = load_model(checkpoints[name])
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, model.cfg.vocab_size, 250).tolist()   # crosses the 256 capacity step
+    steps = rng.integers(3, model.cfg.vocab_size, 12).tolist()
+    serial, c1 = _decode(model, ids, steps)
+    block, c2 = _decode(model, ids, steps, block=4)
+    assert bool(mx.array_equal(serial, block).item())           # row-exact through the step
+    monkeypatch.setattr(model, "compiled_decode", False)
+    eager, c3 = _decode(model, ids, steps)
+    assert bool(mx.array_equal(serial, eager).item())
+    for a, b in zip(c1.keys + c1.values, c3.keys + c3.values):
+        assert bool(mx.array_equal(a[..., : c1.offset, :], b[..., : c3.offset, :]).item())
