@@ -136,6 +136,12 @@ def checked(ids, cache, *, exact, all_logits=False, logits=True):
     singles = [orig(ids[:, j:j + 1], c2, exact=True, all_logits=True) for j in range(L)]
     mx.eval(singles)
     bad = [j for j in range(L) if not bool(mx.array_equal(out[j], singles[j][0]).item())]
+    kv_bad = [n for n, (a, b) in enumerate(zip(cache.keys + cache.values, c2.keys + c2.values))
+              if not bool(mx.array_equal(a[..., off: off + L, :], b[..., off: off + L, :]).item())]
+    if kv_bad:
+        stats["kv_bad"] = stats.get("kv_bad", 0) + 1
+        print(f"KV MISMATCH offset {off} L {L}: arrays {kv_bad} (written by the block vs by single steps)",
+              flush=True)
     c3 = restored()
     again = orig(ids, c3, exact=True, all_logits=True)
     c4 = restored()
