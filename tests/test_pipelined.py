@@ -196,7 +196,7 @@ def test_stop_strings_mid_pipeline(tiny, monkeypatch):
 
 def test_eos_and_length_on_tinycode(tiny, monkeypatch):
     spy = Spy(tiny, monkeypatch)
-    msgs = [{"role": "user", "content": "hi"}]                      # ends with EOS at 148 tokens
+    msgs = [{"role": "user", "content": "Write a function."}]       # ends with EOS at 116 tokens
     host, pipe = (run(tiny, spy, pl, messages=msgs, max_tokens=400, sampling=GREEDY, draft=False)
                   for pl in (False, True))
     assert host["stats"]["finish_reason"] == "stop"

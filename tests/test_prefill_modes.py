@@ -62,3 +62,24 @@ def test_grid_rule_last_token_alone_and_snapshots_only_from_whole_chunks(checkpo
     assert [len(e.tokens) for e in eng.snapshots._entries.values()] == [16]
     eng.generate_text(prompt=list(range(3, 36)), max_tokens=2)      # 33 tokens: 32 is a whole chunk
     assert sorted(len(e.tokens) for e in eng.snapshots._entries.values()) == [32]
+
+
+@pytest.mark.parametrize("ops", ["mlx", "kernels"])
+def test_last_prompt_token_is_one_row_exact_step(checkpoints, ops, monkeypatch):
+    """The grid chunks run the mode's ops; the prompt's last token is one exact row whatever the
+    mode. MLX's own one-row forward is not a function of the values on MLX's CUDA backend (its
+    sdpa picks cuDNN or the vector kernel from the K/V buffers' state): on the H200 a prompt
+    resumed from a snapshot got other bits there than the same prompt fresh."""
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=PrefillMode(grid=16, ops=ops),
+                 drafts=False)
+    calls = []
+    real = eng.model.forward
+
+    def spy(ids, cache, **kw):
+        calls.append((ids.shape[1], kw.get("exact"), kw.get("all_logits", False)))
+        return real(ids, cache, **kw)
+
+    monkeypatch.setattr(eng.model, "forward", spy)
+    eng.generate_text(prompt=list(range(3, 40)), max_tokens=1)
+    assert calls == [(16, ops == "kernels", False), (16, ops == "kernels", False),
+                     (4, ops == "kernels", False), (1, True, True)]

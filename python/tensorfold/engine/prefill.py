@@ -18,9 +18,10 @@ PREFILL_OPS = ("mlx", "kernels")
 
 @dataclass(frozen=True)
 class PrefillMode:
-    """How prompts are prefilled. `ops`: "mlx" runs MLX's own forward (bit-identical to mlx-lm's
-    logits; the default); "kernels" runs the row-exact decode kernels over each grid chunk (on
-    MLX's CPU backend ~100x faster for quantized models; other bits than "mlx")."""
+    """How prompts are prefilled. `ops`: "mlx" runs MLX's own forward over the grid chunks (their
+    KV bit-identical to mlx-lm's chunked prefill; the default); "kernels" runs the row-exact
+    decode kernels over each grid chunk (on MLX's CPU backend ~100x faster for quantized models;
+    other bits than "mlx"). Either way the prompt's last token is one row-exact step."""
     name: str = "grid"
     grid: int = 2048
     ops: str = "mlx"
@@ -54,7 +55,8 @@ def prefill(model, cache, ids: list[int], mode: PrefillMode,
     """Prefill ids[cache.offset:] on the grid; returns the last row's logits [vocab].
 
     Chunks [s, e) cut at multiples of the grid cover ids[:-1]; the last token then runs alone
-    through the LM head. Both are functions of the prompt alone, fresh or resumed."""
+    through the row-exact ops and the LM head. Both are functions of the prompt alone, fresh or
+    resumed."""
     exact = mode.ops == "kernels"
     for s, e in grid_chunks(cache.offset, len(ids) - 1, mode.grid):
         model.forward(mx.array([ids[s:e]]), cache, exact=exact, logits=False)
@@ -64,9 +66,13 @@ def prefill(model, cache, ids: list[int], mode: PrefillMode,
         if progress is not None:
             progress(e, len(ids))
     # the prompt's last token alone, through the LM head (as mlx-lm does: ~15% faster on the
-    # CPU than carrying the LM head in the last chunk); a function of the prompt only
-    # (no snapshot after it: a snapshot holds only KV computed by whole grid chunks)
-    logits = model.forward(mx.array([ids[-1:]]), cache, exact=exact)
+    # CPU than carrying the LM head in the last chunk), and through the row-exact ops, as a
+    # decode step: a function of the prompt only (no snapshot after it: a snapshot holds only
+    # KV computed by whole grid chunks). Not MLX's one-row forward: on MLX's CUDA backend its
+    # sdpa picks cuDNN or its vector kernel for one query row from the K/V buffers' state
+    # (evaluated or not, buffer size), not their values, so a resumed prompt's last token got
+    # other bits than the fresh one (measured on the H200: bench/gpu_diag_prefill.py).
+    logits = model.forward(mx.array([ids[-1:]]), cache, exact=True, all_logits=True)
     mx.eval(cache.arrays() + [logits])
     if progress is not None:
         progress(len(ids), len(ids))
