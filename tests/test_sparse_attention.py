@@ -146,7 +146,9 @@ def test_sparse_accuracy(device, B, Hq, Hkv, D, offset, dtype):
     assert np.isfinite(got).all()
     assert e_ours <= 2.0 * e_mlx + out_eps(dtype) * np.abs(ref).max(), (e_ours, e_mlx)
     assert e_ours <= ABS_TOL[dtype], e_ours
-    assert np.abs(got - theirs)[sel].max() <= 2 * ABS_TOL[dtype]
+    # (no ours-vs-MLX closeness bound beyond these two: both are measured against the float64
+    # reference. On the H200, MLX's own fp32 sdpa for D = 192 (no cuDNN past D = 128: its
+    # matmul fallback) is 9e-4 off the reference while ours is within 2e-5.)
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,offset,dtype", CASES, ids=IDS)
