@@ -1,6 +1,6 @@
 """The compiled exact step (DenseModel._exact_step): one trace per (rows, KV capacity) serves every
 position, it runs for serial steps and verify calls alike, and it gives the eager exact forward's
-tokens and KV (the same ops; TENSORFOLD_COMPILE_DECODE=0 is the eager path)."""
+logits and KV (the same ops; TENSORFOLD_COMPILE_DECODE=0 is the eager path)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _decode(model, ids, steps, block=1):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
     model = load_model(checkpoints[name])
-    assert model.compiled_decode
+    assert model.uses_compiled_step()
     traces = []
     body = model._exact_body
 

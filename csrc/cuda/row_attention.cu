@@ -2,7 +2,7 @@
 // Sections are cut by "// @@" marker lines (see row_gemm.cu).
 //
 // Arithmetic of query row (b, h, i) at absolute position p = offset + i (fixed by p, D):
-//   keys are cut into spans of SPAN=256 starting at key 0, spans into chunks of C=64; the
+//   keys are cut into spans of SPAN=64 starting at key 0, spans into chunks of C=64; the
 //   last chunk is cut at p (keys > p are never read for this row).
 //   chunk:  s_j = fma-chain over d ascending of q[d]*k_j[d], times scale
 //           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
@@ -29,7 +29,7 @@
 // launch: grid (nspan*256, B*HKV, ceil(HQ/HKV*M/8)), threadgroup (256,1,1),
 //         dynamic shared memory = 8*C*4 + C*(D+1)*sizeof(TK) bytes (<= 48 KB for D <= 256)
 constexpr int C = 64;
-constexpr int SPAN = 256;
+constexpr int SPAN = 64;
 constexpr int WARPS = 8;
 constexpr int DP = D + 1;
 constexpr int NT = (D + 31) / 32;
@@ -94,6 +94,7 @@ for (int c0 = s0; c0 < send; c0 += C) {
       if (d < D) {
         float oc = 0.0f;
         const TK* vcol = v + kvbase + (size_t)c0 * D + d;   // V straight from global (L1/L2)
+#pragma unroll 8
         for (int j = 0; j < n; ++j) oc = __fmaf_rn(es[warp * C + j], tf_to_float(vcol[(size_t)j * D]), oc);
         o[t] = __fmaf_rn(oc, fb, __fmul_rn(o[t], fa));
       }
@@ -121,7 +122,7 @@ if (active) {
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
 // output: out [B, HQ, M, D] (T).  template: T, D
 // launch: grid (B*HQ*M*D, 1, 1), threadgroup (256, 1, 1).
-constexpr int SPAN = 256;
+constexpr int SPAN = 64;
 const int M = q_shape[2];
 const int nrow = q_shape[0] * q_shape[1] * M;
 const int nspan = part_shape[1];

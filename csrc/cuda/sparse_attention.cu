@@ -4,7 +4,7 @@
 // Arithmetic of query row (b, h, i) at absolute position p = offset + i (fixed by the
 // row's ordered list of kept indices and D):
 //   kept list = indices[b, i, :] in the order given, keeping entries e with 0 <= e <= p.
-//   The kept list is cut into spans of SPAN=256 consecutive kept entries, spans into
+//   The kept list is cut into spans of SPAN=64 consecutive kept entries, spans into
 //   chunks of C=64 (the last chunk holds what is left).
 //   chunk:  s_j = fma-chain over d ascending of q[d]*k_{e_j}[d], times scale
 //           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
@@ -16,7 +16,7 @@
 //           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
 //   out = o / l, rounded once to q's dtype; 0 if the kept list is empty; NaN if p is
 //   outside the buffer.
-// This is the arithmetic of row_attention.cu (spans of 256 keys, chunks of 64, span
+// This is the arithmetic of row_attention.cu (spans of 64 keys, chunks of 64, span
 // partials merged in order): with the full causal set 0..p in ascending order the bits
 // are meant to equal row_attention's (tests/test_sparse_attention.py checks it).
 //
@@ -41,7 +41,7 @@
 // launch: grid (ceil(HQ/HKV/8)*256, B*HKV, M), threadgroup (256,1,1),
 //         dynamic shared memory = 8*C*4 + (C+32)*4 + (STAGE ? C*(D+1)*sizeof(TK) : 0)
 constexpr int C = 64;
-constexpr int SPAN = 256;
+constexpr int SPAN = 64;
 constexpr int WARPS = 8;
 constexpr int DP = D + 1;
 constexpr int NT = (D + 31) / 32;

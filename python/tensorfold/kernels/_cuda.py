@@ -26,7 +26,8 @@ GEMM_COLS_PER_BLOCK = 16
 GEMM_THREADS = 256
 GEMM_KT = 1024
 ATTN_C = 64
-ATTN_SPAN = 256
+ATTN_SPAN = 64     # = ATTN_C: one chunk per block (4x the blocks of 256-key spans; H200: the
+                   # 8B step spent 41% of its device time in row_attn_partial with 256)
 ATTN_WARPS = 8
 
 # (input names, output names, file) of each kernel

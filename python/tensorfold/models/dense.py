@@ -6,11 +6,10 @@
   row-exact kernels; norms, RoPE and elementwise ops are per-row by construction. Row i's bits
   then do not depend on how many rows share the call — what makes drafted == serial.
   Every exact forward runs one `mx.compile`d step (`_exact_step`): traced once per (rows,
-  KV capacity), then replayed without Python building the graph (a decode step's host cost
-  was the graph build, ~15 us per custom-kernel call). The offset reaches the step as an
-  array (RoPE, cache writes and the attention take it at run time), so one trace serves
-  every position. Serial steps and verify calls all go through it: one code path for every
-  M. TENSORFOLD_COMPILE_DECODE=0 runs the same ops eagerly (debugging, benchmarks).
+  KV capacity), then replayed without Python building the graph. The offset reaches the
+  step as an array (RoPE, cache writes and the attention take it at run time), so one trace
+  serves every position. Serial steps and verify calls all go through it: one code path for
+  every M (see `compiled_decode` for the measurements).
 """
 
 from __future__ import annotations
@@ -91,8 +90,15 @@ class StepCache:
 
 
 class DenseModel:
-    # families whose exact forward reads the offset on the host (deepseek_v32) set False
-    compiled_decode = os.environ.get("TENSORFOLD_COMPILE_DECODE", "1") != "0"
+    # The exact step is mx.compile'd on every backend: measured, H200 8B-shaped 4-bit decode
+    # 119.1 vs 105.1 tok/s eager (bench_engine --eager-too), tinycode on the CPU 317-330 vs
+    # 272-278. (Its one cost on CUDA: MLX's dynamic slice update copies the whole KV buffer
+    # per write, bench/gpu_step_kernels.py.) Families whose exact forward reads the offset on
+    # the host (deepseek_v32) set False; TENSORFOLD_COMPILE_DECODE=0 forces the eager path.
+    compiled_decode = True
+
+    def uses_compiled_step(self) -> bool:
+        return self.compiled_decode and os.environ.get("TENSORFOLD_COMPILE_DECODE") != "0"
 
     def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg
@@ -175,7 +181,7 @@ class DenseModel:
         Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None."""
         L = ids.shape[1]
         cache.reserve(cache.offset + L)
-        if exact and logits and all_logits and self.compiled_decode:
+        if exact and logits and all_logits and self.uses_compiled_step():
             return self._exact_compiled(ids, cache)
         h = self.embed.embed(ids)
         for i, ly in enumerate(self.layers):

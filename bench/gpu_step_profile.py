@@ -1,0 +1,98 @@
+"""Where does a decode step's time go? Ours (the compiled exact step) vs mlx-lm's model call, on the
+same checkpoint after the same prompt: per step, the host time to build the graph, the host time
+of mx.async_eval (MLX encoding and launching every kernel), and the wait for the device after it.
+Medians over --steps sequential steps (no overlap between steps, so the parts add up).
+
+    python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit [--prompt 2048] [--steps 40]
+Under `nsys profile --stats=true` the per-kernel device time table comes with it."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def timed_steps(step, n):
+    build, launch, wait = [], [], []
+    for _ in range(n):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = step()
+        t1 = time.perf_counter()
+        mx.async_eval(out)
+        t2 = time.perf_counter()
+        mx.eval(out)
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        launch.append(t2 - t1)
+        wait.append(t3 - t2)
+    med = lambda xs: statistics.median(xs) * 1e3
+    return med(build), med(launch), med(wait)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--shape")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    path = args.model
+    if args.shape:
+        import shapes
+        path = shapes.write(args.shape.removesuffix("-4bit"), Path(tempfile.mkdtemp()) / args.shape, bits=4)
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+    from tensorfold.models import load_model
+
+    ours = load_model(Path(path))
+    ids = mx.random.randint(3, 500, (1, args.prompt)).astype(mx.int32)
+    c = ours.new_cache()
+    ours.forward(ids, c, exact=False, logits=False)
+    mx.eval(c.arrays())
+    tok = mx.array([[7]], dtype=mx.int32)
+
+    def our_step():
+        out = ours.forward(tok, c, exact=True, all_logits=True)
+        c.trim(c.offset - 1)          # stay at the same position (same work every step)
+        return out
+
+    for _ in range(3):
+        mx.eval(our_step())
+    rows = [("ours (compiled exact step)",) + timed_steps(our_step, args.steps)]
+    ours.compiled_decode = False
+    for _ in range(3):
+        mx.eval(our_step())
+    rows.append(("ours (eager exact step)",) + timed_steps(our_step, args.steps))
+    del ours, c
+    mx.clear_cache()
+
+    ref, _ = mlx_lm.load(str(path))
+    rc = make_prompt_cache(ref)
+    mx.eval(ref(ids, cache=rc))
+
+    def ref_step():
+        out = ref(tok, cache=rc)
+        for layer in rc:
+            layer.trim(1)
+        return out
+
+    for _ in range(3):
+        mx.eval(ref_step())
+    rows.append(("mlx-lm model call",) + timed_steps(ref_step, args.steps))
+    print(f"# {path} prompt {args.prompt}, {args.steps} steps, mlx {mx.__version__}, {mx.default_device()}")
+    print("| step | build ms | async_eval ms | device wait ms | total ms |")
+    print("|---|---|---|---|---|")
+    for name, b, l, w in rows:
+        print(f"| {name} | {b:.2f} | {l:.2f} | {w:.2f} | {b + l + w:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
