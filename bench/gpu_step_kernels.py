@@ -36,7 +36,7 @@ def report(path):
         name = name.split("<")[0][:60]
         v = float(r["Metric Value"].replace(",", ""))
         unit = r["Metric Unit"]
-        us = v / 1e3 if unit == "nsecond" else (v if unit == "usecond" else v * 1e3)
+        us = v / 1e3 if unit in ("ns", "nsecond") else (v if unit in ("us", "usecond") else v * 1e3)
         tot[name] += us
         cnt[name] += 1
     all_us = sum(tot.values())
@@ -62,31 +62,9 @@ def main():
     path = Path(args.dir) / args.shape
     if not (path / "config.json").exists():
         shapes.write(args.shape.removesuffix("-4bit"), path, bits=4)
+    from gpu_step_profile import ours_step, ref_step
     ids = mx.random.randint(3, 500, (1, args.prompt)).astype(mx.int32)
-    tok = mx.array([[7]], dtype=mx.int32)
-    if args.which == "ours":
-        from tensorfold.models import load_model
-        m = load_model(path)
-        c = m.new_cache()
-        m.forward(ids, c, exact=False, logits=False)
-        mx.eval(c.arrays())
-
-        def step():
-            out = m.forward(tok, c, exact=True, all_logits=True)
-            c.trim(c.offset - 1)
-            return out
-    else:
-        import mlx_lm
-        from mlx_lm.models.cache import make_prompt_cache
-        m, _ = mlx_lm.load(str(path))
-        c = make_prompt_cache(m)
-        mx.eval(m(ids, cache=c))
-
-        def step():
-            out = m(tok, cache=c)
-            for layer in c:
-                layer.trim(1)
-            return out
+    step = ours_step(path, ids)[1] if args.which == "ours" else ref_step(path, ids)
     for _ in range(3):
         mx.eval(step())
     mx.synchronize()

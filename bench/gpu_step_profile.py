@@ -19,6 +19,42 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+TOKEN = [[7]]
+
+
+def ours_step(path, ids):
+    """(model, step): our exact one-row forward after prefilling ids, kept at one position."""
+    from tensorfold.models import load_model
+    model = load_model(Path(path))
+    c = model.new_cache()
+    model.forward(ids, c, exact=False, logits=False)
+    mx.eval(c.arrays())
+    tok = mx.array(TOKEN, dtype=mx.int32)
+
+    def step():
+        out = model.forward(tok, c, exact=True, all_logits=True)
+        c.trim(c.offset - 1)          # stay at the same position (same work every step)
+        return out
+    return model, step
+
+
+def ref_step(path, ids):
+    """mlx-lm's model call after prefilling ids, kept at one position."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+    model, _ = mlx_lm.load(str(path))
+    c = make_prompt_cache(model)
+    mx.eval(model(ids, cache=c))
+    tok = mx.array(TOKEN, dtype=mx.int32)
+
+    def step():
+        out = model(tok, cache=c)
+        for layer in c:
+            layer.trim(1)
+        return out
+    return step
+
+
 def timed_steps(step, n):
     build, launch, wait = [], [], []
     for _ in range(n):
@@ -48,45 +84,21 @@ def main():
     if args.shape:
         import shapes
         path = shapes.write(args.shape.removesuffix("-4bit"), Path(tempfile.mkdtemp()) / args.shape, bits=4)
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
-    from tensorfold.models import load_model
-
-    ours = load_model(Path(path))
     ids = mx.random.randint(3, 500, (1, args.prompt)).astype(mx.int32)
-    c = ours.new_cache()
-    ours.forward(ids, c, exact=False, logits=False)
-    mx.eval(c.arrays())
-    tok = mx.array([[7]], dtype=mx.int32)
-
-    def our_step():
-        out = ours.forward(tok, c, exact=True, all_logits=True)
-        c.trim(c.offset - 1)          # stay at the same position (same work every step)
-        return out
-
+    model, our_step = ours_step(path, ids)
     for _ in range(3):
         mx.eval(our_step())
     rows = [("ours (compiled exact step)",) + timed_steps(our_step, args.steps)]
-    ours.compiled_decode = False
+    model.compiled_decode = False
     for _ in range(3):
         mx.eval(our_step())
     rows.append(("ours (eager exact step)",) + timed_steps(our_step, args.steps))
-    del ours, c
+    del model, our_step
     mx.clear_cache()
-
-    ref, _ = mlx_lm.load(str(path))
-    rc = make_prompt_cache(ref)
-    mx.eval(ref(ids, cache=rc))
-
-    def ref_step():
-        out = ref(tok, cache=rc)
-        for layer in rc:
-            layer.trim(1)
-        return out
-
+    ref = ref_step(path, ids)
     for _ in range(3):
-        mx.eval(ref_step())
-    rows.append(("mlx-lm model call",) + timed_steps(ref_step, args.steps))
+        mx.eval(ref())
+    rows.append(("mlx-lm model call",) + timed_steps(ref, args.steps))
     print(f"# {path} prompt {args.prompt}, {args.steps} steps, mlx {mx.__version__}, {mx.default_device()}")
     print("| step | build ms | async_eval ms | device wait ms | total ms |")
     print("|---|---|---|---|---|")

@@ -9,7 +9,7 @@
 // GEMMs: K in 32-element chunks, lane l of the simdgroup takes chunks l, l+32, ... ; in a
 // chunk j = 0..31: acc = fma(w_hat_j, x_j, acc); butterfly over lanes with
 // simd_shuffle_xor 16, 8, 4, 2, 1 (never simd_sum, whose order is unspecified).
-// Attention: spans of 256 keys from 0, chunks of 64; chunk partial as in CUDA; chunks
+// Attention: spans of 64 keys from 0, chunks of 64 (one per span, as in CUDA); chunk partial as in CUDA; chunks
 // merged in order into the span state, spans merged in order into the row state.
 
 // @@header
@@ -82,7 +82,7 @@ for (int m = 0; m < MAXM; ++m) {
 // output out [B, HQ, M, D] (T); template T, TK, D, HQ, HKV
 // grid (32, B*HQ*M, 1), threadgroup (32, 1, 1): one simdgroup per query row.
 const int C = 64;
-const int SPAN = 256;
+const int SPAN = 64;
 const int NT = (D + 31) / 32;
 const int G = HQ / HKV;
 const int M = q_shape[2];

@@ -6,7 +6,7 @@
 // (metal/row_ops.metal): one simdgroup per query row and head, no staging of K / V.
 //
 // Query row (b, h, i) at p = offset + i: the kept list is indices[b, i, :] in the order
-// given, keeping entries e with 0 <= e <= p. It is cut into spans of 256 consecutive kept
+// given, keeping entries e with 0 <= e <= p. It is cut into spans of 64 consecutive kept
 // entries and spans into chunks of 64; lane j scores chunk entries j and j+32 (fma chain
 // over d ascending, times scale); mc = butterfly max; e_j = exp(s_j - mc); lc = butterfly
 // sum of (e_lane + e_lane+32) (simd_shuffle_xor 16, 8, 4, 2, 1 -- never simd_sum);
@@ -25,7 +25,7 @@
 // output out [B, HQ, M, D] (T); template T, TK, D, HQ, HKV
 // grid (32, B*HQ*M, 1), threadgroup (32, 1, 1): one simdgroup per (query row, head).
 const int C = 64;
-const int SPAN = 256;
+const int SPAN = 64;
 const int NT = (D + 31) / 32;
 const int G = HQ / HKV;
 const int M = q_shape[2];
