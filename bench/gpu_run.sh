@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
 #   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
 #   bash bench/gpu_run.sh decode    # 8B-shaped decode: compiled step vs eager vs mlx-lm
+#   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
@@ -36,9 +37,17 @@ case "${1:-tests}" in
     timeout 240 python3 bench/gpu_diag_rows.py 2>&1 | tee "$out/diag_rows.txt" | tail -25
     timeout 120 python3 bench/gpu_diag_resume.py 2>&1 | tee "$out/diag_resume.txt" | tail -5
     ;;
-  decode)   # issue 4: 8B-shaped 4-bit decode, compiled exact step vs eager vs mlx-lm
+  profile)  # issue 4: where an 8B decode step's time goes (host parts; per-kernel device time, ncu)
+    python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit --prompt 2048 --steps 40 2>&1 | tee "$out/step_profile.md" | tail -6
+    for w in ours ref; do
+      ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+          python3 bench/gpu_step_kernels.py --which $w > "$out/step_$w.csv" 2> "$out/step_$w.err"
+      python3 bench/gpu_step_kernels.py --report "$out/step_$w.csv" | head -14
+    done
+    ;;
+  decode)   # issue 4: 8B-shaped 4-bit decode, eager (GPU default) vs compiled exact step vs mlx-lm
     python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \
-        --eager-too 2>&1 | tee "$out/bench_decode.md" | tail -6
+        --other-step 2>&1 | tee "$out/bench_decode.md" | tail -6
     ;;
   sparse)   # issue 8: fp32 D = 192 accuracy failure (the assertion prints ours / MLX's error), H200 table
     python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py -k "d192" 2>&1 | tee "$out/sparse_d192.log" | tail -20

@@ -1,6 +1,6 @@
-"""The compiled exact step (DenseModel._exact_step): one trace per (rows, KV capacity) serves every
-position, it runs for serial steps and verify calls alike, and it gives the eager exact forward's
-logits and KV (the same ops; TENSORFOLD_COMPILE_DECODE=0 is the eager path)."""
+"""The compiled exact step (DenseModel._exact_step, the CPU default): one trace per (rows, KV
+capacity) serves every position, it runs for serial steps and verify calls alike, and it gives the
+eager exact forward's logits and KV, bit for bit (the same ops)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _decode(model, ids, steps, block=1):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
     model = load_model(checkpoints[name])
-    assert model.uses_compiled_step()
+    model.compiled_decode = True          # the CPU default; forced so the test runs on GPUs too
     traces = []
     body = model._exact_body
 
@@ -48,6 +48,7 @@ def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_compiled_equals_eager_and_rows(checkpoints, name, monkeypatch):
     model = load_model(checkpoints[name])
+    model.compiled_decode = True
     rng = np.random.default_rng(2)
     ids = rng.integers(3, model.cfg.vocab_size, 250).tolist()   # crosses the 256 capacity step
     steps = rng.integers(3, model.cfg.vocab_size, 12).tolist()
@@ -59,3 +60,9 @@ def test_compiled_equals_eager_and_rows(checkpoints, name, monkeypatch):
     assert bool(mx.array_equal(serial, eager).item())
     for a, b in zip(c1.keys + c1.values, c3.keys + c3.values):
         assert bool(mx.array_equal(a[..., : c1.offset, :], b[..., : c3.offset, :]).item())
+
+
+def test_compiled_step_is_the_cpu_default(checkpoints):
+    model = load_model(checkpoints["qwen3_mlx_4bit"])
+    assert model.uses_compiled_step() == (mx.default_device() == mx.cpu)
+    assert not load_model(checkpoints["deepseek_v32_mlx_4bit"]).uses_compiled_step()

@@ -5,11 +5,11 @@
 - Decode (`exact=True`): every matmul (LM head included) and the attention go through the
   row-exact kernels; norms, RoPE and elementwise ops are per-row by construction. Row i's bits
   then do not depend on how many rows share the call — what makes drafted == serial.
-  Every exact forward runs one `mx.compile`d step (`_exact_step`): traced once per (rows,
-  KV capacity), then replayed without Python building the graph. The offset reaches the
-  step as an array (RoPE, cache writes and the attention take it at run time), so one trace
-  serves every position. Serial steps and verify calls all go through it: one code path for
-  every M (see `compiled_decode` for the measurements).
+  On MLX's CPU backend every exact forward runs one `mx.compile`d step (`_exact_step`):
+  traced once per (rows, KV capacity), then replayed without Python building the graph. The
+  offset reaches the step as an array (RoPE, cache writes and the attention take it at run
+  time), so one trace serves every position. Serial steps and verify calls all go through
+  the same path: one code path for every M (`compiled_decode` says where and why).
 """
 
 from __future__ import annotations
@@ -77,28 +77,41 @@ class Layer:
 
 
 class StepCache:
-    """KVCache's interface inside the compiled exact step: the offset is an int32 [1] array and
-    writes are dynamic slice updates, so the traced graph does not depend on the position."""
+    """KVCache's interface inside the compiled exact step: the offset is an int32 [1] array, so the
+    traced graph does not depend on the position. Writes scatter the new rows at positions
+    offset..offset+L-1 along the sequence axis (mx.put_along_axis): work in proportion to the
+    rows written. Not mx.slice_update with an array start: MLX 0.32's CUDA kernel for that
+    launches one thread per element of the whole KV buffer (copy_general_dynamic sizes its grid
+    by the output), measured 35 us per write at 2.3k capacity on the H200, growing with it."""
 
-    def __init__(self, keys, values, offset):
+    def __init__(self, keys, values, offset, rows: int):
         self.keys, self.values, self.offset = list(keys), list(values), offset
+        self.pos = (offset + mx.arange(rows, dtype=mx.int32)).reshape(1, 1, rows, 1)
 
     def write(self, layer: int, k, v):
-        self.keys[layer] = mx.slice_update(self.keys[layer], k, self.offset, axes=(2,))
-        self.values[layer] = mx.slice_update(self.values[layer], v, self.offset, axes=(2,))
+        self.keys[layer] = mx.put_along_axis(self.keys[layer], mx.broadcast_to(self.pos, k.shape), k, axis=2)
+        self.values[layer] = mx.put_along_axis(self.values[layer], mx.broadcast_to(self.pos, v.shape), v,
+                                               axis=2)
         return self.keys[layer], self.values[layer]
 
 
 class DenseModel:
-    # The exact step is mx.compile'd on every backend: measured, H200 8B-shaped 4-bit decode
-    # 119.1 vs 105.1 tok/s eager (bench_engine --eager-too), tinycode on the CPU 317-330 vs
-    # 272-278. (Its one cost on CUDA: MLX's dynamic slice update copies the whole KV buffer
-    # per write, bench/gpu_step_kernels.py.) Families whose exact forward reads the offset on
-    # the host (deepseek_v32) set False; TENSORFOLD_COMPILE_DECODE=0 forces the eager path.
-    compiled_decode = True
+    # None: the exact step is mx.compile'd on MLX's CPU backend (measured: tinycode decode
+    # 317 vs 262 tok/s eager) and runs eagerly on GPU backends. On the H200 the compiled step
+    # with dynamic slice updates gave 119.1 vs 105.1 tok/s eager (8B-shaped 4-bit, 2k prompt),
+    # but those updates cost O(KV capacity) there (see StepCache); the scatter writes that
+    # replaced them have not run on a GPU yet, so GPUs keep the eager path until measured.
+    # deepseek_v32 sets False (its exact forward reads the offset on the host).
+    # TENSORFOLD_COMPILE_DECODE=1 / 0 forces either way.
+    compiled_decode = None
 
     def uses_compiled_step(self) -> bool:
-        return self.compiled_decode and os.environ.get("TENSORFOLD_COMPILE_DECODE") != "0"
+        env = os.environ.get("TENSORFOLD_COMPILE_DECODE")
+        if self.compiled_decode is False or env == "0":
+            return False
+        if self.compiled_decode or env == "1":
+            return True
+        return mx.default_device() == mx.cpu
 
     def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg
@@ -204,7 +217,7 @@ class DenseModel:
     # ---- the compiled exact step ------------------------------------------------------------
     def _exact_body(self, ids, offset, keys, values):
         """forward(exact=True, all_logits=True) as a pure function of (ids, offset, KV buffers)."""
-        cache = StepCache(keys, values, offset)
+        cache = StepCache(keys, values, offset, ids.shape[1])
         h = self.embed.embed(ids)
         for i, ly in enumerate(self.layers):
             h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, True)
