@@ -3,7 +3,6 @@
 On 2026-11-30 (H200) turn 1 gave resumed+drafted != resumed serial (first difference at reply
 token 54) while fresh drafted == fresh serial and resumed serial == fresh serial; on the CPU all
 equal. Run: python3 bench/gpu_diag_resume.py"""
-import sys, time
 from pathlib import Path
 import tensorfold
 from tensorfold.engine import Engine, PrefillMode, SamplingParams

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 import tensorfold
 from tensorfold import kernels

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -178,7 +179,7 @@ class DiskStore:
         job = self._job(key, tokens, kv, pinned)
         with self._lock:
             if self._writer is None:
-                self._queue = __import__("queue").Queue()
+                self._queue = queue.Queue()
                 self._writer = threading.Thread(target=self._drain, name="tensorfold-snapshot-writer",
                                                 daemon=True)
                 self._writer.start()

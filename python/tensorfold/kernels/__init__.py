@@ -69,8 +69,8 @@ def backend_face(stream: StreamLike = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _face_of(gpu: bool) -> str:
-    dev = mx.Device(mx.gpu) if gpu else mx.Device(mx.cpu)
-    if dev.type == mx.gpu:
+    """The face for a GPU / CPU device (which GPU backend this MLX has is fixed per process)."""
+    if gpu:
         if _cuda_available():
             return "cuda"
         if _metal_available():

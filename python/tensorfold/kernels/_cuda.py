@@ -262,7 +262,7 @@ def sparse_attention(q, k, v, indices, offset, scale, stream):
     HKV = k.shape[1]
     G = HQ // HKV
     stage, smem = sparse_smem(D, k.dtype)
-    scale_f = mx.array([scale], dtype=mx.float32)
+    scale_f = _scale_array(float(scale))
     return _kernel("sparse_attn", smem)(
         inputs=[q, k, v, indices, offset, scale_f],
         template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),

@@ -206,7 +206,7 @@ class ModelConfig:
     @staticmethod
     def _dsa_fields(raw: dict, need, hidden: int, heads: int) -> dict:
         """deepseek_v32's own keys (mlx-lm's ModelArgs names), validated."""
-        layers = need("num_hidden_layers")
+        need("num_hidden_layers")
         f = {k: need(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                   "v_head_dim", "index_n_heads", "index_head_dim", "index_topk")}
         if f["qk_rope_head_dim"] % 2 or f["index_head_dim"] < f["qk_rope_head_dim"]:

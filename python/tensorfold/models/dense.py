@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 

@@ -36,15 +36,13 @@ import math
 
 import mlx.core as mx
 
-from .. import _ext
 from ..errors import CheckpointError
 from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, swiglu
 from .kv import KVCache
 from .loader import Linear, take_linear, take_vector
-from .moe import (PROJS, Experts, _gather_sort, _scatter_unsort, take_experts,
-                  topk_deterministic)
+from .moe import PROJS, _gather_sort, _scatter_unsort, take_experts, topk_deterministic
 
 
 class MultiLinear:
