@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -71,8 +70,8 @@ def main(argv=None):
                     help="serial greedy decode reads every step's logits back and samples on the "
                          "host (the path before pipelining; same tokens)")
     ap.add_argument("--other-step", action="store_true",
-                    help="also time serial decode with the exact step run the other way: eager "
-                         "where it is compiled by default (CPU), compiled elsewhere")
+                    help="also time serial decode with the exact step run the other way (eager, "
+                         "the default being compiled; compiled under TENSORFOLD_COMPILE_DECODE=0)")
     args = ap.parse_args(argv)
 
     import mlx_lm
@@ -81,10 +80,7 @@ def main(argv=None):
     path = args.model
     if args.shape:
         import shapes
-        name = args.shape
-        path = shapes.write(name.removesuffix("-4bit").removesuffix("-bf16"),
-                            Path(tempfile.mkdtemp()) / name,
-                            bits=None if name.endswith("-bf16") else 4, layers=args.layers)
+        path = shapes.cached(args.shape, layers=args.layers)
     eng = Engine(path, prefill_mode=PrefillMode(ops=args.prefill))
     eng._pipeline = not args.host_decode
     ref, tok = mlx_lm.load(str(path))

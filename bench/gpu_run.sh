@@ -39,11 +39,17 @@ case "${1:-tests}" in
     ;;
   profile)  # issue 4: where an 8B decode step's time goes (host parts; per-kernel device time, ncu)
     python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit --prompt 2048 --steps 40 2>&1 | tee "$out/step_profile.md" | tail -6
-    for w in ours ref; do
+    for w in ours ours-compiled ref; do
       ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
           python3 bench/gpu_step_kernels.py --which $w > "$out/step_$w.csv" 2> "$out/step_$w.err"
       python3 bench/gpu_step_kernels.py --report "$out/step_$w.csv" | head -14
     done
+    ;;
+  step)     # issue 4 in one call: decode table (eager / compiled / mlx-lm), end-to-end exactness
+            # with both step paths
+    timeout 330 bash "$0" decode
+    timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_eager.txt" | tail -3
+    TENSORFOLD_COMPILE_DECODE=1 timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_compiled.txt" | tail -3
     ;;
   decode)   # issue 4: 8B-shaped 4-bit decode, eager (GPU default) vs compiled exact step vs mlx-lm
     python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \

@@ -49,9 +49,9 @@ def report(path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--which", choices=["ours", "ref"])
+    ap.add_argument("--which", choices=["ours", "ours-compiled", "ref"])
     ap.add_argument("--shape", default="qwen3-8b-4bit")
-    ap.add_argument("--dir", default="/tmp/tf-step-ckpt")
+    ap.add_argument("--dir", default="/tmp/tf-ckpt")
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--report")
     args = ap.parse_args()
@@ -59,12 +59,14 @@ def main():
         return report(args.report)
     import mlx.core as mx
     import shapes
-    path = Path(args.dir) / args.shape
-    if not (path / "config.json").exists():
-        shapes.write(args.shape.removesuffix("-4bit"), path, bits=4)
+    path = shapes.cached(args.shape, root=Path(args.dir))
     from gpu_step_profile import ours_step, ref_step
     ids = mx.random.randint(3, 500, (1, args.prompt)).astype(mx.int32)
-    step = ours_step(path, ids)[1] if args.which == "ours" else ref_step(path, ids)
+    if args.which == "ref":
+        step = ref_step(path, ids)
+    else:
+        model, step = ours_step(path, ids)
+        model.compiled_decode = args.which == "ours-compiled"
     for _ in range(3):
         mx.eval(step())
     mx.synchronize()

@@ -108,6 +108,16 @@ def write(name: str, out: Path, bits: int | None = 4, group_size: int = 64, seed
     return out
 
 
+def cached(name: str, root: Path = Path("/tmp/tf-ckpt"), layers: int | None = None) -> Path:
+    """`name` ("qwen3-8b-4bit", "small-bf16", ...) written once under root and reused: benchmark
+    scripts of one device session share a checkpoint instead of drawing it again."""
+    out = Path(root) / (name + (f"-{layers}l" if layers else ""))
+    if not (out / "model.safetensors.index.json").exists():   # written last by ShardWriter.finish
+        write(name.removesuffix("-4bit").removesuffix("-bf16"), out,
+              bits=None if name.endswith("-bf16") else 4, layers=layers)
+    return out
+
+
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
     bits = None if name.endswith("-bf16") else 4

@@ -27,7 +27,7 @@ def _decode(model, ids, steps, block=1):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
     model = load_model(checkpoints[name])
-    model.compiled_decode = True          # the CPU default; forced so the test runs on GPUs too
+    model.compiled_decode = True          # the default; forced so an env override cannot skip it
     traces = []
     body = model._exact_body
 
@@ -62,7 +62,11 @@ def test_compiled_equals_eager_and_rows(checkpoints, name, monkeypatch):
         assert bool(mx.array_equal(a[..., : c1.offset, :], b[..., : c3.offset, :]).item())
 
 
-def test_compiled_step_is_the_cpu_default(checkpoints):
+def test_compiled_step_is_the_default(checkpoints, monkeypatch):
+    monkeypatch.delenv("TENSORFOLD_COMPILE_DECODE", raising=False)
     model = load_model(checkpoints["qwen3_mlx_4bit"])
-    assert model.uses_compiled_step() == (mx.default_device() == mx.cpu)
+    assert model.uses_compiled_step()
+    monkeypatch.setenv("TENSORFOLD_COMPILE_DECODE", "0")
+    assert not model.uses_compiled_step()
+    monkeypatch.delenv("TENSORFOLD_COMPILE_DECODE")
     assert not load_model(checkpoints["deepseek_v32_mlx_4bit"]).uses_compiled_step()

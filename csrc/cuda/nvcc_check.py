@@ -3,8 +3,14 @@
 Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
 tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
 tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
-`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v]
+`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [kernel names]
+
+--ptx-hash compiles to PTX instead and prints one hash per case, over the PTX without its
+comments and line / file directives: a change meant to keep the generated code (comments,
+layout, refactors) must keep every hash.
 """
+
+import hashlib
 
 import os
 import subprocess
@@ -68,6 +74,7 @@ for T in (bf, f16, f32):
 
 def main():
     verbose = "-v" in sys.argv
+    ptx = "--ptx-hash" in sys.argv
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +84,7 @@ def main():
             path = os.path.join(tmp, f"k{idx}.cu")
             with open(path, "w") as f:
                 f.write(standalone_source(name, tmpl, ins, outs))
-            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-c", path, "-o", path + ".o"]
+            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
             if verbose:
                 cmd.append("-Xptxas=-v")
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -87,6 +94,10 @@ def main():
                 print("FAIL", tag)
                 print(r.stderr[-4000:])
             else:
+                if ptx:
+                    keep = [ln for ln in open(path + ".o").read().splitlines()
+                            if ln.strip() and not ln.lstrip().startswith(("//", ".loc", ".file"))]
+                    tag = hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16] + " " + tag
                 print("ok  ", tag)
                 if verbose and r.stderr:
                     print(r.stderr.strip()[-600:])

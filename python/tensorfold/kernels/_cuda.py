@@ -11,7 +11,7 @@ import functools
 
 import mlx.core as mx
 
-from ._sources import sections
+from ._sources import kernel_text
 
 _CUDA_TYPES = {
     mx.float32: "float",
@@ -48,13 +48,13 @@ _KERNELS = {
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, shared_memory: int):
     inputs, outputs, filename = _KERNELS[name]
-    sec = sections("cuda", filename)
+    header, body = kernel_text("cuda", filename, name)
     return mx.fast.cuda_kernel(
         name=f"tf_{name}",
         input_names=inputs,
         output_names=outputs,
-        source=sec[name],
-        header=sec["header"],
+        source=body,
+        header=header,
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
@@ -315,18 +315,18 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
     output, template arguments as constexpr / using lines, then the body.
     """
     inputs, outputs, filename = _KERNELS[name]
-    sec = sections("cuda", filename)
+    header, body = kernel_text("cuda", filename, name)
     prelude = (
         "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
         "#include <cooperative_groups.h>\n"
         "struct Shape { int32_t d[8]; __device__ int32_t operator[](int i) const "
         "{ return d[i]; } };\n"
     )
-    src = prelude + sec["header"] + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    src = prelude + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
     params = []
     for n in inputs:
         params.append(f"const {_CUDA_TYPES[input_dtypes[n]]}* {n}")
-        if f"{n}_shape" in sec[name]:
+        if f"{n}_shape" in body:
             params.append(f"const __grid_constant__ Shape {n}_shape")
     for n in outputs:
         params.append(f"{_CUDA_TYPES[output_dtypes[n]]}* {n}")
@@ -338,5 +338,5 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
             src += f"  constexpr int {k} = {v};\n"
         else:
             src += f"  using {k} = {_CUDA_TYPES[v]};\n"
-    src += sec[name] + "}\n} // namespace mlx::core::cu\n"
+    src += body + "}\n} // namespace mlx::core::cu\n"
     return src

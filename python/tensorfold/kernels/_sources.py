@@ -7,11 +7,18 @@ each body section is the ``source=`` of one kernel.
 Helpers shared by all files of one kind live in a section file of their own
 (csrc/cuda/common.cuh, metal/common.h); its header section is prepended to the header
 of every other file of that kind, so each kernel is still compiled from one text.
+
+CUDA kernels are passed without comments, indentation or blank lines (`minified`), with
+only the header items their body uses (`kernel_text`): MLX's CUDA CustomKernel hashes the
+whole kernel text on every launch (custom_kernel.cpp, eval_gpu: std::hash of source_ to name
+the JIT module), so the text's length is host time in every decode step. The generated code
+is the same (`csrc/cuda/nvcc_check.py --ptx-hash` prints identical hashes).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent.parent  # .../tensorfold
@@ -41,7 +48,75 @@ def sections(kind: str, filename: str) -> dict[str, str]:
     if common is not None and filename != common and (kernel_dir(kind) / common).is_file():
         out["header"] = _split((kernel_dir(kind) / common).read_text())["header"] + \
             out.get("header", "")
+    if kind == "cuda":
+        out = {k: minified(v) for k, v in out.items()}
     return out
+
+
+def minified(text: str) -> str:
+    """C++ / CUDA text without // comments, indentation and blank lines (the sources hold no
+    /* */ comments and no string literal with //; preprocessor lines stay lines of their own)."""
+    lines = []
+    for line in text.splitlines():
+        cut = line.find("//")
+        while cut >= 0 and line.count('"', 0, cut) % 2:     # inside a string literal
+            cut = line.find("//", cut + 2)
+        if cut >= 0:
+            line = line[:cut]
+        line = line.strip()
+        if line:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_text(kind: str, filename: str, name: str) -> tuple[str, str]:
+    """(header, body) of kernel `name`; for CUDA the header keeps only the items (functions,
+    structs, macros) the body reaches, directly or through other kept items."""
+    sec = sections(kind, filename)
+    if kind != "cuda":
+        return sec.get("header", ""), sec[name]
+    return pruned(sec.get("header", ""), sec[name]), sec[name]
+
+
+_HEAD_NAME = re.compile(r"(\w+)\s*(?:<[^()]*>)?\s*\(")
+
+
+def _items(header: str) -> list[tuple[str | None, str]]:
+    """Top-level items of minified C++ as (defined name or None, text)."""
+    items, cur, depth = [], [], 0
+    for line in header.splitlines(keepends=True):
+        if depth == 0 and not cur and line.startswith("#") and not line.startswith("#pragma"):
+            m = re.match(r"#define\s+(\w+)", line)
+            items.append((m.group(1) if m else None, line))
+            continue
+        cur.append(line)
+        depth += line.count("{") - line.count("}")
+        if depth == 0 and line.rstrip().endswith(("}", ";")):
+            text = "".join(cur)
+            cur = []
+            head = re.sub(r"^template\s*<[^{;]*?>\s*", "", text.split("{")[0].split(";")[0])
+            m = re.match(r"\s*struct\s+(\w+)", head) or _HEAD_NAME.search(head) or \
+                re.search(r"(\w+)\s*=", head)
+            items.append((m.group(1) if m else None, text))
+    if cur:
+        items.append((None, "".join(cur)))
+    return items
+
+
+def pruned(header: str, body: str) -> str:
+    """The header's items that `body` needs (items without a name are always kept)."""
+    items = _items(header)
+    keep = [name is None for name, _ in items]
+    used = body + "".join(t for (n, t), k in zip(items, keep) if k)
+    changed = True
+    while changed:
+        changed = False
+        for i, (name, text) in enumerate(items):
+            if not keep[i] and re.search(rf"\b{name}\b", used):
+                keep[i], changed = True, True
+                used += text
+    return "".join(t for (_, t), k in zip(items, keep) if k)
 
 
 def _split(text: str) -> dict[str, str]:

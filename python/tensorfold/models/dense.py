@@ -5,7 +5,7 @@
 - Decode (`exact=True`): every matmul (LM head included) and the attention go through the
   row-exact kernels; norms, RoPE and elementwise ops are per-row by construction. Row i's bits
   then do not depend on how many rows share the call — what makes drafted == serial.
-  On MLX's CPU backend every exact forward runs one `mx.compile`d step (`_exact_step`):
+  Every exact forward that returns all logits runs one `mx.compile`d step (`_exact_step`):
   traced once per (rows, KV capacity), then replayed without Python building the graph. The
   offset reaches the step as an array (RoPE, cache writes and the attention take it at run
   time), so one trace serves every position. Serial steps and verify calls all go through
@@ -96,11 +96,10 @@ class StepCache:
 
 
 class DenseModel:
-    # None: the exact step is mx.compile'd on MLX's CPU backend (measured: tinycode decode
-    # 317 vs 262 tok/s eager) and runs eagerly on GPU backends. On the H200 the compiled step
-    # with dynamic slice updates gave 119.1 vs 105.1 tok/s eager (8B-shaped 4-bit, 2k prompt),
-    # but those updates cost O(KV capacity) there (see StepCache); the scatter writes that
-    # replaced them have not run on a GPU yet, so GPUs keep the eager path until measured.
+    # None: the exact step is mx.compile'd on every backend. Measured: CPU tinycode decode 317 vs
+    # 262 tok/s eager; H200 8B-shaped 4-bit at 2k, scatter cache writes (StepCache): 100.9 vs
+    # 54.2 tok/s eager on a host with a slow CPU (session 4), where the eager path's graph
+    # building dominates; drafted == serial and resumed == fresh held with both (gpu_exact.py).
     # deepseek_v32 sets False (its exact forward reads the offset on the host).
     # TENSORFOLD_COMPILE_DECODE=1 / 0 forces either way.
     compiled_decode = None
@@ -109,9 +108,7 @@ class DenseModel:
         env = os.environ.get("TENSORFOLD_COMPILE_DECODE")
         if self.compiled_decode is False or env == "0":
             return False
-        if self.compiled_decode or env == "1":
-            return True
-        return mx.default_device() == mx.cpu
+        return True
 
     def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg
