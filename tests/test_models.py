@@ -134,3 +134,29 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
 def test_unknown_path():
     with pytest.raises(CheckpointError, match="not found"):
         load_model("/nonexistent/model")
+
+
+@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_hf_bf16", "qwen2_mlx_4bit_tied"])
+def test_decode_fuses_qkv_and_gate_up_without_a_second_copy(checkpoints, name, monkeypatch):
+    """One row-exact launch for q/k/v and one for gate/up per layer; q, k, v, gate, up are row
+    views of the fused weights (the checkpoint's values, no second copy kept)."""
+    from tensorfold.models.loader import Linear, load_weights
+    model = load_model(checkpoints[name])
+    raw = load_weights(checkpoints[name])
+    ly = model.layers[0]
+    assert ly.qkv is not None and ly.gate_up is not None
+    for lin, tname in ((ly.q, "q_proj"), (ly.k, "k_proj"), (ly.v, "v_proj")):
+        assert bool(mx.array_equal(lin.weight, raw[f"model.layers.0.self_attn.{tname}.weight"]).item())
+    n = ly.q.shape[0]
+    assert bool(mx.array_equal(ly.qkv.weight[:n], ly.q.weight).item())
+    calls = []
+    real = Linear.exact
+    monkeypatch.setattr(Linear, "exact", lambda self, x: (calls.append(self), real(self, x))[1])
+    model.compiled_decode = False
+    c = model.new_cache()
+    mx.eval(model.forward(mx.array([[5, 6, 7]]), c, exact=True, all_logits=True))
+    assert len(calls) == 4 * model.cfg.num_layers + 1      # qkv, o, gate_up, down per layer; LM head
+    del raw
+    mx.clear_cache()
+    weight_bytes = sum(p.nbytes for p in model.parameters())
+    assert mx.get_active_memory() < 1.25 * weight_bytes + 2**20

@@ -24,6 +24,8 @@ from tensorfold.kernels._cuda import standalone_source  # noqa: E402
 
 bf, f16, f32, u32, i32 = mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int32
 
+from tensorfold.kernels._cuda import attn_smem  # noqa: E402
+
 CASES = []
 for T in (bf, f16, f32):
     for bits in (2, 3, 4, 5, 6, 8):
@@ -32,7 +34,8 @@ for T in (bf, f16, f32):
     CASES.append(("row_mm", dict(T=T, W=T, K=4096, N=151936),
                   dict(x=T, w=T), dict(out=T)))
     for D in (64, 80, 128, 256):
-        CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8),
+        CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8,
+                                               VS=attn_smem(D, T)[0]),
                       dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
     CASES.append(("row_attn_merge", dict(T=T, D=128),
                   dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))

@@ -24,9 +24,9 @@
 // row i); warp w owns head g = 8*blockIdx.x + w. Warp 0 compacts the kept entries 32 at a
 // time (ballot + popc, order preserved) into a shared list; all warps of the block use the
 // same chunk (same keys, shared by the GQA heads). K of a chunk is staged in shared memory
-// as TK when STAGE (C*(D+1)*sizeof(TK) fits next to the rest in 48 KB), else each lane
-// reads its key straight from global memory: same values, same arithmetic. V is read from
-// global memory (L1/L2). M, T, the capacity and the offset never change a row's
+// as TK when STAGE (C*(D+1)*sizeof(TK) fits next to the rest in 48 KB; 16-byte loads, all
+// in flight before any store), else each lane reads its key straight from global memory:
+// same values, same arithmetic. V is read from global memory (L1/L2), 8 keys' loads ahead. M, T, the capacity and the offset never change a row's
 // arithmetic.
 
 // @@header
@@ -118,10 +118,29 @@ for (;;) {
   }
   const int n = min(C, pend);
   if (n == 0) break;
-  if (STAGE) {
-    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-      const int j = e / D, d = e % D;
-      ks[j * DP + d] = k[kvbase + (size_t)plist[j] * D + d];
+  if constexpr (STAGE) {
+    // the chunk's key rows with 16-byte loads, all issued before any is stored (same values)
+    constexpr int EPV = 16 / sizeof(TK);
+    constexpr int VPR = D / EPV;                     // 16-byte loads per key row
+    constexpr int PER = (C * VPR + 32 * WARPS - 1) / (32 * WARPS);
+    static_assert(D % EPV == 0, "sparse_attn: rows of 16-byte multiples");
+    uint4 kb[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int e = threadIdx.x + u * 32 * WARPS;
+      if (e < n * VPR) {
+        kb[u] = __ldg(reinterpret_cast<const uint4*>(k + kvbase + (size_t)plist[e / VPR] * D) + e % VPR);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int e = threadIdx.x + u * 32 * WARPS;
+      if (e < n * VPR) {
+        const TK* kv = reinterpret_cast<const TK*>(&kb[u]);
+        TK* dst = ks + (e / VPR) * DP + (e % VPR) * EPV;
+#pragma unroll
+        for (int x = 0; x < EPV; ++x) dst[x] = kv[x];
+      }
     }
   }
   __syncthreads();
@@ -130,6 +149,7 @@ for (;;) {
     if (lane < n) {
       const TK* kr = STAGE ? (const TK*)(ks + lane * DP) : (k + kvbase + (size_t)plist[lane] * D);
       float acc = 0.0f;
+#pragma unroll 16
       for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(kr[d]), acc);
       sa = __fmul_rn(acc, scale);
     }
@@ -137,6 +157,7 @@ for (;;) {
       const TK* kr = STAGE ? (const TK*)(ks + (lane + 32) * DP)
                            : (k + kvbase + (size_t)plist[lane + 32] * D);
       float acc = 0.0f;
+#pragma unroll 16
       for (int d = 0; d < D; ++d) acc = __fmaf_rn(tf_to_float(qrow[d]), tf_to_float(kr[d]), acc);
       sb = __fmul_rn(acc, scale);
     }
@@ -147,6 +168,7 @@ for (;;) {
       const int d = lane + 32 * t;
       if (d < D) {
         float oc = 0.0f;
+#pragma unroll 8
         for (int j = 0; j < n; ++j) {
           oc = __fmaf_rn(es[warp * C + j], tf_to_float(v[kvbase + (size_t)plist[j] * D + d]), oc);
         }

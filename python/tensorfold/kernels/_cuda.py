@@ -29,6 +29,7 @@ ATTN_C = 64
 ATTN_SPAN = 64     # = ATTN_C: one chunk per block (4x the blocks of 256-key spans; H200: the
                    # 8B step spent 41% of its device time in row_attn_partial with 256)
 ATTN_WARPS = 8
+SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
 
 # (input names, output names, file) of each kernel
 _KERNELS = {
@@ -215,19 +216,27 @@ def _scale_array(scale: float) -> mx.array:
     return a
 
 
+def attn_smem(D: int, kdtype) -> tuple[bool, int]:
+    """(VS, dynamic shared memory bytes) of row_attn_partial: softmax weights and query rows
+    (fp32), the chunk's keys (padded rows), and its values too (VS) where that fits 48 KB."""
+    base = ATTN_WARPS * ATTN_C * 4 + ATTN_WARPS * D * 4 + ATTN_C * (D + 1) * kdtype.size
+    with_v = base + ATTN_C * D * kdtype.size
+    return (True, with_v) if with_v <= SMEM_LIMIT else (False, base)
+
+
 def attention(q, k, v, offset, scale, stream):
     B, HQ, M, D = q.shape
     HKV, cap = k.shape[1], k.shape[2]
     nspan = -(-cap // ATTN_SPAN)
     rows = (HQ // HKV) * M
-    smem = ATTN_WARPS * ATTN_C * 4 + ATTN_C * (D + 1) * k.dtype.size  # <= 48 KB for D <= 256
-    if smem > 48 * 1024:
+    VS, smem = attn_smem(D, k.dtype)
+    if smem > SMEM_LIMIT:
         raise NotImplementedError(f"row_attention (cuda): head size {D} with {k.dtype} keys needs "
                                   f"{smem} bytes of shared memory (max 48 KB); use bf16/fp16 KV")
     scale_f = _scale_array(scale)
     part = _kernel("row_attn_partial", smem)(
         inputs=[q, k, v, offset, scale_f],
-        template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)],
+        template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("VS", VS)],
         grid=(nspan * 32 * ATTN_WARPS, B * HKV, -(-rows // ATTN_WARPS)),
         threadgroup=(32 * ATTN_WARPS, 1, 1),
         output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
@@ -244,7 +253,6 @@ def attention(q, k, v, offset, scale, stream):
 
 SPARSE_C = 64
 SPARSE_WARPS = 8
-SMEM_LIMIT = 48 * 1024  # MLX does not raise the dynamic shared memory limit
 
 
 def sparse_smem(D: int, kdtype) -> tuple[bool, int]:

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .config import ModelConfig
 from .kv import KVCache
-from .loader import Linear, take_linear, take_vector
+from .loader import Linear, fuse_linears, take_linear, take_vector
 
 _DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
@@ -66,6 +66,11 @@ class Layer:
             self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
             self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
             self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
+        # decode: q/k/v in one row-exact launch, gate/up in one (q, k, v, gate, up become row
+        # views of the fused weights; prefill runs MLX's ops on those views, bits unchanged)
+        self.qkv = fuse_linears(w, [f"{p}.self_attn.{n}_proj" for n in "qkv"], [self.q, self.k, self.v])
+        self.gate_up = None if not dense_mlp else fuse_linears(
+            w, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [self.gate, self.up])
         self.in_norm = take_vector(cfg, w, f"{p}.input_layernorm.weight", cfg.hidden_size)
         self.post_norm = take_vector(cfg, w, f"{p}.post_attention_layernorm.weight", cfg.hidden_size)
         if cfg.qk_norm:
@@ -157,9 +162,12 @@ class DenseModel:
         B, L, _ = x.shape
         lin = Linear.exact if exact else Linear.__call__
         H, Hk, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-        q = lin(ly.q, x).reshape(B, L, H, hd)
-        k = lin(ly.k, x).reshape(B, L, Hk, hd)
-        v = lin(ly.v, x).reshape(B, L, Hk, hd)
+        if exact and ly.qkv is not None:
+            qkv = ly.qkv.exact(x)
+            q, k, v = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd], qkv[..., (H + Hk) * hd:]
+        else:
+            q, k, v = lin(ly.q, x), lin(ly.k, x), lin(ly.v, x)
+        q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, Hk, hd), v.reshape(B, L, Hk, hd)
         if ly.q_norm is not None:
             q = mx.fast.rms_norm(q, ly.q_norm, self.eps)
             k = mx.fast.rms_norm(k, ly.k_norm, self.eps)
@@ -178,6 +186,10 @@ class DenseModel:
         return lin(ly.o, o)
 
     def _mlp(self, ly: Layer, x, exact: bool):
+        if exact and getattr(ly, "gate_up", None) is not None:     # not on DSALayer
+            gu = ly.gate_up.exact(x)
+            n = ly.gate.shape[0]
+            return ly.down.exact(swiglu(gu[..., :n], gu[..., n:]))
         lin = Linear.exact if exact else Linear.__call__
         return lin(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)))
 

@@ -115,6 +115,39 @@ def take_linear(cfg: ModelConfig, weights: dict, name: str, *, bias: bool = Fals
     return Linear(w, scales, biases, bias=b, group_size=gs, bits=bits, shape=(out_dim, in_dim))
 
 
+def fuse_linears(weights: dict, names: list[str], lins: list[Linear]) -> Linear | None:
+    """One Linear whose output rows are `lins`' stacked in order (same input, same quantization),
+    for the decode path: one row-exact launch instead of len(lins). Each of `lins` is rebound to
+    row slices of the fused arrays (views: no second copy; MLX's own ops see the same values,
+    so the prefill path is unchanged), and the checkpoint's tensors are dropped from `weights`.
+    None (nothing changed) when the linears cannot share one matmul."""
+    first = lins[0]
+    fields = ("weight", "scales", "biases", "bias")
+    same = all(l.quantized == first.quantized and l.group_size == first.group_size and
+               l.bits == first.bits and l.shape[1] == first.shape[1] and
+               all((getattr(l, f) is None) == (getattr(first, f) is None) and
+                   (getattr(l, f) is None or getattr(l, f).dtype == getattr(first, f).dtype)
+                   for f in fields) for l in lins)
+    if not same:
+        return None
+    cat = {f: (None if getattr(first, f) is None else
+               mx.concatenate([getattr(l, f) for l in lins], axis=0)) for f in fields}
+    fused = Linear(cat["weight"], cat["scales"], cat["biases"], cat["bias"], first.group_size,
+                   first.bits, shape=(sum(l.shape[0] for l in lins), first.shape[1]))
+    mx.eval([a for a in cat.values() if a is not None])
+    o = 0
+    for lin in lins:
+        n = lin.shape[0]
+        for f in fields:
+            if cat[f] is not None:
+                setattr(lin, f, cat[f][o: o + n])
+        o += n
+    for name in names:
+        for f in fields + ("biases",):
+            weights.pop(f"{name}.{f}", None)
+    return fused
+
+
 def take_vector(cfg: ModelConfig, weights: dict, name: str, size: int):
     t = weights.get(name)
     if t is None:
