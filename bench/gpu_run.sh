@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
 #   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
 #   bash bench/gpu_run.sh decode    # 8B-shaped decode: compiled step vs eager vs mlx-lm
+#   bash bench/gpu_run.sh verify    # property tests + decode + exactness + per-kernel step time
 #   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
@@ -45,6 +46,16 @@ case "${1:-tests}" in
       python3 bench/gpu_step_kernels.py --report "$out/step_$w.csv" | head -14
     done
     ;;
+  verify)   # after kernel / model changes, one call: CUDA property tests, compiled step and
+            # model tests, 8B decode table, end-to-end exactness, per-kernel time of our step
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py \
+        tests/test_compiled_step.py tests/test_models.py tests/test_sources.py 2>&1 | tee "$out/test_verify.log" | tail -15
+    OTHER_STEP= timeout 200 bash "$0" decode
+    timeout 80 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact.txt" | tail -3
+    timeout 70 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python3 bench/gpu_step_kernels.py --which ours-compiled > "$out/step_ours.csv" 2> "$out/step_ours.err"
+    python3 bench/gpu_step_kernels.py --report "$out/step_ours.csv" | head -16
+    ;;
   step)     # issue 4 in one call: decode table (eager / compiled / mlx-lm), end-to-end exactness
             # with both step paths
     timeout 330 bash "$0" decode
@@ -53,7 +64,7 @@ case "${1:-tests}" in
     ;;
   decode)   # issue 4: 8B-shaped 4-bit decode, eager (GPU default) vs compiled exact step vs mlx-lm
     python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \
-        --other-step 2>&1 | tee "$out/bench_decode.md" | tail -6
+        ${OTHER_STEP---other-step} 2>&1 | tee "$out/bench_decode.md" | tail -6
     ;;
   sparse)   # issue 8: fp32 D = 192 accuracy failure (the assertion prints ours / MLX's error), H200 table
     python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py -k "d192" 2>&1 | tee "$out/sparse_d192.log" | tail -20
