@@ -120,7 +120,6 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     gpu = mx.default_device().type == mx.gpu
     prompts = [int(p) for p in (a.prompts or ("2048,16384,65536" if gpu else "2048,8192")).split(",")]
     tmp = None
