@@ -89,11 +89,12 @@ def mlx_lm_run(model, tok, prompt, n_decode):
 
     mx.clear_cache()
     mx.reset_peak_memory()
+    before = mx.get_active_memory()
     last = None
     for r in stream_generate(model, tok, prompt, max_tokens=n_decode, sampler=make_sampler(0.0)):
         last = r
     return dict(prompt_tps=last.prompt_tps, decode_tps=last.generation_tps,
-                peak_gb=mx.get_peak_memory() / 1e9)
+                peak_gb=mx.get_peak_memory() / 1e9, extra_gb=(mx.get_peak_memory() - before) / 1e9)
 
 
 def ours_run(eng, prompt, n_decode):
@@ -102,10 +103,11 @@ def ours_run(eng, prompt, n_decode):
     eng.snapshots._entries.clear()          # a fresh prefill every time
     mx.clear_cache()
     mx.reset_peak_memory()
+    before = mx.get_active_memory()
     _, ids, st = eng.generate_text(prompt=prompt, max_tokens=n_decode, draft=False, ignore_eos=True,
                                    sampling=SamplingParams(temperature=0.0))
     return dict(prompt_tps=len(prompt) / st.prefill_s, decode_tps=st.decode_tps,
-                peak_gb=mx.get_peak_memory() / 1e9)
+                peak_gb=mx.get_peak_memory() / 1e9, extra_gb=(mx.get_peak_memory() - before) / 1e9)
 
 
 def main(argv=None):
@@ -163,11 +165,15 @@ def main(argv=None):
     dev = "GPU" if gpu else "CPU"
     print(f"\n{dev}, {path.name}: {cfg.num_layers} layers, {cfg.num_experts} experts "
           f"({cfg.num_experts_per_tok} active), weights {weights_gb:.2f} GB, {a.decode} decode tokens\n")
-    print("| prompt | peak GB ours | peak GB mlx-lm | KV GB | prompt tok/s ours | mlx-lm | decode tok/s ours | mlx-lm |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # peak: everything resident (both models' weights when mlx-lm runs too); extra: the
+    # request's own peak above what was resident before it (KV cache, activations, snapshots)
+    print("| prompt | peak GB ours | peak GB mlx-lm | extra GB ours | extra GB mlx-lm | KV GB "
+          "| prompt tok/s ours | mlx-lm | decode tok/s ours | mlx-lm |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, o, t in rows:
         f = (lambda k, fmt: fmt.format(t[k]) if t else "-")
-        print(f"| {n} | {o['peak_gb']:.3f} | {f('peak_gb', '{:.3f}')} | {kv(n):.3f} | {o['prompt_tps']:.0f} | "
+        print(f"| {n} | {o['peak_gb']:.3f} | {f('peak_gb', '{:.3f}')} | {o['extra_gb']:.3f} | "
+              f"{f('extra_gb', '{:.3f}')} | {kv(n):.3f} | {o['prompt_tps']:.0f} | "
               f"{f('prompt_tps', '{:.0f}')} | {o['decode_tps']:.1f} | {f('decode_tps', '{:.1f}')} |")
     if tmp is not None:
         tmp.cleanup()
