@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
@@ -141,7 +142,14 @@ def test_decode_fuses_qkv_and_gate_up_without_a_second_copy(checkpoints, name, m
     """One row-exact launch for q/k/v and one for gate/up per layer; q, k, v, gate, up are row
     views of the fused weights (the checkpoint's values, no second copy kept)."""
     from tensorfold.models.loader import Linear, load_weights
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
     model = load_model(checkpoints[name])
+    mx.eval(model.parameters())
+    held = mx.get_active_memory() - before       # what this model keeps (other tests' objects aside)
+    if name == "qwen3_mlx_4bit":   # (the bf16 checkpoints' tensors can stay file-backed: not counted)
+        assert held <= sum(p.nbytes for p in model.parameters()) + 4096   # copies would add 35%
     raw = load_weights(checkpoints[name])
     ly = model.layers[0]
     assert ly.qkv is not None and ly.gate_up is not None
@@ -156,7 +164,3 @@ def test_decode_fuses_qkv_and_gate_up_without_a_second_copy(checkpoints, name, m
     c = model.new_cache()
     mx.eval(model.forward(mx.array([[5, 6, 7]]), c, exact=True, all_logits=True))
     assert len(calls) == 4 * model.cfg.num_layers + 1      # qkv, o, gate_up, down per layer; LM head
-    del raw
-    mx.clear_cache()
-    weight_bytes = sum(p.nbytes for p in model.parameters())
-    assert mx.get_active_memory() < 1.25 * weight_bytes + 2**20
