@@ -70,8 +70,8 @@ def main(argv=None):
                     help="serial greedy decode reads every step's logits back and samples on the "
                          "host (the path before pipelining; same tokens)")
     ap.add_argument("--other-step", action="store_true",
-                    help="also time serial decode with the exact step run the other way (eager, "
-                         "the default being compiled; compiled under TENSORFOLD_COMPILE_DECODE=0)")
+                    help="also time serial decode with the exact step run the other way "
+                         "(eager by default; compiled under TENSORFOLD_COMPILE_DECODE=0)")
     args = ap.parse_args(argv)
 
     import mlx_lm

@@ -59,8 +59,8 @@ case "${1:-tests}" in
   step)     # issue 4 in one call: decode table (eager / compiled / mlx-lm), end-to-end exactness
             # with both step paths
     timeout 330 bash "$0" decode
-    timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_eager.txt" | tail -3
-    TENSORFOLD_COMPILE_DECODE=1 timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_compiled.txt" | tail -3
+    timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_compiled.txt" | tail -3
+    TENSORFOLD_COMPILE_DECODE=0 timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_eager.txt" | tail -3
     ;;
   decode)   # issue 4: 8B-shaped 4-bit decode, eager (GPU default) vs compiled exact step vs mlx-lm
     python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \

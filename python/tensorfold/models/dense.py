@@ -106,14 +106,13 @@ class DenseModel:
     # 54.2 tok/s eager on a host with a slow CPU (session 4), where the eager path's graph
     # building dominates; drafted == serial and resumed == fresh held with both (gpu_exact.py).
     # deepseek_v32 sets False (its exact forward reads the offset on the host).
-    # TENSORFOLD_COMPILE_DECODE=1 / 0 forces either way.
+    # With None, TENSORFOLD_COMPILE_DECODE=0 turns it off (the eager path, same bits).
     compiled_decode = None
 
     def uses_compiled_step(self) -> bool:
-        env = os.environ.get("TENSORFOLD_COMPILE_DECODE")
-        if self.compiled_decode is False or env == "0":
-            return False
-        return True
+        if self.compiled_decode is not None:
+            return bool(self.compiled_decode)
+        return os.environ.get("TENSORFOLD_COMPILE_DECODE") != "0"
 
     def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg

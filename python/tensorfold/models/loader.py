@@ -143,7 +143,7 @@ def fuse_linears(weights: dict, names: list[str], lins: list[Linear]) -> Linear 
                 setattr(lin, f, cat[f][o: o + n])
         o += n
     for name in names:
-        for f in fields + ("biases",):
+        for f in fields:
             weights.pop(f"{name}.{f}", None)
     return fused
 
