@@ -40,16 +40,22 @@ class MixProposer(Proposer):
         pass
 
 
+ENGINE_CHECKPOINTS = {"q4": "qwen3_mlx_4bit", "bf16": "qwen3_hf_bf16", "qwen2": "qwen2_mlx_4bit_tied",
+                      "moe": "qwen3_moe_mlx_4bit", "dsa": "deepseek_v32_mlx_4bit"}
+
+
 @pytest.fixture(scope="module")
 def engines(checkpoints):
+    """Engines built on first use, so a family the backend cannot run (on the H200, MLX 0.32.4's
+    CUDA quantized_matmul refuses the small deepseek_v32 checkpoint's shapes) fails its own cases
+    only."""
     mode = PrefillMode(grid=GRID)
-    return {
-        "q4": Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=mode),
-        "bf16": Engine(checkpoints["qwen3_hf_bf16"], prefill_mode=mode),
-        "qwen2": Engine(checkpoints["qwen2_mlx_4bit_tied"], prefill_mode=mode),
-        "moe": Engine(checkpoints["qwen3_moe_mlx_4bit"], prefill_mode=mode),
-        "dsa": Engine(checkpoints["deepseek_v32_mlx_4bit"], prefill_mode=mode),
-    }
+
+    class Lazy(dict):
+        def __missing__(self, key):
+            self[key] = Engine(checkpoints[ENGINE_CHECKPOINTS[key]], prefill_mode=mode)
+            return self[key]
+    return Lazy()
 
 
 @pytest.fixture(scope="module")
