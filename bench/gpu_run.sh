@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
 #   bash bench/gpu_run.sh decode    # 8B-shaped decode: compiled step vs eager vs mlx-lm
 #   bash bench/gpu_run.sh verify    # property tests + decode + exactness + per-kernel step time
+#   bash bench/gpu_run.sh moe-profile   # MoE decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
@@ -69,6 +70,14 @@ case "${1:-tests}" in
   sparse)   # issue 8: fp32 D = 192 accuracy failure (the assertion prints ours / MLX's error), H200 table
     python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py -k "d192" 2>&1 | tee "$out/sparse_d192.log" | tail -20
     python3 bench/bench_sparse_attention.py --table 2>&1 | tee "$out/bench_sparse.md" | tail -20
+    ;;
+  moe-profile)   # issue 7: where a Qwen3-30B-A3B-shaped decode step's time goes (host; per kernel)
+    timeout 200 python3 bench/gpu_step_profile.py --shape qwen3-30b-a3b-4bit --prompt 2048 --steps 30 2>&1 | tee "$out/moe_step_profile.md" | tail -6
+    for w in ours-compiled ref; do
+      timeout 120 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+          python3 bench/gpu_step_kernels.py --shape qwen3-30b-a3b-4bit --which $w > "$out/moe_step_$w.csv" 2> "$out/moe_step_$w.err"
+      python3 bench/gpu_step_kernels.py --report "$out/moe_step_$w.csv" | head -14
+    done
     ;;
   moe)      # issue 7: Qwen3-30B-A3B-shaped 4-bit, peak memory at 2k / 16k / 64k, prompt and decode
     python3 bench/bench_moe.py --shape qwen3-30b-a3b 2>&1 | tee "$out/bench_moe.md" | tail -12

@@ -109,12 +109,17 @@ def write(name: str, out: Path, bits: int | None = 4, group_size: int = 64, seed
 
 
 def cached(name: str, root: Path = Path("/tmp/tf-ckpt"), layers: int | None = None) -> Path:
-    """`name` ("qwen3-8b-4bit", "small-bf16", ...) written once under root and reused: benchmark
-    scripts of one device session share a checkpoint instead of drawing it again."""
+    """`name` ("qwen3-8b-4bit", "small-bf16", or a bench_moe.py shape: "qwen3-30b-a3b-4bit",
+    "moe-small-4bit") written once under root and reused: benchmark scripts of one device
+    session share a checkpoint instead of drawing it again."""
     out = Path(root) / (name + (f"-{layers}l" if layers else ""))
     if not (out / "model.safetensors.index.json").exists():   # written last by ShardWriter.finish
-        write(name.removesuffix("-4bit").removesuffix("-bf16"), out,
-              bits=None if name.endswith("-bf16") else 4, layers=layers)
+        base = name.removesuffix("-4bit").removesuffix("-bf16")
+        if base in SHAPES:
+            write(base, out, bits=None if name.endswith("-bf16") else 4, layers=layers)
+        else:   # a qwen3_moe shape of bench_moe.py ("qwen3-30b-a3b", "moe-small"), 4-bit
+            from bench_moe import write_moe
+            write_moe(base.removeprefix("moe-"), out, layers=layers)
     return out
 
 
