@@ -57,7 +57,8 @@ case "${1:-tests}" in
   measure)  # 8B decode table (PROMPTS=2048,8192,32768 for all three) and per-kernel time of one step
     OTHER_STEP= timeout 400 bash "$0" decode
     timeout 90 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-        python3 bench/gpu_step_kernels.py --which ours-compiled > "$out/step_ours.csv" 2> "$out/step_ours.err"
+        python3 bench/gpu_step_kernels.py --which ours-compiled --prompt ${NCU_PROMPT:-2048} \
+        > "$out/step_ours.csv" 2> "$out/step_ours.err"
     python3 bench/gpu_step_kernels.py --report "$out/step_ours.csv" | head -16
     ;;
   step)     # issue 4 in one call: decode table (eager / compiled / mlx-lm), end-to-end exactness
