@@ -233,6 +233,26 @@ def test_sparse_row_exact(device, B, Hq, Hkv, D, offset, dtype):
     assert np.array_equal(bits(att(q, mx.array(spread), offset)), full)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two forms")
+@pytest.mark.parametrize("B,Hq,Hkv,D,offset,dtype", CASES, ids=IDS)
+def test_cuda_split_form_equals_one_kernel_form(B, Hq, Hkv, D, offset, dtype, monkeypatch):
+    """The split form (compact, one block per span, D tiles, ordered merge) is the one-kernel
+    form's arithmetic spread over blocks: bit-identical, also when the rows go in groups."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("sp-split", B, Hq, Hkv, D, offset, str(dtype))
+    cap, T = offset + MAX_M + 40, offset + MAX_M + 24
+    k, v = make_kv(rng, B, Hkv, cap, D, dtype, offset + MAX_M)
+    q = rand(rng, (B, Hq, MAX_M, D), dtype)
+    ind = mx.array(make_indices(rng, B, MAX_M, offset, T, cap)[0])
+    off = mx.array([offset], dtype=mx.int32)
+    s = mx.default_stream(mx.gpu)
+    one = bits(run(_cuda.sparse_attention, q, k, v, ind, off, D ** -0.5, s, split=False))
+    split = bits(run(_cuda.sparse_attention, q, k, v, ind, off, D ** -0.5, s))
+    assert np.array_equal(split, one)
+    monkeypatch.setattr(_cuda, "SPARSE_SCRATCH", 1)          # one query row per group
+    assert np.array_equal(bits(run(_cuda.sparse_attention, q, k, v, ind, off, D ** -0.5, s)), one)
+
+
 def test_beyond_causal_limit_ignored(device):
     """Entries > offset+i (inside or past the buffer, holding NaN keys) change nothing."""
     rng = _rng("sp-beyond")

@@ -64,7 +64,7 @@ for T in (bf, f16):
 
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
 # latent widths 512 / 576 with one KV head (K read from global memory).
-from tensorfold.kernels._cuda import sparse_smem  # noqa: E402
+from tensorfold.kernels._cuda import sparse_smem, sparse_tile  # noqa: E402
 
 for T in (bf, f16, f32):
     for D, HQ, HKV in ((64, 32, 8), (128, 32, 8), (192, 16, 4), (256, 8, 2), (512, 16, 1),
@@ -73,6 +73,12 @@ for T in (bf, f16, f32):
         assert smem <= 48 * 1024, (D, T, smem)
         CASES.append(("sparse_attn", dict(T=T, TK=T, D=D, HQ=HQ, HKV=HKV, STAGE=stage),
                       dict(q=T, k=T, v=T, indices=i32, offset=i32, scale_f=f32), dict(out=T)))
+        CASES.append(("sparse_partial", dict(T=T, TK=T, D=D, HQ=HQ, HKV=HKV, DT=sparse_tile(D, T)[0]),
+                      dict(q=T, k=T, v=T, kept=i32, nkept=i32, scale_f=f32, rinfo=i32),
+                      dict(part=f32)))
+    CASES.append(("sparse_merge", dict(T=T, D=576, HQ=16),
+                  dict(part=f32, nkept=i32, q=T, rinfo=i32), dict(out=T)))
+CASES.append(("sparse_compact", dict(), dict(indices=i32, offset=i32, k=bf), dict(kept=i32, nkept=i32)))
 
 
 def main():

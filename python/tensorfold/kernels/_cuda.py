@@ -41,6 +41,10 @@ _KERNELS = {
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
+    "sparse_compact": (["indices", "offset", "k"], ["kept", "nkept"], "sparse_attention.cu"),
+    "sparse_partial": (["q", "k", "v", "kept", "nkept", "scale_f", "rinfo"], ["part"],
+                       "sparse_attention.cu"),
+    "sparse_merge": (["part", "nkept", "q", "rinfo"], ["out"], "sparse_attention.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
     "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
 }
@@ -264,8 +268,61 @@ def sparse_smem(D: int, kdtype) -> tuple[bool, int]:
     return stage, base + (stage_bytes if stage else 0)
 
 
-def sparse_attention(q, k, v, indices, offset, scale, stream):
-    """Sparse selected-key attention (csrc/cuda/sparse_attention.cu), any D."""
+SPARSE_SCRATCH = 256 * 2**20   # bytes of span partials per launch of the split form
+
+
+def sparse_tile(D: int, kdtype) -> tuple[int, int]:
+    """(DT, dynamic shared memory bytes) of sparse_partial: the widest D tile (dividing D,
+    16-byte rows) whose keys (padded) and values fit 48 KB next to the softmax weights."""
+    base = SPARSE_WARPS * SPARSE_C * 4 + SPARSE_C * 4
+    for dt in sorted({t for t in (D, 256, 192, 128, 96, 64, 32) if t <= D}, reverse=True):
+        smem = base + SPARSE_C * (2 * dt + 1) * kdtype.size
+        if D % dt == 0 and (dt * kdtype.size) % 16 == 0 and smem <= SMEM_LIMIT:
+            return dt, smem
+    raise NotImplementedError(f"sparse_attention (cuda): no D tile for head size {D}")
+
+
+def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True):
+    """Sparse selected-key attention (csrc/cuda/sparse_attention.cu), any D.
+
+    split (default): the kept entries are compacted per row (sparse_compact), every span of 64
+    of them is its own block (sparse_partial, D tiled) and the spans are merged in order
+    (sparse_merge) -- the arithmetic of the one-kernel form (split=False, sparse_attn), spread
+    over blocks; query rows go in groups so that the span partials stay under SPARSE_SCRATCH."""
+    if not split:
+        return _sparse_fused(q, k, v, indices, offset, scale, stream)
+    B, HQ, M, D = q.shape
+    HKV, NI = k.shape[1], indices.shape[2]
+    G = HQ // HKV
+    nspan = max(1, -(-NI // SPARSE_C))
+    kept, nkept = _kernel("sparse_compact", 0)(
+        inputs=[indices, offset, k], grid=(B * M * 32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(B * M, NI), (B * M,)], output_dtypes=[mx.int32, mx.int32], stream=stream)
+    DT, smem = sparse_tile(D, k.dtype)
+    scale_f = _scale_array(float(scale))
+    per_row = B * HQ * nspan * (D + 2) * 4
+    group = max(1, min(M, SPARSE_SCRATCH // per_row))
+    outs = []
+    for r0 in range(0, M, group):
+        rows = min(group, M - r0)
+        rinfo = mx.array([r0, rows], dtype=mx.int32)
+        part = _kernel("sparse_partial", smem)(
+            inputs=[q, k, v, kept, nkept, scale_f, rinfo],
+            template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT)],
+            grid=(nspan * 32 * SPARSE_WARPS, B * HKV, rows * -(-G // SPARSE_WARPS)),
+            threadgroup=(32 * SPARSE_WARPS, 1, 1),
+            output_shapes=[(B * HQ * rows, nspan, D + 2)], output_dtypes=[mx.float32], stream=stream,
+        )[0]
+        outs.append(_kernel("sparse_merge", 0)(
+            inputs=[part, nkept, q, rinfo], template=[("T", q.dtype), ("D", D), ("HQ", HQ)],
+            grid=(B * HQ * rows * D, 1, 1), threadgroup=(256, 1, 1),
+            output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream,
+        )[0])
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _sparse_fused(q, k, v, indices, offset, scale, stream):
+    """The one-kernel form: one block per (query row, 8 heads) walks all the row's spans."""
     B, HQ, M, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
