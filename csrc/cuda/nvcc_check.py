@@ -10,6 +10,7 @@ comments and line / file directives: a change meant to keep the generated code (
 layout, refactors) must keep every hash.
 """
 
+import concurrent.futures
 import hashlib
 
 import os
@@ -19,7 +20,10 @@ import tempfile
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+try:    # the installed package (CI), else this checkout's python/ (development)
+    import tensorfold.kernels._cuda  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from tensorfold.kernels._cuda import standalone_source  # noqa: E402
 
 bf, f16, f32, u32, i32 = mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int32
@@ -81,36 +85,40 @@ for T in (bf, f16, f32):
 CASES.append(("sparse_compact", dict(), dict(indices=i32, offset=i32, k=bf), dict(kept=i32, nkept=i32)))
 
 
+def _compile(tmp, idx, case, ptx, verbose):
+    name, tmpl, ins, outs = case
+    path = os.path.join(tmp, f"k{idx}.cu")
+    with open(path, "w") as f:
+        f.write(standalone_source(name, tmpl, ins, outs))
+    cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
+    if verbose:
+        cmd.append("-Xptxas=-v")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    tag = f"{name} {dict((k, str(v)) for k, v in tmpl.items())}"
+    if r.returncode != 0:
+        return False, f"FAIL {tag}\n{r.stderr[-4000:]}"
+    if ptx:
+        keep = [ln for ln in open(path + ".o").read().splitlines()
+                if ln.strip() and not ln.lstrip().startswith(("//", ".loc", ".file"))]
+        tag = hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16] + " " + tag
+    out = "ok   " + tag
+    if verbose and r.stderr:
+        out += "\n" + r.stderr.strip()[-600:]
+    return True, out
+
+
 def main():
     verbose = "-v" in sys.argv
     ptx = "--ptx-hash" in sys.argv
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
-    failed = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for idx, (name, tmpl, ins, outs) in enumerate(CASES):
-            if only and name not in only:
-                continue
-            path = os.path.join(tmp, f"k{idx}.cu")
-            with open(path, "w") as f:
-                f.write(standalone_source(name, tmpl, ins, outs))
-            cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
-            if verbose:
-                cmd.append("-Xptxas=-v")
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            tag = f"{name} {dict((k, str(v)) for k, v in tmpl.items())}"
-            if r.returncode != 0:
-                failed += 1
-                print("FAIL", tag)
-                print(r.stderr[-4000:])
-            else:
-                if ptx:
-                    keep = [ln for ln in open(path + ".o").read().splitlines()
-                            if ln.strip() and not ln.lstrip().startswith(("//", ".loc", ".file"))]
-                    tag = hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16] + " " + tag
-                print("ok  ", tag)
-                if verbose and r.stderr:
-                    print(r.stderr.strip()[-600:])
-    print(f"{len(CASES) - failed}/{len(CASES)} compiled")
+    cases = [(i, c) for i, c in enumerate(CASES) if not only or c[0] in only]
+    with tempfile.TemporaryDirectory() as tmp, \
+            concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda ic: _compile(tmp, ic[0], ic[1], ptx, verbose), cases))
+    for _, text in results:     # in case order, whatever order they finished in
+        print(text)
+    failed = sum(not ok for ok, _ in results)
+    print(f"{len(cases) - failed}/{len(cases)} compiled")
     sys.exit(1 if failed else 0)
 
 
