@@ -33,6 +33,20 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
 // tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
+// sparse_partial: 16-byte loads of D tile [d0, d0 + VPR * (16 / sizeof(TK))) of the rows pl[0..n)
+// of src [cap, D] (from row base kvbase), PER per thread, all issued before any is used.
+template <typename TK, int D, int VPR, int PER, int NTHREADS>
+__device__ __forceinline__ void tf_tile_loads(const TK* src, size_t kvbase, const int* pl, int n,
+                                              int d0, uint4 (&buf)[PER]) {
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int e = threadIdx.x + u * NTHREADS;
+    if (e < n * VPR) {
+      buf[u] = __ldg(reinterpret_cast<const uint4*>(src + kvbase + (size_t)pl[e / VPR] * D + d0) + e % VPR);
+    }
+  }
+}
+
 // @@body sparse_attn
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), indices [B, M, NI] int32,
 //         offset [1] int32, scale_f [1] float32
@@ -285,13 +299,7 @@ float acc_a = 0.0f, acc_b = 0.0f;
 for (int d0 = 0; d0 < D; d0 += DT) {
   __syncthreads();
   uint4 buf[PER];
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int e = threadIdx.x + u * 32 * WARPS;
-    if (e < n * VPR) {
-      buf[u] = __ldg(reinterpret_cast<const uint4*>(k + kvbase + (size_t)pl[e / VPR] * D + d0) + e % VPR);
-    }
-  }
+  tf_tile_loads<TK, D, VPR, PER, 32 * WARPS>(k, kvbase, pl, n, d0, buf);
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
     const int e = threadIdx.x + u * 32 * WARPS;
@@ -329,13 +337,7 @@ if (head_ok) {
 for (int d0 = 0; d0 < D; d0 += DT) {
   __syncthreads();
   uint4 buf[PER];
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int e = threadIdx.x + u * 32 * WARPS;
-    if (e < n * VPR) {
-      buf[u] = __ldg(reinterpret_cast<const uint4*>(v + kvbase + (size_t)pl[e / VPR] * D + d0) + e % VPR);
-    }
-  }
+  tf_tile_loads<TK, D, VPR, PER, 32 * WARPS>(v, kvbase, pl, n, d0, buf);
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
     const int e = threadIdx.x + u * 32 * WARPS;
