@@ -1,10 +1,11 @@
-"""Where does a decode step's time go? Ours (the compiled exact step) vs mlx-lm's model call, on the
-same checkpoint after the same prompt: per step, the host time to build the graph, the host time
-of mx.async_eval (MLX encoding and launching every kernel), and the wait for the device after it.
-Medians over --steps sequential steps (no overlap between steps, so the parts add up).
+"""Where does a decode step's time go? Ours (the exact step, compiled and eager) vs mlx-lm's model
+call, on the same checkpoint after the same prompt: per step, the host time to build the graph,
+the host time of mx.async_eval (MLX encoding and launching every kernel), and the wait for the
+device after it. Medians over --steps sequential steps (no overlap between steps, so the parts
+add up).
 
     python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit [--prompt 2048] [--steps 40]
-Under `nsys profile --stats=true` the per-kernel device time table comes with it."""
+Per-kernel device time of one step: bench/gpu_step_kernels.py (under ncu)."""
 from __future__ import annotations
 
 import argparse

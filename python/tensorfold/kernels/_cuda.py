@@ -207,17 +207,17 @@ def matmul(x, w, stream, plan=None):
     return out.reshape(*lead, N)
 
 
-_SCALES: dict = {}
+@functools.lru_cache(maxsize=4096)
+def _const_array(values: tuple, dtype) -> mx.array:
+    """A small kernel argument (softmax scale, row range) as an evaluated array, made once per
+    value (a decode step would otherwise build and copy one per layer)."""
+    a = mx.array(list(values), dtype=dtype)
+    mx.eval(a)
+    return a
 
 
 def _scale_array(scale: float) -> mx.array:
-    """The softmax scale as a 1-element fp32 array, made once per value (a decode step
-    would otherwise build one per layer)."""
-    a = _SCALES.get(scale)
-    if a is None:
-        a = _SCALES[scale] = mx.array([scale], dtype=mx.float32)
-        mx.eval(a)
-    return a
+    return _const_array((float(scale),), mx.float32)
 
 
 def attn_smem(D: int, kdtype) -> tuple[bool, int]:
@@ -299,13 +299,13 @@ def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True
         inputs=[indices, offset, k], grid=(B * M * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(B * M, NI), (B * M,)], output_dtypes=[mx.int32, mx.int32], stream=stream)
     DT, smem = sparse_tile(D, k.dtype)
-    scale_f = _scale_array(float(scale))
+    scale_f = _scale_array(scale)
     per_row = B * HQ * nspan * (D + 2) * 4
     group = max(1, min(M, SPARSE_SCRATCH // per_row))
     outs = []
     for r0 in range(0, M, group):
         rows = min(group, M - r0)
-        rinfo = mx.array([r0, rows], dtype=mx.int32)
+        rinfo = _const_array((r0, rows), mx.int32)
         part = _kernel("sparse_partial", smem)(
             inputs=[q, k, v, kept, nkept, scale_f, rinfo],
             template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT)],
@@ -327,7 +327,7 @@ def _sparse_fused(q, k, v, indices, offset, scale, stream):
     HKV = k.shape[1]
     G = HQ // HKV
     stage, smem = sparse_smem(D, k.dtype)
-    scale_f = _scale_array(float(scale))
+    scale_f = _scale_array(scale)
     return _kernel("sparse_attn", smem)(
         inputs=[q, k, v, indices, offset, scale_f],
         template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),

@@ -185,7 +185,7 @@ class DenseModel:
         return lin(ly.o, o)
 
     def _mlp(self, ly: Layer, x, exact: bool):
-        if exact and getattr(ly, "gate_up", None) is not None:     # not on DSALayer
+        if exact and ly.gate_up is not None:
             gu = ly.gate_up.exact(x)
             n = ly.gate.shape[0]
             return ly.down.exact(swiglu(gu[..., :n], gu[..., n:]))

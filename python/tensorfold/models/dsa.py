@@ -41,7 +41,7 @@ from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, swiglu
 from .kv import KVCache
-from .loader import Linear, take_linear, take_vector
+from .loader import Linear, fuse_linears, take_linear, take_vector
 from .moe import PROJS, _gather_sort, _scatter_unsort, take_experts, topk_deterministic
 
 
@@ -236,7 +236,7 @@ class DSALayer:
         self.in_norm = take_vector(cfg, w, f"{p}.input_layernorm.weight", d)
         self.post_norm = take_vector(cfg, w, f"{p}.post_attention_layernorm.weight", d)
         self.q_norm = self.k_norm = None
-        self.gate = self.up = self.down = None
+        self.gate = self.up = self.down = self.gate_up = None
         self.router = self.router_bias = self.router32 = None
         self.experts = None
         self.shared = None
@@ -244,6 +244,7 @@ class DSALayer:
             self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
             self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
             self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
+            self.gate_up = fuse_linears(w, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [self.gate, self.up])
             return
         if f"{p}.mlp.gate.scales" in w:
             raise CheckpointError(f"{cfg.path}: {p}.mlp.gate is quantized (mlx-lm keeps the "

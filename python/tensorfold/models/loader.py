@@ -123,12 +123,11 @@ def fuse_linears(weights: dict, names: list[str], lins: list[Linear]) -> Linear 
     None (nothing changed) when the linears cannot share one matmul."""
     first = lins[0]
     fields = ("weight", "scales", "biases", "bias")
-    same = all(l.quantized == first.quantized and l.group_size == first.group_size and
-               l.bits == first.bits and l.shape[1] == first.shape[1] and
-               all((getattr(l, f) is None) == (getattr(first, f) is None) and
-                   (getattr(l, f) is None or getattr(l, f).dtype == getattr(first, f).dtype)
-                   for f in fields) for l in lins)
-    if not same:
+
+    def kind(lin):   # what must agree for the rows to share one matmul
+        return (lin.group_size, lin.bits, lin.shape[1],
+                tuple(None if getattr(lin, f) is None else getattr(lin, f).dtype for f in fields))
+    if any(kind(lin) != kind(first) for lin in lins):
         return None
     cat = {f: (None if getattr(first, f) is None else
                mx.concatenate([getattr(l, f) for l in lins], axis=0)) for f in fields}
