@@ -7,6 +7,8 @@
 #   bash bench/gpu_run.sh verify    # property tests + end-to-end exactness (one call)
 #   bash bench/gpu_run.sh measure   # 8B decode vs mlx-lm + per-kernel step time (one call)
 #   bash bench/gpu_run.sh moe-profile   # MoE decode step: host parts, per-kernel device time
+#   bash bench/gpu_run.sh baseline  # attention vs sdpa table + step host/device split at 2k, 32k
+#   bash bench/gpu_run.sh attn      # attention tests + attention vs sdpa + 8B decode at 2k, 32k
 #   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
@@ -75,6 +77,26 @@ case "${1:-tests}" in
             # row-exactness) and the H200 table vs MLX's dense masked attention
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py 2>&1 | tee "$out/test_sparse.log" | tail -8
     timeout 200 python3 bench/bench_sparse_attention.py --table 2>&1 | tee "$out/bench_sparse.md" | tail -14
+    ;;
+  baseline) # issue 4: attention vs MLX sdpa (1k/8k/32k keys, M = 1..16) and the step's host/device
+            # split at 2k and 32k
+    timeout 200 python3 bench/bench_kernels.py --table --gpu-only --ops attn 2>&1 | tee "$out/bench_attn.md" | tail -18
+    for P in ${PROMPTS:-2048 32768}; do
+      timeout 200 python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit --prompt $P --steps 30 2>&1 | tee "$out/step_profile_$P.md" | tail -5
+    done
+    ;;
+  attn)     # issue 4: attention tests on CUDA, attention vs MLX sdpa, 8B decode at 2k and 32k
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k attention 2>&1 | tee "$out/test_attn.log" | tail -4
+    timeout 200 python3 bench/bench_kernels.py --table --gpu-only --ops attn 2>&1 | tee "$out/bench_attn.md" | tail -16
+    PROMPTS=${PROMPTS:-2048,32768} OTHER_STEP= timeout 300 bash "$0" decode
+    ;;
+  attn-prof)  # Nsight Compute sections of row_attn_partial / row_attn_merge at 32k keys, M = 1, 16
+    for M in ${ROWS:-1 16}; do
+      timeout 120 ncu --kernel-name regex:row_attn --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+          --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+          --section SchedulerStats python3 bench/gpu_attn_prof.py --keys ${KEYS:-32768} --rows $M 2>&1 \
+          | tee "$out/attn_prof_M$M.txt" | grep -E "row_attn|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Shared Memory|Block Limit|Waves" | head -60
+    done
     ;;
   moe-profile)   # issue 7: where a Qwen3-30B-A3B-shaped decode step's time goes (host; per kernel)
     timeout 200 python3 bench/gpu_step_profile.py --shape qwen3-30b-a3b-4bit --prompt 2048 --steps 30 2>&1 | tee "$out/moe_step_profile.md" | tail -6

@@ -146,6 +146,10 @@ ATT_CASES = [
     (1, 4, 2, 96, 0, mx.bfloat16),
     (1, 2, 1, 256, 70, mx.bfloat16),
     (1, 6, 2, 64, 250, mx.bfloat16),   # tinycode's heads; the window crosses a 256-key span
+    # long contexts: on CUDA the merge then runs more than one batch of span groups
+    # (16 groups of 16 spans: 16384 keys with the tensor-core partials, 8192 at D = 256)
+    (1, 4, 1, 64, 16500, mx.bfloat16),
+    (1, 2, 1, 256, 8300, mx.float16),
 ]
 ATT_IDS = [f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-off{c[4]}-{str(c[5]).split('.')[-1]}"
            for c in ATT_CASES]

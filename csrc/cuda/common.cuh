@@ -78,6 +78,40 @@ __device__ __forceinline__ void tf_load_chunk(const unsigned int* p, unsigned in
   }
 }
 
+// mma.sync m16n8k16, fp32 accumulate. Fragment layout (PTX ISA, "Matrix fragments for
+// mma.m16n8k16"): lane = 4 * g + t.  A (16 x 16, row): a0 = A[g][2t, 2t+1],
+// a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9].
+// B (16 x 8, col): b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g].
+// C/D (16 x 8): c0 = D[g][2t], c1 = D[g][2t+1], c2 = D[g+8][2t], c3 = D[g+8][2t+1].
+// Each element of D is its own dot product in the tensor core: its bits depend on its row
+// of A, its column of B and its C only, never on other rows or columns.
+__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
+                                       __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
+                                       __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 16 bytes global -> shared without a register round trip (sm_80+), and the wait for all of
+// this thread's copies in flight.
+__device__ __forceinline__ void tf_cp_async16(void* dst, const void* src) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void tf_cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
 __device__ __forceinline__ float tf_warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) {

@@ -28,7 +28,7 @@ from tensorfold.kernels._cuda import standalone_source  # noqa: E402
 
 bf, f16, f32, u32, i32 = mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int32
 
-from tensorfold.kernels._cuda import attn_smem  # noqa: E402
+from tensorfold.kernels._cuda import attn_plan, attn_tc_smem  # noqa: E402
 
 CASES = []
 for T in (bf, f16, f32):
@@ -37,12 +37,18 @@ for T in (bf, f16, f32):
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     CASES.append(("row_mm", dict(T=T, W=T, K=4096, N=151936),
                   dict(x=T, w=T), dict(out=T)))
-    for D in (64, 80, 128, 256):
-        CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8,
-                                               VS=attn_smem(D, T)[0]),
+    for D in (64, 80, 96, 128, 256, 576):
+        if T == f32 and D == 576:
+            continue          # more than 48 KB for 32 fp32 keys: attn_plan refuses it
+        NCH, VS, _ = attn_plan(D, T)
+        CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8, NCH=NCH, VS=VS),
                       dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-    CASES.append(("row_attn_merge", dict(T=T, D=128),
-                  dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+        if D in (128, 256, 576):
+            CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=32 * NCH),
+                          dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+        if attn_tc_smem(D, T, T, T) is not None:
+            CASES.append(("row_attn_tc", dict(T=T, D=D, HQ=32, HKV=8),
+                          dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes
     for bits in (2, 3, 4, 5, 6, 8):
         CASES.append(("row_expert_qmm", dict(T=T, S=T, K=2048, N=768, E=128, TOPK=8, GS=64,

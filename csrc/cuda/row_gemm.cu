@@ -76,30 +76,6 @@ __device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], T* out, i
 }
 
 // ---- tensor-core helpers (row_qmm_tc, row_mm_tc) ---------------------------------------
-// mma.sync m16n8k16, fp32 accumulate. Fragment layout (PTX ISA, "Matrix fragments for
-// mma.m16n8k16"): lane = 4 * g + t.  A (16 x 16, row): a0 = A[g][2t, 2t+1],
-// a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9].
-// B (16 x 8, col): b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g].
-// C/D (16 x 8): c0 = D[g][2t], c1 = D[g][2t+1], c2 = D[g+8][2t], c3 = D[g+8][2t+1].
-// Each element of D is its own dot product in the tensor core: its bits depend on its row
-// of A, its column of B and its C only, never on other rows or columns.
-__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
-                                       __nv_bfloat16) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const unsigned int* b,
-                                       __half) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // Two packed 16-bit ones (the A operand that turns an mma into a row sum of B).
 __device__ __forceinline__ unsigned int tf_ones2(__nv_bfloat16) { return 0x3F803F80u; }
 __device__ __forceinline__ unsigned int tf_ones2(__half) { return 0x3C003C00u; }

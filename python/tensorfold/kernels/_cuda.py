@@ -25,10 +25,8 @@ GEMM_ROWS_PER_BLOCK = 16
 GEMM_COLS_PER_BLOCK = 16
 GEMM_THREADS = 256
 GEMM_KT = 1024
-ATTN_C = 64
-ATTN_SPAN = 64     # = ATTN_C: one chunk per block (4x the blocks of 256-key spans; H200: the
-                   # 8B step spent 41% of its device time in row_attn_partial with 256)
-ATTN_WARPS = 8
+ATTN_WARPS = 8     # row_attn_partial: warps per block (row slots x chunks of 32 keys)
+ATTN_MERGE_WARPS = 16
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
 
 # (input names, output names, file) of each kernel
@@ -38,6 +36,7 @@ _KERNELS = {
     "row_qmm_tc": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_mm_tc": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
+    "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -220,36 +219,63 @@ def _scale_array(scale: float) -> mx.array:
     return _const_array((float(scale),), mx.float32)
 
 
-def attn_smem(D: int, kdtype) -> tuple[bool, int]:
-    """(VS, dynamic shared memory bytes) of row_attn_partial: softmax weights and query rows
-    (fp32), the chunk's keys (padded rows), and its values too (VS) where that fits 48 KB."""
-    base = ATTN_WARPS * ATTN_C * 4 + ATTN_WARPS * D * 4 + ATTN_C * (D + 1) * kdtype.size
-    with_v = base + ATTN_C * D * kdtype.size
-    return (True, with_v) if with_v <= SMEM_LIMIT else (False, base)
+def attn_plan(D: int, kdtype) -> tuple[int, bool, int]:
+    """(NCH, VS, dynamic shared memory bytes) of row_attn_partial, a function of the head size and
+    KV dtype only: spans of NCH chunks of 32 keys (2 where they fit 48 KB), their keys in padded
+    rows, their values too (VS) where that fits, and the chunk partials the first chunk's warps
+    merge. SPAN = 32 * NCH is part of every row's arithmetic (row_attention.cu)."""
+    for nch, vs in ((2, True), (1, True), (1, False)):
+        smem = 32 * nch * (D + 8) * kdtype.size + (32 * nch * D * kdtype.size if vs else 0) \
+            + (ATTN_WARPS // nch) * (nch - 1) * (D + 2) * 4
+        if smem <= SMEM_LIMIT:
+            return nch, vs, smem
+    raise NotImplementedError(f"row_attention (cuda): head size {D} with {kdtype} keys needs more "
+                              "than 48 KB of shared memory for 32 keys; use bf16/fp16 KV")
+
+
+def attn_tc_smem(D: int, q_dtype, k_dtype, v_dtype) -> int | None:
+    """Dynamic shared memory of row_attn_tc (tensor cores), or None where it does not apply:
+    it needs bf16/f16 q, K and V of one dtype and D a multiple of 16 up to 128 (a function of
+    dtypes and head size only, so every call of a model takes the same path)."""
+    if not (q_dtype == k_dtype == v_dtype and q_dtype in (mx.bfloat16, mx.float16)):
+        return None
+    if D % 16 or D > 128:
+        return None
+    return (2 * 64 + 8) * (D + 8) * 2 + 8 * 68 * 4 + 8 * 72 * 2 + 8 * 2 * 4
 
 
 def attention(q, k, v, offset, scale, stream):
     B, HQ, M, D = q.shape
     HKV, cap = k.shape[1], k.shape[2]
-    nspan = -(-cap // ATTN_SPAN)
-    rows = (HQ // HKV) * M
-    VS, smem = attn_smem(D, k.dtype)
-    if smem > SMEM_LIMIT:
-        raise NotImplementedError(f"row_attention (cuda): head size {D} with {k.dtype} keys needs "
-                                  f"{smem} bytes of shared memory (max 48 KB); use bf16/fp16 KV")
     scale_f = _scale_array(scale)
-    part = _kernel("row_attn_partial", smem)(
-        inputs=[q, k, v, offset, scale_f],
-        template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("VS", VS)],
-        grid=(nspan * 32 * ATTN_WARPS, B * HKV, -(-rows // ATTN_WARPS)),
-        threadgroup=(32 * ATTN_WARPS, 1, 1),
-        output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
-        stream=stream,
-    )[0]
-    out = _kernel("row_attn_merge", 0)(
+    tc_smem = attn_tc_smem(D, q.dtype, k.dtype, v.dtype)
+    if tc_smem is not None:
+        span = 64
+        nspan = -(-cap // span)
+        part = _kernel("row_attn_tc", tc_smem)(
+            inputs=[q, k, v, offset, scale_f],
+            template=[("T", q.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)],
+            grid=(nspan * 128, B * HKV, 1), threadgroup=(128, 1, 1),
+            output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
+            stream=stream,
+        )[0]
+    else:
+        NCH, VS, smem = attn_plan(D, k.dtype)
+        span = 32 * NCH
+        nspan = -(-cap // span)
+        part = _kernel("row_attn_partial", smem)(
+            inputs=[q, k, v, offset, scale_f],
+            template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),
+                      ("NCH", NCH), ("VS", VS)],
+            grid=(nspan * 32 * ATTN_WARPS, B * HKV, 1),
+            threadgroup=(32 * ATTN_WARPS, 1, 1),
+            output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
+            stream=stream,
+        )[0]
+    out = _kernel("row_attn_merge", ATTN_MERGE_WARPS * (D + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D)],
-        grid=(B * HQ * M * D, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("SPAN", span)],
+        grid=(B * HQ * M * 32 * ATTN_MERGE_WARPS, 1, 1), threadgroup=(32 * ATTN_MERGE_WARPS, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
     return out
