@@ -92,10 +92,18 @@ case "${1:-tests}" in
     ;;
   attn-prof)  # Nsight Compute sections of row_attn_partial / row_attn_merge at 32k keys, M = 1, 16
     for M in ${ROWS:-1 16}; do
-      timeout 120 ncu --kernel-name regex:row_attn --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+      timeout 120 ncu ${NCU_FLAGS:-} --kernel-name regex:row_attn --launch-skip 2 --launch-count 2 --section SpeedOfLight \
           --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
           --section SchedulerStats python3 bench/gpu_attn_prof.py --keys ${KEYS:-32768} --rows $M 2>&1 \
           | tee "$out/attn_prof_M$M.txt" | grep -E "row_attn|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Shared Memory|Block Limit|Waves" | head -60
+    done
+    ;;
+  gemm-prof)  # Nsight Compute sections of row_qmm_tc (M = 1) on the 8B gate+up and down shapes
+    for NK in 24576x4096 4096x12288; do
+      timeout 90 ncu --kernel-name regex:row_qmm_tc --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+          --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+          --section SchedulerStats --section SourceCounters python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} 2>&1 \
+          | tee "$out/gemm_prof_$NK.txt" | grep -E "row_qmm|Duration|DRAM Through|Compute \(SM\)|Achieved Occ|Registers Per|Theoretical Occ|Eligible Warps|Warp Cycles Per Issued" | head -20
     done
     ;;
   moe-profile)   # issue 7: where a Qwen3-30B-A3B-shaped decode step's time goes (host; per kernel)
