@@ -112,6 +112,37 @@ __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
+// Attention partials (row_attention.cu): (o[0..D), m, l) stored as D + 2 floats, lane owning
+// o[lane + 32 t]; and the one merge formula, folding a stored partial into (m, l, o):
+//   m' = max(m, m2); a = expf(m - m'); b = expf(m2 - m'); l = l*a + l2*b; o = fma(o2, b, o*a).
+template <int D, int NT>
+__device__ __forceinline__ void tf_put_partial(float* dst, const float (&o)[NT], float m, float l,
+                                               int lane) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) dst[d] = o[t];
+  }
+  if (lane == 0) {
+    dst[D] = m;
+    dst[D + 1] = l;
+  }
+}
+template <int D, int NT>
+__device__ __forceinline__ void tf_merge_partial(float& m, float& l, float (&o)[NT], const float* src,
+                                                 int lane) {
+  const float m2 = src[D], l2 = src[D + 1];
+  const float mn = fmaxf(m, m2);
+  const float fa = expf(__fsub_rn(m, mn)), fb = expf(__fsub_rn(m2, mn));
+  l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(l2, fb));
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) o[t] = __fmaf_rn(src[d], fb, __fmul_rn(o[t], fa));
+  }
+  m = mn;
+}
+
 __device__ __forceinline__ float tf_warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) {

@@ -32,7 +32,8 @@
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
-// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum,
+// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma,
+// tf_put_partial, tf_merge_partial,
 // TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 
 // @@body row_attn_partial
@@ -130,47 +131,18 @@ for (int r0 = 0; r0 < R; r0 += RP) {
     }
   }
   if constexpr (NCH > 1) {
-    if (c > 0 && n > 0) {
-      float* xd = xs + (rs * (NCH - 1) + c - 1) * (D + 2);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int d = lane + 32 * t;
-        if (d < D) xd[d] = oc[t];
-      }
-      if (lane == 0) {
-        xd[D] = mc;
-        xd[D + 1] = lc;
-      }
-    }
+    if (c > 0 && n > 0) tf_put_partial<D, NT>(xs + (rs * (NCH - 1) + c - 1) * (D + 2), oc, mc, lc, lane);
     __syncthreads();
   }
   if (c == 0 && n > 0) {
     float m = mc, l = lc;
     for (int cc = 1; cc < NCH; ++cc) {
       if (p >= s0 + cc * C) {      // chunk cc held keys of this row
-        const float* xd = xs + (rs * (NCH - 1) + cc - 1) * (D + 2);
-        const float m2 = xd[D], l2 = xd[D + 1];
-        const float mn = fmaxf(m, m2);
-        const float fa = expf(__fsub_rn(m, mn)), fb = expf(__fsub_rn(m2, mn));
-        l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(l2, fb));
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const int d = lane + 32 * t;
-          if (d < D) oc[t] = __fmaf_rn(xd[d], fb, __fmul_rn(oc[t], fa));
-        }
-        m = mn;
+        tf_merge_partial<D, NT>(m, l, oc, xs + (rs * (NCH - 1) + cc - 1) * (D + 2), lane);
       }
     }
-    float* dst = part + ((size_t)((b * HQ + hk * G + g) * M + i) * nspan + span) * (D + 2);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int d = lane + 32 * t;
-      if (d < D) dst[d] = oc[t];
-    }
-    if (lane == 0) {
-      dst[D] = m;
-      dst[D + 1] = l;
-    }
+    tf_put_partial<D, NT>(part + ((size_t)((b * HQ + hk * G + g) * M + i) * nspan + span) * (D + 2),
+                          oc, m, l, lane);
   }
   if constexpr (NCH > 1) __syncthreads();
 }
@@ -380,31 +352,11 @@ for (int gb = 0; gb < ng; gb += MW) {
         }
       }
     }
-    float* xd = sm + warp * (D + 2);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int d = lane + 32 * t;
-      if (d < D) xd[d] = o[t];
-    }
-    if (lane == 0) {
-      xd[D] = m;
-      xd[D + 1] = l;
-    }
+    tf_put_partial<D, NT>(sm + warp * (D + 2), o, m, l, lane);
   }
   __syncthreads();
   if (warp == 0) {
-    for (int w = 0; w < MW && gb + w < ng; ++w) {
-      const float* xd = sm + w * (D + 2);
-      const float mn = fmaxf(m2, xd[D]);
-      const float fa = expf(__fsub_rn(m2, mn)), fb = expf(__fsub_rn(xd[D], mn));
-      l2 = __fadd_rn(__fmul_rn(l2, fa), __fmul_rn(xd[D + 1], fb));
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int d = lane + 32 * t;
-        if (d < D) o2[t] = __fmaf_rn(xd[d], fb, __fmul_rn(o2[t], fa));
-      }
-      m2 = mn;
-    }
+    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<D, NT>(m2, l2, o2, sm + w * (D + 2), lane);
   }
   __syncthreads();
 }
