@@ -244,34 +244,32 @@ def attn_tc_smem(D: int, q_dtype, k_dtype, v_dtype) -> int | None:
     return (2 * 64 + 8) * (D + 8) * 2 + 8 * 68 * 4 + 8 * 72 * 2 + 8 * 2 * 4
 
 
+@functools.lru_cache(maxsize=1024)
+def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
+    """(partial kernel, its template, threads per block, dynamic shared memory, SPAN) of one
+    model's attention: the tensor-core partials where they apply, else the CUDA-core ones."""
+    tc_smem = attn_tc_smem(D, q_dtype, k_dtype, v_dtype)
+    if tc_smem is not None:
+        return ("row_attn_tc", (("T", q_dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)), 128,
+                tc_smem, 64)
+    NCH, VS, smem = attn_plan(D, k_dtype)
+    return ("row_attn_partial", (("T", q_dtype), ("TK", k_dtype), ("D", D), ("HQ", HQ),
+                                 ("HKV", HKV), ("NCH", NCH), ("VS", VS)),
+            32 * ATTN_WARPS, smem, 32 * NCH)
+
+
 def attention(q, k, v, offset, scale, stream):
     B, HQ, M, D = q.shape
     HKV, cap = k.shape[1], k.shape[2]
-    scale_f = _scale_array(scale)
-    tc_smem = attn_tc_smem(D, q.dtype, k.dtype, v.dtype)
-    if tc_smem is not None:
-        span = 64
-        nspan = -(-cap // span)
-        part = _kernel("row_attn_tc", tc_smem)(
-            inputs=[q, k, v, offset, scale_f],
-            template=[("T", q.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV)],
-            grid=(nspan * 128, B * HKV, 1), threadgroup=(128, 1, 1),
-            output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
-            stream=stream,
-        )[0]
-    else:
-        NCH, VS, smem = attn_plan(D, k.dtype)
-        span = 32 * NCH
-        nspan = -(-cap // span)
-        part = _kernel("row_attn_partial", smem)(
-            inputs=[q, k, v, offset, scale_f],
-            template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),
-                      ("NCH", NCH), ("VS", VS)],
-            grid=(nspan * 32 * ATTN_WARPS, B * HKV, 1),
-            threadgroup=(32 * ATTN_WARPS, 1, 1),
-            output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
-            stream=stream,
-        )[0]
+    name, template, threads, smem, span = _attn_launch(q.dtype, k.dtype, v.dtype, D, HQ, HKV)
+    nspan = -(-cap // span)
+    part = _kernel(name, smem)(
+        inputs=[q, k, v, offset, _scale_array(scale)],
+        template=list(template),
+        grid=(nspan * threads, B * HKV, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
+        stream=stream,
+    )[0]
     out = _kernel("row_attn_merge", ATTN_MERGE_WARPS * (D + 2) * 4)(
         inputs=[part, offset, q, k],
         template=[("T", q.dtype), ("D", D), ("SPAN", span)],
