@@ -10,6 +10,7 @@
 #   bash bench/gpu_run.sh baseline  # attention vs sdpa table + step host/device split at 2k, 32k
 #   bash bench/gpu_run.sh attn      # attention tests + attention vs sdpa + 8B decode at 2k, 32k
 #   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
+#   bash bench/gpu_run.sh cp        # row_qmm_cp: == row_qmm_tc bitwise, tests, plan sweep, 8B decode
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
@@ -98,12 +99,29 @@ case "${1:-tests}" in
           | tee "$out/attn_prof_M$M.txt" | grep -E "row_attn|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Shared Memory|Block Limit|Waves" | head -60
     done
     ;;
+  cp)       # issue 3: row_qmm_cp (4-bit weights through a cp.async pipeline): bit-identical to
+            # row_qmm_tc, the 4-bit tests, the plan sweep (ncu), 8B decode at 2k
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline or quantized_matmul" 2>&1 | tee "$out/test_cp.log" | tail -5
+    SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-100} timeout 250 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep.csv" 2> "$out/cp_sweep.err"
+    tail -3 "$out/cp_sweep.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep.csv"
+    PROMPTS=${PROMPTS:-2048} OTHER_STEP= timeout 240 bash "$0" decode
+    ;;
+  step-prof)  # issue 4: exactness end to end, where a 2k step's time goes (host / device split,
+              # per-kernel device time)
+    timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact.txt" | tail -3
+    timeout 150 python3 bench/gpu_step_profile.py --shape qwen3-8b-4bit --prompt ${NCU_PROMPT:-2048} --steps 30 2>&1 | tee "$out/step_profile.md" | tail -5
+    timeout 120 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python3 bench/gpu_step_kernels.py --which ours-compiled --prompt ${NCU_PROMPT:-2048} \
+        > "$out/step_ours.csv" 2> "$out/step_ours.err"
+    python3 bench/gpu_step_kernels.py --report "$out/step_ours.csv" | head -18
+    ;;
   gemm-prof)  # Nsight Compute sections of row_qmm_tc (M = 1) on the 8B gate+up and down shapes
     for NK in 24576x4096 4096x12288; do
-      timeout 90 ncu --kernel-name regex:row_qmm_tc --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      timeout 90 ncu --kernel-name regex:row_qmm --launch-skip 1 --launch-count 1 --section SpeedOfLight \
           --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section SourceCounters python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} 2>&1 \
-          | tee "$out/gemm_prof_$NK.txt" | grep -E "row_qmm|Duration|DRAM Through|Compute \(SM\)|Achieved Occ|Registers Per|Theoretical Occ|Eligible Warps|Warp Cycles Per Issued" | head -20
+          | tee "$out/gemm_prof_$NK.txt" | grep -E "row_qmm|Duration|Stall|Issued|Shared|Block Limit|DRAM Through|Compute \(SM\)|Achieved Occ|Registers Per|Theoretical Occ|Eligible Warps|Warp Cycles Per Issued" | head -45
     done
     ;;
   moe-profile)   # issue 7: where a Qwen3-30B-A3B-shaped decode step's time goes (host; per kernel)

@@ -1,12 +1,15 @@
-"""Sweep the tensor-core GEMM plan (NT, CB, SPLIT, DB) on real shapes, timed by Nsight Compute.
+"""Sweep the tensor-core GEMM plans on real shapes, timed by Nsight Compute: row_qmm_tc's
+(NT, CB, SPLIT, DB) and row_qmm_cp's ("cp", CB, NS).
 
 On the H200:
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --kernel-name regex:"row_qmm_tc|tfmark" python3 bench/gpu_tc_sweep.py > sweep.csv
+        --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py [--cp] > sweep.csv
     python3 bench/gpu_tc_sweep.py --report sweep.csv
 
-Used to choose kernels._cuda.tc_plan (a function of the weight shape only); the rows of one
-shape never change the plan. 4-bit, group 64, bf16 activations, M = 1 and 16.
+Used to choose kernels._cuda.tc_plan / cp_plan (functions of the weight shape only); the rows
+of one shape never change the plan. 4-bit, group 64, bf16 activations, M = 1 and 16. With
+--cp: the default row_qmm_tc plan and the row_qmm_cp stagings, each cp output checked
+bit-identical to row_qmm_tc's (same SPLIT, same arithmetic).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import mlx.core as mx
 
 SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
+CP_SHAPES = [(24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096), (151936, 4096)]
 REPS = 3
 
 
@@ -35,14 +39,24 @@ def plans(N, K):
     return out
 
 
-def run():
+def cp_plans(N, K):
+    from tensorfold.kernels._cuda import cp_plan, tc_plan
+    out = [tc_plan(N, K, 64, 4)]
+    for cb, ns in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (16, 2)):
+        p = cp_plan(N, K, 64, 4, cb, ns)
+        if p is not None and (p[0], p[1]) == (cb, ns):
+            out.append(("cp", cb, ns))
+    return out
+
+
+def run(cp=False):
     import os
     import time
     from tensorfold.kernels import _cuda
     t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
     from gpu_kernel_time import marker
     stream = mx.default_stream(mx.gpu)
-    for N, K in SHAPES:
+    for N, K in (CP_SHAPES if cp else SHAPES):
         if time.perf_counter() > t_end:  # stop cleanly so that ncu still writes its report
             print("sweep budget spent before", N, K, file=sys.stderr)
             break
@@ -57,8 +71,9 @@ def run():
         for M in (1, 16):
             x = x16[:M]
             ref = None
-            for plan in plans(N, K):
-                marker(f"{N}x{K}_M{M}_" + "_".join(str(int(v)) for v in plan))
+            for plan in (cp_plans(N, K) if cp else plans(N, K)):
+                marker(f"{N}x{K}_M{M}_" + "_".join(str(v if isinstance(v, str) else int(v))
+                                                    for v in plan))
                 for _ in range(REPS):
                     y = _cuda.quantized_matmul(x, wq, s, b, 64, 4, stream, plan=plan)
                     mx.eval(y)
@@ -70,10 +85,13 @@ def run():
                 # every plan computes the same product (to the rounding of its own order)
                 if ref is None:
                     ref = y.astype(mx.float32)
+                elif cp:      # same SPLIT, same arithmetic: the same bits as row_qmm_tc
+                    assert mx.array_equal(y.astype(mx.float32), ref).item(), ("cp != tc", plan)
                 else:
                     err = mx.abs(y.astype(mx.float32) - ref).max().item()
                     assert err < 0.05 * (mx.abs(ref).max().item() + 1e-6), (plan, err)
-        print(N, K, "row-exact for", len(plans(N, K)), "plans", file=sys.stderr, flush=True)
+        print(N, K, "row-exact for", len(cp_plans(N, K) if cp else plans(N, K)), "plans",
+              "(cp == tc bitwise)" if cp else "", file=sys.stderr, flush=True)
     marker("end")
 
 
@@ -85,7 +103,7 @@ def report(path):
         if "tfmark_" in n:
             cur = n.split("tfmark_")[1].split("(")[0]
             continue
-        if cur is None or "row_qmm_tc" not in n or r["Metric Name"] != "gpu__time_duration.sum":
+        if cur is None or "row_qmm" not in n or r["Metric Name"] != "gpu__time_duration.sum":
             continue
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
         t.setdefault(cur, []).append(float(r["Metric Value"].replace(",", "")) * scale)
@@ -98,8 +116,8 @@ def report(path):
         byts = N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}: {us:.1f} us {byts / us / 1e6:.2f} TB/s"
-            for us, p in lst[:6]))
+            (f"cp CB{p[1]} NS{p[2]}" if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
+            + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))
 
 
@@ -108,4 +126,4 @@ if __name__ == "__main__":
         report(sys.argv[2])
     else:
         sys.path.insert(0, "bench")
-        run()
+        run(cp="--cp" in sys.argv)

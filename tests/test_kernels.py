@@ -108,6 +108,30 @@ def test_quantized_matmul_row_exact_model_shapes(device, N, Kd):
     assert_rows_exact(op, x, rng)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two 4-bit kernels")
+@pytest.mark.parametrize("N,Kd,group_size", [(72, 256, 32), (72, 256, 64), (1152, 384, 64),
+                                             (384, 1152, 64), (4096, 4096, 128)])
+def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
+    """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
+    arithmetic: the same bits for every M and every staging (CB, NS) the plan allows."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("qmm-cp", N, Kd, group_size)
+    wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
+    x = rand(rng, (MAX_M, Kd), mx.bfloat16)
+    st = mx.default_stream(mx.gpu)
+    tc = _cuda.tc_plan(N, Kd, group_size, 4)
+    stagings = [(cb, ns) for cb in (4, 8) for ns in (2, 3)
+                if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns) or (0, 0))[:2] == (cb, ns)]
+    assert stagings and _cuda.cp_plan(N, Kd, group_size, 4) is not None
+    for M in (1, 3, 9, 16):
+        ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
+        assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)
+        for cb, ns in stagings:
+            got = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st,
+                           plan=("cp", cb, ns)))
+            assert np.array_equal(got, ref), (M, cb, ns)
+
+
 # ---------------------------------------------------------------- dense matmul
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

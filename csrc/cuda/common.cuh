@@ -111,6 +111,28 @@ __device__ __forceinline__ void tf_cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
+// 4 bytes global -> shared (through L1), the end of a group of copies, and the wait until at
+// most N of this thread's groups are still in flight.
+__device__ __forceinline__ void tf_cp_async4(void* dst, const void* src) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void tf_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void tf_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Four 8x8 matrices of 16-bit values from shared memory (ldmatrix, sm_75+): lanes 8i..8i+7
+// give the row addresses (16 bytes each) of matrix i; lane 4g + t receives, in d[i], the 32-bit
+// word t of row g of matrix i.
+__device__ __forceinline__ void tf_ldmatrix4(const void* row, unsigned int (&d)[4]) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+}
 
 // Attention partials (row_attention.cu): (o[0..D), m, l) stored as D + 2 floats, lane owning
 // o[lane + 32 t]; and the one merge formula, folding a stored partial into (m, l, o):

@@ -58,7 +58,7 @@ for T in (bf, f16, f32):
                   dict(x=T, w=T, indices=i32), dict(out=T)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
-from tensorfold.kernels._cuda import tc_plan  # noqa: E402
+from tensorfold.kernels._cuda import cp_plan, tc_plan  # noqa: E402
 
 for T in (bf, f16):
     for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
@@ -66,6 +66,11 @@ for T in (bf, f16):
         NT, CB, SPLIT, DB = tc_plan(N, K, GS, bits)
         CASES.append(("row_qmm_tc", dict(T=T, S=T, K=K, N=N, GS=GS, BITS=bits, NT=NT, CB=CB,
                                          SPLIT=SPLIT, DB=DB),
+                      dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
+    for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
+                     (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
+        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4)
+        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS),
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

@@ -218,6 +218,15 @@ __device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int 
   return *reinterpret_cast<unsigned int*>(&h);
 }
 
+// Shared-memory position of 16-byte unit u of weight row r in a stage of 16 rows x UPR units
+// (row_qmm_cp): XOR-swizzled so that the 8 rows one ldmatrix reads of a unit fall on 8
+// different 16-byte bank groups.
+template <int UPR>
+__device__ __forceinline__ int tf_swz(int r, int u) {
+  const int sw = UPR >= 8 ? (r & 7) : ((r * UPR / 8) & (UPR - 1));
+  return r * UPR + (u ^ sw);
+}
+
 // @@body row_qmm
 // inputs: x [R, K] (T), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S)
 // output: out [R, N] (T).   template: T, S, K, N, GS, BITS
@@ -494,6 +503,165 @@ auto compute = [&](int ci, const Chunk& c) {
 };
 tf_chunks<CPW, DB, Chunk>(load, compute);
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
+
+// @@body row_qmm_cp
+// The arithmetic of row_qmm_tc with NT = 1 and the same SPLIT (bit-identical output), with the
+// 4-bit weights brought in by a cp.async pipeline through shared memory instead of registers:
+// each warp streams its K slice (K / SPLIT) in stages of CB 32-element blocks for its block's 16
+// weight rows (16 x CB x 16 bytes), NS stages in flight, and reads a stage with ldmatrix, which
+// hands lane 4g + t word t of a block of row g -- the register layout row_qmm_tc loads from
+// global memory. The warp's scales and biases are copied once, with the first stage.
+// inputs, output: as row_qmm_tc (BITS = 4).   template: T, S, K, N, GS, SPLIT, CB, NS
+// launch: grid (ceil(N / 16) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory (SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)).
+constexpr int KW = K / 8;
+constexpr int NG = K / GS;
+constexpr int BPG = GS / 32;
+constexpr int GPC = CB / BPG;
+constexpr int KSL = K / SPLIT;
+constexpr int CPW = KSL / (32 * CB);
+constexpr int NGW = KSL / GS;
+constexpr int UPR = CB;
+constexpr int STAGE = 16 * UPR;
+constexpr int CPL = STAGE / 32;
+static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0, "row_qmm_cp: plan");
+static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2, "row_qmm_cp: 4-byte scale copies");
+static_assert(sizeof(S) == 2, "row_qmm_cp: 2-byte scales");
+extern __shared__ uint4 smem_cp[];
+float* red = reinterpret_cast<float*>(smem_cp);
+const int R = x_shape[0];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int gq = lane >> 2, tq = lane & 3;
+const int nbase = blockIdx.x * 16;
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
+const bool two = rows > 8;
+uint4* ring = smem_cp + (SPLIT - 1) * 64 + warp * NS * STAGE;
+S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 + SPLIT * NS * STAGE) + warp * 32 * NGW;
+S* sbi = ssc + 16 * NGW;
+const int blkw = warp * (KSL / 32);
+// this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
+const unsigned int* wsrc[CPL];
+int wdst[CPL];
+#pragma unroll
+for (int i = 0; i < CPL; ++i) {
+  const int e = lane + 32 * i;
+  const int r = e / UPR, u = e % UPR;
+  wsrc[i] = w + (size_t)min(nbase + r, N - 1) * KW + (size_t)(blkw + u) * 4;
+  wdst[i] = tf_swz<UPR>(r, u);
+}
+auto issue = [&](int ci) {
+  uint4* st = ring + (ci % NS) * STAGE;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
+};
+// scales and biases of the warp's slice: [16 rows][NGW] each, in 4-byte pairs
+for (int e = lane; e < 16 * NGW; e += 32) {
+  const int a = e / (8 * NGW), rem = e % (8 * NGW);
+  const int r = rem / (NGW / 2), p = rem % (NGW / 2);
+  const S* src = (a ? biases : scales) + (size_t)min(nbase + r, N - 1) * NG + warp * NGW + 2 * p;
+  tf_cp_async4((a ? sbi : ssc) + r * NGW + 2 * p, src);
+}
+#pragma unroll
+for (int st = 0; st < NS - 1; ++st) {
+  if (st < CPW) issue(st);
+  tf_cp_async_commit();
+}
+const T* xrow[2];
+bool xok[2];
+#pragma unroll
+for (int mt = 0; mt < 2; ++mt) {
+  const int m = mt * 8 + gq;
+  xok[mt] = m < rows;
+  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
+}
+const T tag = tf_from_float<T>(0.0f);
+unsigned int ones[4];
+#pragma unroll
+for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
+float acc[1][2][4];
+#pragma unroll
+for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[0][mt][i] = 0.0f;
+}
+// ldmatrix row of this lane: matrix l / 8 = (block pair member, row half)
+const int lm = lane >> 3;
+const int lrow = 8 * (lm & 1) + (lane & 7);
+#pragma unroll 1
+for (int ci = 0; ci < CPW; ++ci) {
+  tf_cp_async_wait<NS - 2>();
+  __syncwarp();
+  if (ci + NS - 1 < CPW) issue(ci + NS - 1);
+  tf_cp_async_commit();
+  const uint4* st = ring + (ci % NS) * STAGE;
+  const int blk0 = blkw + ci * CB;
+  unsigned int wq[CB][2];
+#pragma unroll
+  for (int b = 0; b < CB; b += 2) {
+    unsigned int d[4];
+    tf_ldmatrix4(st + tf_swz<UPR>(lrow, b + (lm >> 1)), d);
+    wq[b][0] = d[0]; wq[b][1] = d[1]; wq[b + 1][0] = d[2]; wq[b + 1][1] = d[3];
+  }
+  uint4 xv[CB][2];
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      xv[b][mt] = make_uint4(0u, 0u, 0u, 0u);
+      if ((mt == 0 || two) && xok[mt]) {
+        xv[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blk0 + b) * 32));
+      }
+    }
+  }
+#pragma unroll
+  for (int gi = 0; gi < GPC; ++gi) {
+    float P[2][4], X[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      X[0][i] = 0.0f; X[1][i] = 0.0f; P[0][i] = 0.0f; P[1][i] = 0.0f;
+    }
+#pragma unroll
+    for (int bb = 0; bb < BPG; ++bb) {
+      const int b = gi * BPG + bb;
+      unsigned int xb[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint4 u = xv[b][mt];
+        xb[mt][0] = __byte_perm(u.x, u.z, 0x5410);
+        xb[mt][1] = __byte_perm(u.x, u.z, 0x7632);
+        xb[mt][2] = __byte_perm(u.y, u.w, 0x5410);
+        xb[mt][3] = __byte_perm(u.y, u.w, 0x7632);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        unsigned int a[4];
+        a[0] = tf_q4pair(wq[b][0], 2 * s, tag);
+        a[1] = tf_q4pair(wq[b][1], 2 * s, tag);
+        a[2] = tf_q4pair(wq[b][0], 2 * s + 1, tag);
+        a[3] = tf_q4pair(wq[b][1], 2 * s + 1, tag);
+        tf_mma(P[0], a, &xb[0][2 * s], tag);
+        if (two) tf_mma(P[1], a, &xb[1][2 * s], tag);
+        tf_mma(X[0], ones, &xb[0][2 * s], tag);
+        if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
+      }
+    }
+    const int g = ci * GPC + gi;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt == 0 || two) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1;
+          acc[0][mt][i] = __fmaf_rn(tf_to_float(ssc[(8 * h + gq) * NGW + g]), P[mt][i], acc[0][mt][i]);
+          acc[0][mt][i] = __fmaf_rn(tf_to_float(sbi[(8 * h + gq) * NGW + g]), X[mt][i & 1], acc[0][mt][i]);
+        }
+      }
+    }
+  }
+}
+tf_tc_finish<T, 1, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).

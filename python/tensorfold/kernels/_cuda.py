@@ -35,6 +35,7 @@ _KERNELS = {
     "row_mm": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_qmm_tc": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_mm_tc": (["x", "w"], ["out"], "row_gemm.cu"),
+    "row_qmm_cp": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
@@ -137,6 +138,44 @@ def _qmm_tc_call(T, S, K: int, N: int, gs: int, bits: int, R: int, plan=None):
     return kern, template, grid, tg, [(R, N)], [T]
 
 
+def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None):
+    """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
+    pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
+    of row_qmm_tc; CB (blocks per stage) and NS (stages) only move data. A function of the
+    weight shape only. Default staging CB 4, NS 2: the H200 sweep's best (bench/gpu_tc_sweep.py
+    --cp; 24576x4096 M = 1: 30.1 us vs row_qmm_tc's 42.5)."""
+    if bits != 4:
+        return None
+    NT, _, SPLIT, _ = tc_plan(N, K, group_size, bits)
+    bpg = group_size // 32
+    ksl = K // SPLIT
+    ng, ngw = K // group_size, ksl // group_size
+    if NT != 1 or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
+        return None
+    cpw = ksl // (32 * cb)
+
+    def smem(n):
+        return (SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw)
+
+    for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
+        if n <= max(2, cpw) and smem(n) <= SMEM_LIMIT:
+            return cb, n, SPLIT, smem(n)
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, cb: int = 4, ns: int | None = None):
+    plan = cp_plan(N, K, gs, 4, cb, ns)
+    if plan is None:
+        return None
+    CB, NS, SPLIT, smem = plan
+    kern = _kernel("row_qmm_cp", smem)
+    template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
+                ("CB", CB), ("NS", NS)]
+    grid = (-(-N // 16) * 32 * SPLIT, -(-R // 16), 1)
+    return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
+
+
 @functools.lru_cache(maxsize=4096)
 def _mm_tc_call(T, K: int, N: int, R: int, plan=None):
     NT, CB, SPLIT, DB = plan or tc_plan(N, K)
@@ -158,7 +197,8 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
-    """plan: (NT, CB, SPLIT, DB) override, for benchmarks that sweep plans only."""
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS) for row_qmm_cp,
+    (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies)."""
     if bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
     N = w.shape[0]
@@ -167,8 +207,14 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
     if quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits):
-        kern, template, grid, tg, oshape, odtype = _qmm_tc_call(
-            x.dtype, scales.dtype, K, N, group_size, bits, R, plan)
+        call = None
+        if plan is None or plan[0] == "cp":
+            call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R,
+                                *(plan[1:] if plan else ())) if bits == 4 else None
+        if call is None:
+            call = _qmm_tc_call(x.dtype, scales.dtype, K, N, group_size, bits, R,
+                                None if plan is None or plan[0] == "cp" else plan)
+        kern, template, grid, tg, oshape, odtype = call
         out = kern(inputs=[x2, w, scales, biases], template=template, grid=grid,
                    threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
                    stream=stream)[0]
