@@ -116,6 +116,20 @@ case "${1:-tests}" in
         > "$out/step_ours.csv" 2> "$out/step_ours.err"
     python3 bench/gpu_step_kernels.py --report "$out/step_ours.csv" | head -18
     ;;
+  fused)    # the residual add fused into the 4-bit GEMM: its tests and the 4-bit ones, exactness end
+            # to end, 8B decode at 2k / 32k, per-kernel device time of a 2k step with warm caches
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "quantized_matmul or cp_pipeline or fused_qk" 2>&1 | tee "$out/test_fused.log" | tail -4
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_models.py 2>&1 | tee "$out/test_models.log" | tail -4
+    timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact.txt" | tail -3
+    ;;
+  fused-measure)   # after `fused` on the same (warm) machine
+    PROMPTS=${PROMPTS:-2048,32768} OTHER_STEP= timeout 200 bash "$0" decode
+    for w in ours-compiled ref; do
+      timeout 100 ncu --clock-control none --cache-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+          python3 bench/gpu_step_kernels.py --which $w --prompt 2048 > "$out/warm_$w.csv" 2> "$out/warm_$w.err"
+      python3 bench/gpu_step_kernels.py --report "$out/warm_$w.csv" | head -14
+    done
+    ;;
   gemm-prof)  # Nsight Compute sections of row_qmm_tc (M = 1) on the 8B gate+up and down shapes
     for NK in 24576x4096 4096x12288; do
       timeout 90 ncu --kernel-name regex:row_qmm --launch-skip 1 --launch-count 1 --section SpeedOfLight \

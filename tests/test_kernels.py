@@ -108,6 +108,61 @@ def test_quantized_matmul_row_exact_model_shapes(device, N, Kd):
     assert_rows_exact(op, x, rng)
 
 
+@pytest.mark.parametrize("N,Kd,bits_", [(1152, 384, 4), (72, 256, 4), (64, 256, 8)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=lambda d: str(d).split(".")[-1])
+def test_quantized_matmul_residual_is_the_add(device, N, Kd, bits_, dtype):
+    """residual=r gives the bits of row_quantized_matmul(x) + r (on CUDA the 4-bit kernel adds r
+    in its store: T(T(acc) + r), which equals MLX's add of two T values), row-exact."""
+    rng = _rng("qmm-res", N, Kd, bits_, str(dtype))
+    wq, s, b = make_quantized(rng, N, Kd, 64, bits_, dtype)
+    x = rand(rng, (MAX_M, Kd), dtype)
+    r = rand(rng, (MAX_M, N), dtype, 4.0)
+    op = lambda xx, rr: K.row_quantized_matmul(xx, wq, s, b, 64, bits_, residual=rr)  # noqa: E731
+    fused = bits(run(op, x, r))
+    plain = bits(run(lambda: K.row_quantized_matmul(x, wq, s, b, 64, bits_) + r))
+    assert np.array_equal(fused, plain)
+    for M in (1, 5, 9, 16):
+        assert np.array_equal(bits(run(op, x[:M], r[:M])), fused[:M]), M
+    got = bits(run(op, x.reshape(2, MAX_M // 2, Kd), r.reshape(2, MAX_M // 2, N)))
+    assert np.array_equal(got.reshape(MAX_M, N), fused)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="a CUDA-only launch fusion")
+@pytest.mark.parametrize("hd,norm,dtype", [(128, True, mx.bfloat16), (64, False, mx.float16),
+                                           (256, True, mx.float32)])
+def test_cuda_fused_qk_norm_rope(hd, norm, dtype):
+    """fused_qk_norm_rope (CUDA): row-exact (row l of a 16-row call has the bits of the 1-row
+    call at position offset + l, whatever the other rows hold) and MLX's rms_norm + rope to
+    within the dtype's rounding."""
+    H, Hk, L, off, eps = 8, 2, MAX_M, 1000, 1e-6
+    rng = _rng("qk-rope", hd, norm, str(dtype))
+    qkv = rand(rng, (1, L, (H + 2 * Hk) * hd), dtype, 2.0)
+    qn, kn = (rand(rng, (hd,), dtype), rand(rng, (hd,), dtype)) if norm else (None, None)
+    inv = mx.array([10000.0 ** (-i / hd) for i in range(0, hd, 2)], dtype=mx.float32)
+    op = lambda t, o: K.fused_qk_norm_rope(t, H, Hk, qn, kn, eps, inv, 1.0, o)  # noqa: E731
+    q, k = op(qkv, off)
+    assert q.shape == (1, H, L, hd) and k.shape == (1, Hk, L, hd) and q.dtype == dtype
+    for l in (0, 7, L - 1):
+        g = garbage(rng, qkv.shape, dtype)
+        mixed = mx.concatenate([g[:, :l], qkv[:, l:l + 1], g[:, l + 1:]], axis=1)
+        for full in (op(qkv, off), op(mixed, off)):
+            one = op(qkv[:, l:l + 1], off + l)
+            assert np.array_equal(bits(full[0][:, :, l:l + 1]), bits(one[0])), l
+            assert np.array_equal(bits(full[1][:, :, l:l + 1]), bits(one[1])), l
+    # reference: MLX's ops in float32
+    x = qkv.astype(mx.float32).reshape(1, L, H + 2 * Hk, hd)
+    rq, rk = x[:, :, :H], x[:, :, H:H + Hk]
+    if norm:
+        rq = mx.fast.rms_norm(rq, qn.astype(mx.float32), eps)
+        rk = mx.fast.rms_norm(rk, kn.astype(mx.float32), eps)
+    rq = mx.fast.rope(rq.transpose(0, 2, 1, 3), hd, traditional=False, base=10000.0, scale=1.0, offset=off)
+    rk = mx.fast.rope(rk.transpose(0, 2, 1, 3), hd, traditional=False, base=10000.0, scale=1.0, offset=off)
+    tol = {mx.bfloat16: 3e-2, mx.float16: 4e-3, mx.float32: 1e-4}[dtype]
+    for got, ref in ((q, rq), (k, rk)):
+        err = np.abs(f64(got) - f64(ref)).max() / (np.abs(f64(ref)).max() + 1e-9)
+        assert err < tol, err
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two 4-bit kernels")
 @pytest.mark.parametrize("N,Kd,group_size", [(72, 256, 32), (72, 256, 64), (1152, 384, 64),
                                              (384, 1152, 64), (4096, 4096, 128)])

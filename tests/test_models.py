@@ -159,7 +159,8 @@ def test_decode_fuses_qkv_and_gate_up_without_a_second_copy(checkpoints, name, m
     assert bool(mx.array_equal(ly.qkv.weight[:n], ly.q.weight).item())
     calls = []
     real = Linear.exact
-    monkeypatch.setattr(Linear, "exact", lambda self, x: (calls.append(self), real(self, x))[1])
+    monkeypatch.setattr(Linear, "exact", lambda self, x, residual=None:
+                        (calls.append(self), real(self, x, residual))[1])
     model.compiled_decode = False
     c = model.new_cache()
     mx.eval(model.forward(mx.array([[5, 6, 7]]), c, exact=True, all_logits=True))

@@ -70,8 +70,9 @@ for T in (bf, f16):
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4)
-        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS),
-                      dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
+        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
+                                         RES=N == 4096),
+                      dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)
         CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT, DB=DB),
@@ -93,6 +94,10 @@ for T in (bf, f16, f32):
                       dict(part=f32)))
     CASES.append(("sparse_merge", dict(T=T, D=576, HQ=16),
                   dict(part=f32, nkept=i32, q=T, rinfo=i32), dict(out=T)))
+for T in (bf, f16, f32):
+    for HD, NORM in ((128, True), (64, False), (256, True)):
+        CASES.append(("qk_norm_rope", dict(T=T, H=32, HK=8, HD=HD, NORM=NORM),
+                      dict(qkv=T, qn=T, kn=T, inv_freq=f32, params=f32, offset=i32), dict(q=T, k=T)))
 CASES.append(("sparse_compact", dict(), dict(indices=i32, offset=i32, k=bf), dict(kept=i32, nkept=i32)))
 
 

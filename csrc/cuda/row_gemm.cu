@@ -152,10 +152,11 @@ __device__ __forceinline__ void tf_chunks(Load&& load, Compute&& compute) {
 
 // Split-K reduction in warp order ((w0 + w1) + w2) + ..., then warp 0 stores its fragments:
 // acc[nt][mt][i] is out[r0 + 8 mt + 2 t + (i & 1), nbase + 16 nt + 8 (i >> 1) + g].
-template <typename T, int NT, int SPLIT>
+// With RES, out = T(T(acc) + res) (the residual add of the layer, fused: row_qmm_cp).
+template <typename T, int NT, int SPLIT, bool RES = false>
 __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red, T* out,
                                              int warp, int lane, bool two, int rows, int r0,
-                                             int nbase, int N) {
+                                             int nbase, int N, const T* res = nullptr) {
   if constexpr (SPLIT > 1) {
     if (warp > 0) {
 #pragma unroll
@@ -197,7 +198,13 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
       for (int i = 0; i < 4; ++i) {
         const int m = mt * 8 + 2 * t + (i & 1);
         const int n = nbase + nt * 16 + 8 * (i >> 1) + g;
-        if (m < rows && n < N) out[(size_t)(r0 + m) * N + n] = tf_from_float<T>(acc[nt][mt][i]);
+        if (m < rows && n < N) {
+          T y = tf_from_float<T>(acc[nt][mt][i]);
+          if constexpr (RES) {
+            y = tf_from_float<T>(__fadd_rn(tf_to_float(y), tf_to_float(res[(size_t)(r0 + m) * N + n])));
+          }
+          out[(size_t)(r0 + m) * N + n] = y;
+        }
       }
     }
   }
@@ -511,7 +518,9 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // weight rows (16 x CB x 16 bytes), NS stages in flight, and reads a stage with ldmatrix, which
 // hands lane 4g + t word t of a block of row g -- the register layout row_qmm_tc loads from
 // global memory. The warp's scales and biases are copied once, with the first stage.
-// inputs, output: as row_qmm_tc (BITS = 4).   template: T, S, K, N, GS, SPLIT, CB, NS
+// inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
+// the layer's residual add in the same launch)   output: out [R, N] (T).
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES
 // launch: grid (ceil(N / 16) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory (SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)).
 constexpr int KW = K / 8;
@@ -661,7 +670,7 @@ for (int ci = 0; ci < CPW; ++ci) {
     }
   }
 }
-tf_tc_finish<T, 1, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
+tf_tc_finish<T, 1, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).

@@ -32,6 +32,7 @@ __all__ = [
     "row_matmul",
     "row_attention",
     "row_check_ops",
+    "fused_qk_norm_rope",
     "sparse_attention",
     "select_topk",
     "use_sparse",
@@ -96,22 +97,54 @@ def _gpu_stream(stream: StreamLike):
 
 
 def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                         group_size: int = 64, bits: int = 4, *,
+                         group_size: int = 64, bits: int = 4, *, residual: Optional[mx.array] = None,
                          stream: StreamLike = None) -> mx.array:
     """Row-exact ``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``.
 
     x [..., M, K] (float32 / bfloat16 / float16); w uint32 [N, K*bits/32]; scales and
     biases [N, K/group_size]. Returns [..., M, N] in x's dtype, fp32 accumulation.
     bits in {2, 3, 4, 5, 6, 8}; group_size in {32, 64, 128}.
+
+    residual [..., M, N]: returns ``product + residual`` (a layer's residual add). The CUDA
+    face's 4-bit kernel adds it in its store, out = T(T(acc) + residual), saving a launch; the
+    other faces and kernels add it with MLX's add. Either way a per-element op, so row i's bits
+    still depend on row i alone.
     """
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
-        return _cuda.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream))
+        return _cuda.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream),
+                                      residual=residual)
     if face == "metal":
         from . import _metal
-        return _metal.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream))
-    return _ext.row_quantized_matmul(x, w, scales, biases, group_size, bits)
+        y = _metal.quantized_matmul(x, w, scales, biases, group_size, bits, _gpu_stream(stream))
+    else:
+        y = _ext.row_quantized_matmul(x, w, scales, biases, group_size, bits)
+    return y if residual is None else y + residual
+
+
+def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optional[mx.array],
+                       k_norm: Optional[mx.array], eps: float, inv_freq: mx.array,
+                       rope_scale: float, offset, *, stream: StreamLike = None):
+    """(q [B, H, L, hd], k [B, Hk, L, hd]) from a fused q|k|v projection qkv [B, L, (H + 2 Hk) hd]:
+    per-head RMSNorm (q_norm / k_norm, when given) and non-traditional RoPE at positions
+    offset .. offset + L - 1 (offset an int or an int32 [1] array), in one launch.
+
+    The CUDA face only (csrc/cuda/qk_norm_rope.cu; head sizes 64, 128, 256): it replaces four
+    MLX launches of a decode step's layer. Returns None elsewhere, and the caller runs MLX's
+    rms_norm and rope, which are per-row too. Each face is row-exact; their bits differ."""
+    if backend_face(stream) != "cuda" or qkv.ndim != 3:
+        return None
+    from . import _cuda
+    hd = qkv.shape[-1] // (heads + 2 * kv_heads)
+    if hd not in _cuda.QK_HEAD_DIMS or qkv.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return None
+    if q_norm is not None and not (q_norm.dtype == k_norm.dtype == qkv.dtype):
+        return None
+    if isinstance(offset, int):
+        offset = mx.array([offset], dtype=mx.int32)
+    return _cuda.qk_norm_rope(qkv, heads, kv_heads, q_norm, k_norm, eps, inv_freq, rope_scale,
+                              offset, _gpu_stream(stream))
 
 
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:

@@ -35,7 +35,7 @@ _KERNELS = {
     "row_mm": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_qmm_tc": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_mm_tc": (["x", "w"], ["out"], "row_gemm.cu"),
-    "row_qmm_cp": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
+    "row_qmm_cp": (["x", "w", "scales", "biases", "res"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
@@ -45,6 +45,8 @@ _KERNELS = {
     "sparse_partial": (["q", "k", "v", "kept", "nkept", "scale_f", "rinfo"], ["part"],
                        "sparse_attention.cu"),
     "sparse_merge": (["part", "nkept", "q", "rinfo"], ["out"], "sparse_attention.cu"),
+    "qk_norm_rope": (["qkv", "qn", "kn", "inv_freq", "params", "offset"], ["q", "k"],
+                     "qk_norm_rope.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
     "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
 }
@@ -164,14 +166,15 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
 
 
 @functools.lru_cache(maxsize=4096)
-def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, cb: int = 4, ns: int | None = None):
+def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
+                 ns: int | None = None):
     plan = cp_plan(N, K, gs, 4, cb, ns)
     if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
-                ("CB", CB), ("NS", NS)]
+                ("CB", CB), ("NS", NS), ("RES", res)]
     grid = (-(-N // 16) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -196,7 +199,7 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
     return x_dtype in TC_TYPES and w_dtype == x_dtype and K % 64 == 0
 
 
-def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
+def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None):
     """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS) for row_qmm_cp,
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies)."""
     if bits not in (2, 3, 4, 5, 6, 8):
@@ -206,19 +209,28 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
     lead = x.shape[:-1]
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
+    fuse = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
     if quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits):
         call = None
         if plan is None or plan[0] == "cp":
-            call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R,
+            call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fuse,
                                 *(plan[1:] if plan else ())) if bits == 4 else None
-        if call is None:
-            call = _qmm_tc_call(x.dtype, scales.dtype, K, N, group_size, bits, R,
-                                None if plan is None or plan[0] == "cp" else plan)
+        if call is not None:
+            kern, template, grid, tg, oshape, odtype = call
+            res = residual.reshape(R, N) if fuse else _const_array((0.0,), x.dtype)
+            out = kern(inputs=[x2, w, scales, biases, res], template=template, grid=grid,
+                       threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
+                       stream=stream)[0]
+            out = out if x.ndim == 2 else out.reshape(*lead, N)
+            return out if fuse or residual is None else out + residual
+        call = _qmm_tc_call(x.dtype, scales.dtype, K, N, group_size, bits, R,
+                            None if plan is None or plan[0] == "cp" else plan)
         kern, template, grid, tg, oshape, odtype = call
         out = kern(inputs=[x2, w, scales, biases], template=template, grid=grid,
                    threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
                    stream=stream)[0]
-        return out if x.ndim == 2 else out.reshape(*lead, N)
+        out = out if x.ndim == 2 else out.reshape(*lead, N)
+        return out if residual is None else out + residual
     grid, tg, smem = _gemm_launch(R, N, x.dtype)
     out = _kernel("row_qmm", smem)(
         inputs=[x2, w, scales, biases],
@@ -227,7 +239,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None):
         grid=grid, threadgroup=tg,
         output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
     )[0]
-    return out.reshape(*lead, N)
+    out = out.reshape(*lead, N)
+    return out if residual is None else out + residual
 
 
 def matmul(x, w, stream, plan=None):
@@ -406,6 +419,27 @@ def _sparse_fused(q, k, v, indices, offset, scale, stream):
         threadgroup=(32 * SPARSE_WARPS, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
+
+
+QK_HEAD_DIMS = (64, 128, 256)
+
+
+def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rope_scale: float,
+                 offset, stream):
+    """q [B, H, L, hd], k [B, HK, L, hd] from qkv [B, L, (H + 2 HK) hd]: per-head RMSNorm (when
+    q_norm is given) and RoPE in one launch (csrc/cuda/qk_norm_rope.cu)."""
+    B, L, C = qkv.shape
+    hd = C // (H + 2 * HK)
+    norm = q_norm is not None
+    dummy = _const_array((0.0,), qkv.dtype)
+    warps = B * L * (H + HK)
+    return _kernel("qk_norm_rope", 0)(
+        inputs=[qkv, q_norm if norm else dummy, k_norm if norm else dummy, inv_freq,
+                _const_array((float(eps), float(rope_scale)), mx.float32), offset],
+        template=[("T", qkv.dtype), ("H", H), ("HK", HK), ("HD", hd), ("NORM", norm)],
+        grid=(-(-warps // 4) * 128, 1, 1), threadgroup=(128, 1, 1),
+        output_shapes=[(B, H, L, hd), (B, HK, L, hd)], output_dtypes=[qkv.dtype, qkv.dtype],
+        stream=stream)
 
 
 def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):

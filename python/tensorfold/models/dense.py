@@ -31,21 +31,54 @@ def swiglu(gate, up):
     return gate * mx.sigmoid(gate) * up
 
 
+def _out(lin: Linear, x, exact: bool, residual=None):
+    """An output projection plus the residual (h + f(h), as mlx-lm adds it): the exact path
+    passes the residual to the row-exact kernel (fused into its store on CUDA)."""
+    if exact:
+        return lin.exact(x, residual)
+    y = lin(x)
+    return y if residual is None else residual + y
+
+
+def _llama3_freqs(cfg: ModelConfig):
+    dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    factor = sc["factor"]
+    low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old = sc.get("original_max_position_embeddings", 8192)
+    low_wl, high_wl = old / low, old / high
+    freqs = base ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * mx.pi * freqs
+    freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+    medium = (wavelens > high_wl) & (wavelens < low_wl)
+    smooth = (old / wavelens - low) / (high - low)
+    return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+
+
+def _rope_type(cfg: ModelConfig) -> str:
+    sc = cfg.rope_scaling
+    return (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """(inverse frequencies [head_dim / 2] float32, position scale) of make_rope's RoPE, for the
+    fused decode kernel (kernels.fused_qk_norm_rope): theta_i = (pos * scale) * inv_freq[i]."""
+    dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    if _rope_type(cfg) == "llama3":
+        inv = 1.0 / _llama3_freqs(cfg).astype(mx.float32)
+        scale = 1.0
+    else:
+        inv = mx.array([base ** (-i / dims) for i in range(0, dims, 2)], dtype=mx.float32)
+        scale = 1.0 / sc["factor"] if _rope_type(cfg) == "linear" else 1.0
+    mx.eval(inv)
+    return inv, scale
+
+
 def make_rope(cfg: ModelConfig):
     """RoPE exactly as mlx-lm's initialize_rope builds it (default, linear, llama3)."""
     dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    rtype = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    rtype = _rope_type(cfg)
     if rtype == "llama3":
-        factor = sc["factor"]
-        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old = sc.get("original_max_position_embeddings", 8192)
-        low_wl, high_wl = old / low, old / high
-        freqs = base ** (mx.arange(0, dims, 2) / dims)
-        wavelens = 2 * mx.pi * freqs
-        freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
-        medium = (wavelens > high_wl) & (wavelens < low_wl)
-        smooth = (old / wavelens - low) / (high - low)
-        freqs = mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+        freqs = _llama3_freqs(cfg)
         return lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=None, scale=1.0,
                                               offset=offset, freqs=freqs)
     scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
@@ -122,6 +155,7 @@ class DenseModel:
         self.norm = take_vector(cfg, weights, "model.norm.weight", cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_embeddings else take_linear(cfg, weights, "lm_head")
         self.rope = make_rope(cfg)
+        self.rope_freq = rope_inv_freq(cfg)     # the same RoPE for the fused decode kernel
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         # the activation dtype: what the embedding produces
@@ -157,22 +191,30 @@ class DenseModel:
         """A layer's weights that are not in its linears (norms)."""
         return [a for a in (ly.in_norm, ly.post_norm, ly.q_norm, ly.k_norm) if a is not None]
 
-    def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool):
+    def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool, residual=None):
+        """The attention block's output, plus `residual` where given (the layer's residual add;
+        the exact path hands it to the output projection's kernel, which fuses it on CUDA)."""
         B, L, _ = x.shape
         lin = Linear.exact if exact else Linear.__call__
         H, Hk, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        off = cache.offset
+        qk = None
         if exact and ly.qkv is not None:
             qkv = ly.qkv.exact(x)
             q, k, v = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd], qkv[..., (H + Hk) * hd:]
+            qk = self._fused_qk(ly, qkv, off)   # norms + RoPE in one launch (CUDA), or None
         else:
             q, k, v = lin(ly.q, x), lin(ly.k, x), lin(ly.v, x)
         q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, Hk, hd), v.reshape(B, L, Hk, hd)
-        if ly.q_norm is not None:
-            q = mx.fast.rms_norm(q, ly.q_norm, self.eps)
-            k = mx.fast.rms_norm(k, ly.k_norm, self.eps)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        off = cache.offset
-        q, k = self.rope(q, off), self.rope(k, off)
+        v = v.transpose(0, 2, 1, 3)
+        if qk is not None:
+            q, k = qk
+        else:
+            if ly.q_norm is not None:
+                q = mx.fast.rms_norm(q, ly.q_norm, self.eps)
+                k = mx.fast.rms_norm(k, ly.k_norm, self.eps)
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+            q, k = self.rope(q, off), self.rope(k, off)
         kb, vb = cache.write(i, k, v)
         if exact:
             from .. import kernels
@@ -182,23 +224,34 @@ class DenseModel:
                 q, kb[..., : off + L, :], vb[..., : off + L, :], scale=self.scale,
                 mask="causal" if L > 1 else None)
         o = o.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
-        return lin(ly.o, o)
+        return _out(ly.o, o, exact, residual)
 
-    def _mlp(self, ly: Layer, x, exact: bool):
+    def _fused_qk(self, ly: Layer, qkv, off):
+        """Decode's q, k through kernels.fused_qk_norm_rope where the face has it (CUDA), else
+        None. TENSORFOLD_FUSED_QK=0 turns it off (MLX's rms_norm and rope, other bits)."""
+        if os.environ.get("TENSORFOLD_FUSED_QK") == "0":
+            return None
+        from .. import kernels
+        inv, scale = self.rope_freq
+        return kernels.fused_qk_norm_rope(qkv, self.cfg.num_heads, self.cfg.num_kv_heads,
+                                          ly.q_norm, ly.k_norm, self.eps, inv, scale, off)
+
+    def _mlp(self, ly: Layer, x, exact: bool, residual=None):
         if exact and ly.gate_up is not None:
             gu = ly.gate_up.exact(x)
             n = ly.gate.shape[0]
-            return ly.down.exact(swiglu(gu[..., :n], gu[..., n:]))
+            return ly.down.exact(swiglu(gu[..., :n], gu[..., n:]), residual)
         lin = Linear.exact if exact else Linear.__call__
-        return lin(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)))
+        return _out(ly.down, swiglu(lin(ly.gate, x), lin(ly.up, x)), exact, residual)
 
     def _layer_done(self, i: int, h, cache: KVCache, exact: bool) -> None:
         """Called after layer i is built (a family may schedule evaluation here)."""
 
     def _layers(self, h, cache, exact: bool):
         for i, ly in enumerate(self.layers):
-            h = h + self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, exact)
-            h = h + self._mlp(ly, mx.fast.rms_norm(h, ly.post_norm, self.eps), exact)
+            h = self._attention(ly, i, mx.fast.rms_norm(h, ly.in_norm, self.eps), cache, exact,
+                                residual=h)
+            h = self._mlp(ly, mx.fast.rms_norm(h, ly.post_norm, self.eps), exact, residual=h)
             self._layer_done(i, h, cache, exact)
         return h
 

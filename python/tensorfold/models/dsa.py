@@ -39,7 +39,7 @@ import mlx.core as mx
 from ..errors import CheckpointError
 from .bounded import BoundedPrefill
 from .config import ModelConfig
-from .dense import DenseModel, swiglu
+from .dense import DenseModel, _out, swiglu
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
 from .moe import PROJS, _gather_sort, _scatter_unsort, take_experts, topk_deterministic
@@ -334,7 +334,7 @@ class DSAModel(BoundedPrefill, DenseModel):
             scores = scores.sum(axis=1, keepdims=True)
         return scores[:, 0]
 
-    def _attention(self, ly: DSALayer, i: int, x, cache: KVCache, exact: bool):
+    def _attention(self, ly: DSALayer, i: int, x, cache: KVCache, exact: bool, residual=None):
         from .. import kernels
         cfg = self.cfg
         B, L, _ = x.shape
@@ -382,18 +382,18 @@ class DSAModel(BoundedPrefill, DenseModel):
                                                          scale=self.scale, mask=pe_scores)
                 o = ly.unembed_out(o)
         o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return lin(ly.o, o)
+        return _out(ly.o, o, exact, residual)
 
     # ---- MLP ---------------------------------------------------------------------------------
-    def _mlp(self, ly: DSALayer, x, exact: bool):
+    def _mlp(self, ly: DSALayer, x, exact: bool, residual=None):
         if ly.experts is None:
-            return super()._mlp(ly, x, exact)
+            return super()._mlp(ly, x, exact, residual)
         y = self._moe_exact(ly, x) if exact else self._moe_prefill(ly, x)
         if ly.shared is not None:
             lin = Linear.exact if exact else Linear.__call__
             g, u, d = ly.shared
             y = y + lin(d, swiglu(lin(g, x), lin(u, x)))
-        return y
+        return y if residual is None else residual + y
 
     def _moe_prefill(self, ly: DSALayer, x):
         """mlx-lm's DeepseekV32MoE (gate + SwitchGLU), op for op."""

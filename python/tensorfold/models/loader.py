@@ -65,14 +65,20 @@ class Linear:
             return mx.addmm(self.bias, x, self.weight.T)
         return x @ self.weight.T
 
-    def exact(self, x):
+    def exact(self, x, residual=None):
+        """The row-exact product (+ bias), plus `residual` where given (the layer's residual add:
+        fused into the CUDA 4-bit kernel's store, kernels.row_quantized_matmul)."""
         from .. import kernels
+        if self.quantized and self.bias is None:
+            return kernels.row_quantized_matmul(x, self.weight, self.scales, self.biases,
+                                                self.group_size, self.bits, residual=residual)
         if self.quantized:
             y = kernels.row_quantized_matmul(x, self.weight, self.scales, self.biases,
                                              self.group_size, self.bits)
         else:
             y = kernels.row_matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if residual is None else y + residual
 
     def embed(self, ids):
         """Rows of the weight (an embedding table), as mlx.nn.(Quantized)Embedding computes them."""

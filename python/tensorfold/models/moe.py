@@ -177,11 +177,12 @@ class MoEModel(BoundedPrefill, DenseModel):
         return out
 
     # ---- the MLP of a layer ----------------------------------------------------------------
-    def _mlp(self, ly: Layer, x, exact: bool):
+    def _mlp(self, ly: Layer, x, exact: bool, residual=None):
         m = getattr(ly, "moe", None)
         if m is None:
-            return super()._mlp(ly, x, exact)
-        return self._moe_exact(m, x) if exact else self._moe_prefill(m, x)
+            return super()._mlp(ly, x, exact, residual)
+        y = self._moe_exact(m, x) if exact else self._moe_prefill(m, x)
+        return y if residual is None else residual + y
 
     def _moe_prefill(self, m: MoEBlock, x):
         """mlx-lm's Qwen3MoeSparseMoeBlock.__call__ + SwitchGLU.__call__, op for op."""
