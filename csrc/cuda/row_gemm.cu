@@ -210,6 +210,27 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
   }
 }
 
+// Rows r0 + gq and r0 + 8 + gq of x (the two 8-row tiles' B fragments), from this lane's quad
+// column tq * 8; rows past `rows` repeat the last row and are marked not ok (never stored).
+template <typename T, int K>
+__device__ __forceinline__ void tf_tc_xrows(const T* x, int r0, int rows, int gq, int tq,
+                                            const T* (&xrow)[2], bool (&xok)[2]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int m = mt * 8 + gq;
+    xok[mt] = m < rows;
+    xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
+  }
+}
+// 8 consecutive x values (one 16-byte load) as the pairs (x_j, x_{j+4}), j = 0..3, matching
+// tf_q4pair / tf_q8pair.
+__device__ __forceinline__ void tf_xpairs(const uint4 u, unsigned int (&xb)[4]) {
+  xb[0] = __byte_perm(u.x, u.z, 0x5410);
+  xb[1] = __byte_perm(u.x, u.z, 0x7632);
+  xb[2] = __byte_perm(u.y, u.w, 0x5410);
+  xb[3] = __byte_perm(u.y, u.w, 0x7632);
+}
+
 // Byte j of w0 and byte j of w1 (8-bit values) as two exact 16-bit integers.
 __device__ __forceinline__ float tf_byte_f(unsigned int w, int j) {
   return __fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u + j)), 8388608.0f);
@@ -383,12 +404,7 @@ for (int nt = 0; nt < NT; ++nt) {
 }
 const T* xrow[2];
 bool xok[2];
-#pragma unroll
-for (int mt = 0; mt < 2; ++mt) {
-  const int m = mt * 8 + gq;
-  xok[mt] = m < rows;
-  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
-}
+tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 unsigned int ones[4];
 #pragma unroll
@@ -462,11 +478,7 @@ auto compute = [&](int ci, const Chunk& c) {
         if ((mt == 0 || two) && xok[mt]) {
           u = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blk0 + b) * 32));
         }
-        // pairs (x_j, x_{j+4}), j = 0..3, matching tf_q4pair / tf_q8pair
-        xb[mt][0] = __byte_perm(u.x, u.z, 0x5410);
-        xb[mt][1] = __byte_perm(u.x, u.z, 0x7632);
-        xb[mt][2] = __byte_perm(u.y, u.w, 0x5410);
-        xb[mt][3] = __byte_perm(u.y, u.w, 0x7632);
+        tf_xpairs(u, xb[mt]);
       }
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
@@ -579,12 +591,7 @@ for (int st = 0; st < NS - 1; ++st) {
 }
 const T* xrow[2];
 bool xok[2];
-#pragma unroll
-for (int mt = 0; mt < 2; ++mt) {
-  const int m = mt * 8 + gq;
-  xok[mt] = m < rows;
-  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
-}
+tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 unsigned int ones[4];
 #pragma unroll
@@ -637,11 +644,7 @@ for (int ci = 0; ci < CPW; ++ci) {
       unsigned int xb[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const uint4 u = xv[b][mt];
-        xb[mt][0] = __byte_perm(u.x, u.z, 0x5410);
-        xb[mt][1] = __byte_perm(u.x, u.z, 0x7632);
-        xb[mt][2] = __byte_perm(u.y, u.w, 0x5410);
-        xb[mt][3] = __byte_perm(u.y, u.w, 0x7632);
+        tf_xpairs(xv[b][mt], xb[mt]);
       }
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
@@ -697,12 +700,7 @@ for (int nt = 0; nt < NT; ++nt) {
 }
 const T* xrow[2];
 bool xok[2];
-#pragma unroll
-for (int mt = 0; mt < 2; ++mt) {
-  const int m = mt * 8 + gq;
-  xok[mt] = m < rows;
-  xrow[mt] = x + (size_t)(r0 + min(m, rows - 1)) * K + tq * 8;
-}
+tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 float acc[NT][2][4];
 #pragma unroll
