@@ -201,7 +201,9 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None):
     """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS) for row_qmm_cp,
-    (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies)."""
+    (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
+    residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
+    else by MLX's add after the kernel."""
     if bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
     N = w.shape[0]
@@ -209,38 +211,32 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     lead = x.shape[:-1]
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
-    fuse = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
-    if quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits):
-        call = None
-        if plan is None or plan[0] == "cp":
-            call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fuse,
-                                *(plan[1:] if plan else ())) if bits == 4 else None
-        if call is not None:
-            kern, template, grid, tg, oshape, odtype = call
-            res = residual.reshape(R, N) if fuse else _const_array((0.0,), x.dtype)
-            out = kern(inputs=[x2, w, scales, biases, res], template=template, grid=grid,
-                       threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
-                       stream=stream)[0]
-            out = out if x.ndim == 2 else out.reshape(*lead, N)
-            return out if fuse or residual is None else out + residual
-        call = _qmm_tc_call(x.dtype, scales.dtype, K, N, group_size, bits, R,
-                            None if plan is None or plan[0] == "cp" else plan)
-        kern, template, grid, tg, oshape, odtype = call
-        out = kern(inputs=[x2, w, scales, biases], template=template, grid=grid,
-                   threadgroup=tg, output_shapes=oshape, output_dtypes=odtype,
-                   stream=stream)[0]
-        out = out if x.ndim == 2 else out.reshape(*lead, N)
-        return out if residual is None else out + residual
-    grid, tg, smem = _gemm_launch(R, N, x.dtype)
-    out = _kernel("row_qmm", smem)(
-        inputs=[x2, w, scales, biases],
-        template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
-                  ("GS", group_size), ("BITS", bits)],
-        grid=grid, threadgroup=tg,
-        output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
-    )[0]
-    out = out.reshape(*lead, N)
-    return out if residual is None else out + residual
+    inputs = [x2, w, scales, biases]
+    fused = False
+    tc = quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits)
+    cp_call = None
+    if tc and bits == 4 and (plan is None or plan[0] == "cp"):
+        fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
+        cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
+                               *(plan[1:] if plan else ()))
+    if cp_call is not None:
+        kern, template, grid, tg, oshape, odtype = cp_call
+        inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))
+    elif tc:
+        fused = False
+        kern, template, grid, tg, oshape, odtype = _qmm_tc_call(
+            x.dtype, scales.dtype, K, N, group_size, bits, R,
+            None if plan is None or plan[0] == "cp" else plan)
+    else:
+        grid, tg, smem = _gemm_launch(R, N, x.dtype)
+        kern = _kernel("row_qmm", smem)
+        template = [("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
+                    ("GS", group_size), ("BITS", bits)]
+        oshape, odtype = [(R, N)], [x.dtype]
+    out = kern(inputs=inputs, template=template, grid=grid, threadgroup=tg,
+               output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
+    out = out if x.ndim == 2 else out.reshape(*lead, N)
+    return out if residual is None or fused else out + residual
 
 
 def matmul(x, w, stream, plan=None):

@@ -201,15 +201,17 @@ class DenseModel:
         qk = None
         if exact and ly.qkv is not None:
             qkv = ly.qkv.exact(x)
-            q, k, v = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd], qkv[..., (H + Hk) * hd:]
             qk = self._fused_qk(ly, qkv, off)   # norms + RoPE in one launch (CUDA), or None
+            if qk is None:
+                q, k = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd]
+            v = qkv[..., (H + Hk) * hd:]
         else:
             q, k, v = lin(ly.q, x), lin(ly.k, x), lin(ly.v, x)
-        q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, Hk, hd), v.reshape(B, L, Hk, hd)
-        v = v.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, Hk, hd).transpose(0, 2, 1, 3)
         if qk is not None:
             q, k = qk
         else:
+            q, k = q.reshape(B, L, H, hd), k.reshape(B, L, Hk, hd)
             if ly.q_norm is not None:
                 q = mx.fast.rms_norm(q, ly.q_norm, self.eps)
                 k = mx.fast.rms_norm(k, ly.k_norm, self.eps)
