@@ -80,7 +80,7 @@ for T in (bf, f16):
 
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
 # latent widths 512 / 576 with one KV head (K read from global memory).
-from tensorfold.kernels._cuda import sparse_smem, sparse_tile  # noqa: E402
+from tensorfold.kernels._cuda import sparse_smem, sparse_tc_plan, sparse_tile  # noqa: E402
 
 for T in (bf, f16, f32):
     for D, HQ, HKV in ((64, 32, 8), (128, 32, 8), (192, 16, 4), (256, 8, 2), (512, 16, 1),
@@ -92,8 +92,23 @@ for T in (bf, f16, f32):
         CASES.append(("sparse_partial", dict(T=T, TK=T, D=D, HQ=HQ, HKV=HKV, DT=sparse_tile(D, T)[0]),
                       dict(q=T, k=T, v=T, kept=i32, nkept=i32, scale_f=f32, rinfo=i32),
                       dict(part=f32)))
+        tc = sparse_tc_plan(D, HQ // HKV, T, T, T)
+        if tc is not None:
+            assert tc[3] <= 48 * 1024, (D, T, tc)
+            CASES.append(("sparse_tc", dict(T=T, D=D, HQ=HQ, HKV=HKV, DT=tc[0], NST=tc[1], HB=tc[2]),
+                          dict(q=T, k=T, v=T, indices=i32, offset=i32, scale_f=f32, rinfo=i32),
+                          dict(part=f32, nkept=i32)))
     CASES.append(("sparse_merge", dict(T=T, D=576, HQ=16),
                   dict(part=f32, nkept=i32, q=T, rinfo=i32), dict(out=T)))
+# sparse_tc at head sizes that are 16- / 32-multiples only (DT 16 / 32), a GQA group of 2, and
+# the other tilings of D = 576 the tests compare (SPARSE_TC_TILES)
+for T in (bf, f16):
+    for D, HQ, HKV, DT, NST in ((80, 4, 2, 16, 4), (96, 16, 1, 32, 4), (576, 16, 1, 64, 4),
+                                (576, 16, 1, 64, 3), (576, 16, 1, 32, 8), (576, 16, 1, 96, 3)):
+        HB = 16 if HQ // HKV > 8 else 8
+        CASES.append(("sparse_tc", dict(T=T, D=D, HQ=HQ, HKV=HKV, DT=DT, NST=NST, HB=HB),
+                      dict(q=T, k=T, v=T, indices=i32, offset=i32, scale_f=f32, rinfo=i32),
+                      dict(part=f32, nkept=i32)))
 for T in (bf, f16, f32):
     for HD, NORM in ((128, True), (64, False), (256, True)):
         CASES.append(("qk_norm_rope", dict(T=T, H=32, HK=8, HD=HD, NORM=NORM),

@@ -1,33 +1,48 @@
 // Row-exact sparse (selected-key) GQA attention for MLX's CUDA backend
 // (mx.fast.cuda_kernel, NVRTC JIT). Sections are cut by "// @@" marker lines.
 //
-// Arithmetic of query row (b, h, i) at absolute position p = offset + i (fixed by the
-// row's ordered list of kept indices and D):
+// Common to both arithmetics of query row (b, h, i) at absolute position p = offset + i:
 //   kept list = indices[b, i, :] in the order given, keeping entries e with 0 <= e <= p.
-//   The kept list is cut into spans of SPAN=64 consecutive kept entries, spans into
-//   chunks of C=64 (the last chunk holds what is left).
-//   chunk:  s_j = fma-chain over d ascending of q[d]*k_{e_j}[d], times scale
-//           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
-//           lc = butterfly sum over lanes of (e_lane + e_lane+32)
-//           oc[d] = fma-chain over j ascending of e_j * v_{e_j}[d]
-//   merge (chunks of a span in order into the span state, then spans in order into the
-//   row state, same formula):
+//   The kept list is cut into spans of 64 consecutive kept entries (the last holds what is
+//   left); each span gives a state (mc, lc, oc[0..D)) computed from its own entries alone;
+//   the row state starts at (m, l, o) = (-inf, 0, 0) and the spans are merged in order:
 //           m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')
 //           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
 //   out = o / l, rounded once to q's dtype; 0 if the kept list is empty; NaN if p is
 //   outside the buffer.
-// This is the arithmetic of row_attention.cu (spans of 64 keys, chunks of 64, span
-// partials merged in order): with the full causal set 0..p in ascending order the bits
-// are meant to equal row_attention's (tests/test_sparse_attention.py checks it).
 //
-// Kernel sparse_attn: one block per (block of 8 heads of the GQA group, b*HKV + hk, query
-// row i); warp w owns head g = 8*blockIdx.x + w. Warp 0 compacts the kept entries 32 at a
-// time (ballot + popc, order preserved) into a shared list; all warps of the block use the
-// same chunk (same keys, shared by the GQA heads). K of a chunk is staged in shared memory
-// as TK when STAGE (C*(D+1)*sizeof(TK) fits next to the rest in 48 KB; 16-byte loads, all
-// in flight before any store), else each lane reads its key straight from global memory:
-// same values, same arithmetic. V is read from global memory (L1/L2), 8 keys' loads ahead. M, T, the capacity and the offset never change a row's
-// arithmetic.
+// Tensor-core arithmetic (bf16 / f16, q, K and V all of one dtype T, D % 16 == 0: kernel
+// sparse_tc, the default for those dtypes; a function of T, D and the span's entries only):
+//   s_j = (mma.sync m16n8k16 chain, fp32 accumulate from 0, over the 16-wide steps of d
+//          ascending, of k_{e_j}[d] * q[d]) * scale
+//   mc = max_j s_j (exact);  e_j = expf(s_j - mc) rounded to T
+//   lc = butterfly sum over the warp of (e_lane + e_lane+32), from the rounded e_j
+//   oc[d] = mma chain (fp32 from 0) over the 16-entry steps of j ascending of v_{e_j}[d] * e_j
+// (row_attn_tc's span arithmetic over the span's kept entries instead of 64 consecutive keys.)
+// Each element of an mma's result is its own dot product (common.cuh, tf_mma), so a (key, head)
+// score and a (d, head) sum depend only on that head's query / weights and the span's K / V.
+//
+// CUDA-core arithmetic (every other dtype combination: kernels sparse_compact + sparse_partial,
+// and the one-kernel form sparse_attn with the same bits):
+//   s_j = fma-chain over d ascending of q[d]*k_{e_j}[d], times scale
+//   mc = max_j s_j (exact);  e_j = expf(s_j - mc)
+//   lc = butterfly sum over lanes of (e_lane + e_lane+32)
+//   oc[d] = fma-chain over j ascending of e_j * v_{e_j}[d]
+//   (the span state is one chunk merged into the zero state: the copy (mc, lc, oc)).
+// Neither is row_attention.cu's arithmetic (its spans are 32 / 64 consecutive keys and its
+// merge has two levels): given the full causal set a row's bits may differ from
+// row_attention's by rounding (tests/test_sparse_attention.py holds both to the stated
+// tolerance; docs/kernels.md, "sparse_attention").
+//
+// Kernel sparse_attn (one-kernel form, CUDA-core arithmetic): one block per (block of 8 heads
+// of the GQA group, b*HKV + hk, query row i); warp w owns head g = 8*blockIdx.x + w. Warp 0
+// compacts the kept entries 32 at a time (ballot + popc, order preserved) into a shared list;
+// all warps of the block use the same span (same keys, shared by the GQA heads). K of a span is
+// staged in shared memory as TK when STAGE (C*(D+1)*sizeof(TK) fits next to the rest in 48 KB;
+// 16-byte loads, all in flight before any store), else each lane reads its key straight from
+// global memory: same values, same arithmetic. V is read from global memory (L1/L2), 8 keys'
+// loads ahead. M, T, the capacity, the offset and the rows' grouping into launches (rinfo)
+// never change a row's arithmetic in any kernel here.
 
 // @@header
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
@@ -213,8 +228,8 @@ if (head_ok) {
   }
 }
 
-// ---- split form (sparse_compact, sparse_partial, sparse_merge): the same arithmetic as
-// sparse_attn, with the spans of a row spread over blocks (one block per span, like
+// ---- CUDA-core split form (sparse_compact, sparse_partial, sparse_merge; every dtype but the
+// tensor-core ones): the same arithmetic as sparse_attn, with the spans of a row spread over blocks (one block per span, like
 // row_attn_partial) and D tiled so that any head size stages its keys and values with 16-byte
 // loads. A span's state is computed from the zero state exactly as sparse_attn computes it
 // (one chunk per span), written to a scratch array, and sparse_merge folds the spans in order
@@ -359,49 +374,355 @@ for (int d0 = 0; d0 < D; d0 += DT) {
 }
 
 // @@body sparse_merge
-// inputs: part [B*HQ*rows, nspan, D+2] float32, nkept [B*M] int32, q [B, HQ, M, D] (T),
-//         rinfo [2] int32 (R0, rows)
+// inputs: part [B*HQ*rows, nspan, D+2] float32, nkept [B, NR] int32, q [B, HQ, M, D] (T),
+//         rinfo [3] int32 (R0, rows, R0n: query rows R0 .. R0+rows-1 of M; their counts are
+//         nkept[b, R0n ..] -- R0n = R0 for sparse_compact's counts of all M rows, 0 for
+//         sparse_tc's counts of the launch's rows)
 // output: out [B, HQ, rows, D] (T): query rows R0 .. R0+rows-1
-// template: T, D, HQ.   launch: grid (B*HQ*rows*D, 1, 1), threadgroup (256, 1, 1)
+// template: T, D, HQ.
+// launch: grid (B*HQ*rows*ceil(D/256)*256, 1, 1), threadgroup (256, 1, 1)
+// One block per (b*HQ + h)*rows + zr and 256 columns d of it. The row's spans are merged in
+// order with merge_span's formula, 32 at a time: every load of a batch is issued first; warp 0
+// computes the batch's running maxima m_u (an inclusive max-scan over the lanes, fmaxf: exact,
+// so m_u is the sequential running maximum), fa_u = expf(m_{u-1} - m_u), fb_u = expf(pm_u - m_u)
+// and lane 0 the l chain in order; then every thread runs its o chain in order:
+// o = fma(o_u, fb_u, o*fa_u). The same operations on the same values as one thread folding
+// the spans one by one (sparse_attn's merge_span), so the same bits.
 constexpr int C = 64;
-const int M = q_shape[2];
-const int R0 = rinfo[0], rows = rinfo[1];
+constexpr int U = 32;
+constexpr int NB = (D + 255) / 256;
+__shared__ float sfa[U], sfb[U], spl[U];
+__shared__ float sl;
+const int rows = rinfo[1], R0n = rinfo[2];
+const int NR = nkept_shape[0] / q_shape[0];
 const int nspan = part_shape[1];
-const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-if (tid >= (size_t)part_shape[0] * D) return;
-const int prow = (int)(tid / D);          // (b*HQ + h)*rows + zr
-const int d = (int)(tid % D);
+const int prow = blockIdx.x / NB;           // (b*HQ + h)*rows + zr
+const int d = (blockIdx.x % NB) * 256 + threadIdx.x;
+const int lane = threadIdx.x & 31;
 const int zr = prow % rows;
 const int b = prow / (rows * HQ);
-const int nk = nkept[b * M + R0 + zr];
-float res;
-if (nk < 0) {
-  res = __int_as_float(0x7fc00000);       // NaN: the row lies outside the KV buffer
-} else {
-  const int ns = (nk + C - 1) / C;
-  float m_all = TF_NEG_INF, l_all = 0.0f, o_all = 0.0f;
-  constexpr int U = 8;
-  for (int s0 = 0; s0 < ns; s0 += U) {
-    float pm[U], plv[U], po[U];
+const float* src = part + (size_t)prow * nspan * (D + 2);
+// the first batch's loads go out with the count's (spans past the count are never used)
+const int nf = min(U, nspan);
+float po[U], pm = TF_NEG_INF, plv = 0.0f;
+#pragma unroll
+for (int u = 0; u < U; ++u) {
+  if (u < nf && d < D) po[u] = src[(size_t)u * (D + 2) + d];
+}
+if (threadIdx.x < 32 && lane < nf) {
+  pm = src[(size_t)lane * (D + 2) + D];
+  plv = src[(size_t)lane * (D + 2) + D + 1];
+}
+const int nk = nkept[b * NR + R0n + zr];
+if (nk < 0) {                               // NaN: the row lies outside the KV buffer
+  if (d < D) out[(size_t)prow * D + d] = tf_from_float<T>(__int_as_float(0x7fc00000));
+  return;
+}
+const int ns = (nk + C - 1) / C;
+float m_all = TF_NEG_INF, l_all = 0.0f, o_all = 0.0f;   // m_all, l_all: warp 0 only
+for (int s0 = 0; s0 < ns; s0 += U) {
+  const int nb = min(U, ns - s0);
+  if (s0 > 0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (s0 + u < ns) {
-        const float* src = part + ((size_t)prow * nspan + s0 + u) * (D + 2);
-        pm[u] = src[D]; plv[u] = src[D + 1]; po[u] = src[d];
-      }
+      if (u < nb && d < D) po[u] = src[(size_t)(s0 + u) * (D + 2) + d];
     }
+    if (threadIdx.x < 32 && lane < nb) {
+      pm = src[(size_t)(s0 + lane) * (D + 2) + D];
+      plv = src[(size_t)(s0 + lane) * (D + 2) + D + 1];
+    }
+  }
+  if (threadIdx.x < 32) {
+    if (lane >= nb) pm = TF_NEG_INF;
+    spl[lane] = lane < nb ? plv : 0.0f;
+    float mu = fmaxf(m_all, pm);            // running maximum after span s0 + lane
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s0 + u < ns) {                  // sparse_attn's merge_span
-        const float mn = fmaxf(m_all, pm[u]);
-        const float fa = expf(__fsub_rn(m_all, mn));
-        const float fb = expf(__fsub_rn(pm[u], mn));
-        l_all = __fadd_rn(__fmul_rn(l_all, fa), __fmul_rn(plv[u], fb));
-        o_all = __fmaf_rn(po[u], fb, __fmul_rn(o_all, fa));
-        m_all = mn;
+    for (int sh = 1; sh < 32; sh <<= 1) {
+      const float y = __shfl_up_sync(TF_FULL_MASK, mu, sh);
+      if (lane >= sh) mu = fmaxf(mu, y);
+    }
+    float mprev = __shfl_up_sync(TF_FULL_MASK, mu, 1);
+    if (lane == 0) mprev = m_all;
+    sfa[lane] = expf(__fsub_rn(mprev, mu));
+    sfb[lane] = expf(__fsub_rn(pm, mu));
+    m_all = __shfl_sync(TF_FULL_MASK, mu, nb - 1);
+    __syncwarp();
+    if (lane == 0) {
+      for (int u = 0; u < nb; ++u) l_all = __fadd_rn(__fmul_rn(l_all, sfa[u]), __fmul_rn(spl[u], sfb[u]));
+      sl = l_all;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u < nb) o_all = __fmaf_rn(po[u], sfb[u], __fmul_rn(o_all, sfa[u]));
+  }
+  __syncthreads();                          // the batch's factors read before the next batch
+}
+if (d < D) out[(size_t)prow * D + d] = tf_from_float<T>(nk > 0 ? __fdiv_rn(o_all, sl) : 0.0f);
+
+// @@body sparse_tc
+// inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (T), indices [B, M, NI] int32,
+//         offset [1] int32, scale_f [1] float32, rinfo [3] int32 (R0, rows, unused)
+// outputs: part [B*HQ*rows, nspan, D+2] float32 (o[0..D), m, l) -- only spans < ceil(n/64);
+//          nkept [B*rows] int32 (the row's kept count n; -1 when it lies outside the buffer)
+// template: T (bf16 / f16: q, k and v all T), D (multiple of 16), HQ, HKV, DT (D tile, a
+//           multiple of 16 dividing D), NST (tiles in the ring, >= 2), HB (heads per block: 8 or 16)
+// launch: grid (nspan*128, B*HKV, rows*ceil(G/HB)), threadgroup (128, 1, 1), dynamic shared
+//         memory = _cuda.sparse_tc_plan: NST*64*(DT+8)*2 + HB*68*4 + HB*72*2 + HB*8 + 64*4 + 32
+// One block per (span of 64 kept entries, b*HKV + kv head, query row, HB heads of the group).
+// 1. Compaction (every block of the row, redundantly): thread t counts the kept entries of its
+//    run t*R .. t*R+R-1 of the raw list, a block-wide exclusive scan gives each run's first
+//    rank, and the entries of ranks span*64 .. span*64+63 go to pl in order. Block (span 0,
+//    head block 0) writes the count.
+// 2. The span's keys (D tiles 0..NDT-1), then its values (tiles NDT..2*NDT-1), stream through a
+//    ring of NST shared-memory tiles (64 rows of DT, padded to DT+8) by cp.async, NST-1 tiles
+//    in flight; rows past n are zeros.
+// 3. Scores on tensor cores: keys on the mma's M side (warp w: keys 16w..16w+15), heads on its N
+//    side (HB/8 tiles of 8), q's fragments straight from global memory (L1); one accumulator
+//    chain per (key, head) over the 16-wide steps of D ascending, across the tiles.
+// 4. Softmax of head rows (warp w: heads w, w+4, ...; lane: keys lane, lane+32), weights
+//    rounded to T. 5. PV on tensor cores: head dims on the M side (warp w: 16-wide d tiles
+//    w, w+4, ... of each V tile, ldmatrix.trans), heads on the N side, 16-key steps ascending.
+constexpr int C = 64;
+constexpr int NW = 4;
+constexpr int NTH = 32 * NW;
+constexpr int KST = DT + 8;                         // padded tile row: 16 B apart mod 128
+constexpr int NDT = D / DT;
+constexpr int NTILE = 2 * NDT;                      // K tiles, then V tiles
+constexpr int KS = DT / 16;                         // 16-wide steps of a tile
+constexpr int NT = HB / 8;                          // n-tiles of 8 heads
+constexpr int SST = C + 4;                          // scores [HB][SST] fp32
+constexpr int PST = C + 8;                          // weights [HB][PST] T
+constexpr int CPR = DT / 8;                         // 16-byte copies per tile row
+constexpr int CPT = C * CPR / NTH;                  // copies per thread per tile
+constexpr int G = HQ / HKV;
+constexpr int GB = (G + HB - 1) / HB;
+static_assert(D % DT == 0 && DT % 16 == 0 && (C * CPR) % NTH == 0 && HB % 8 == 0 && NST >= 2,
+              "sparse_tc: D tiles of 16-multiples, heads in 8s");
+extern __shared__ float sm[];
+T* ring = reinterpret_cast<T*>(sm);                 // NST * C * KST
+float* ss = reinterpret_cast<float*>(ring + NST * C * KST);
+T* ps = reinterpret_cast<T*>(ss + HB * SST);
+float* ml = reinterpret_cast<float*>(ps + HB * PST); // (m, l) per head
+int* pl = reinterpret_cast<int*>(ml + HB * 2);      // C kept positions of this span
+int* wsum = pl + C;                                 // NW warp counts
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int NI = indices_shape[2];
+const int R0 = rinfo[0], rows = rinfo[1];
+const int nspan = max(1, (NI + C - 1) / C);         // = part's dim 1 (_cuda.sparse_attention)
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int g8 = lane >> 2, t4 = lane & 3;            // mma fragment coordinates
+const int span = blockIdx.x;
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int zr = blockIdx.z / GB;
+const int hb = blockIdx.z % GB;
+const int i = R0 + zr;
+const int p = offset[0] + i;
+const bool writer = span == 0 && hb == 0 && threadIdx.x == 0;
+if (p < 0 || p >= cap) {                            // uniform: the row lies outside the buffer
+  if (writer) nkept[b * rows + zr] = -1;
+  return;
+}
+// 1. compaction
+const int* irow = indices + (size_t)(b * M + i) * NI;
+const int R = (((NI + NTH - 1) / NTH) + 3) & ~3;    // a multiple of 4
+const int e0 = min(NI, (int)threadIdx.x * R);
+const int e1 = min(NI, e0 + R);
+int cnt = 0;
+if ((NI & 3) == 0) {                                // 16-byte loads (uniform branch)
+#pragma unroll 4
+  for (int e = e0; e < e1; e += 4) {
+    const int4 x = __ldg(reinterpret_cast<const int4*>(irow + e));
+    cnt += (x.x >= 0 && x.x <= p) + (x.y >= 0 && x.y <= p) + (x.z >= 0 && x.z <= p) +
+           (x.w >= 0 && x.w <= p);
+  }
+} else {
+#pragma unroll 4
+  for (int e = e0; e < e1; ++e) {
+    const int idx = __ldg(irow + e);
+    cnt += (idx >= 0 && idx <= p) ? 1 : 0;
+  }
+}
+int inc = cnt;
+#pragma unroll
+for (int sh = 1; sh < 32; sh <<= 1) {
+  const int y = __shfl_up_sync(TF_FULL_MASK, inc, sh);
+  if (lane >= sh) inc += y;
+}
+if (lane == 31) wsum[warp] = inc;
+__syncthreads();
+int rank = inc - cnt, total = 0;
+#pragma unroll
+for (int w = 0; w < NW; ++w) {
+  const int x = wsum[w];
+  if (w < warp) rank += x;
+  total += x;
+}
+if (writer) nkept[b * rows + zr] = total;
+const int s0 = span * C;
+if (total <= s0) return;                            // uniform: no such span
+const int n = min(C, total - s0);
+if (rank < s0 + C && rank + cnt > s0) {
+  for (int e = e0; e < e1 && rank < s0 + C; ++e) {
+    const int idx = __ldg(irow + e);
+    if (idx >= 0 && idx <= p) {
+      if (rank >= s0) pl[rank - s0] = idx;
+      ++rank;
+    }
+  }
+}
+if (n < C) {                                        // rows past n: zeros in every stage
+  constexpr int PPR = KST / 8;
+  for (int e = threadIdx.x; e < NST * (C - n) * PPR; e += NTH) {
+    const int st = e / ((C - n) * PPR), rem = e % ((C - n) * PPR);
+    *reinterpret_cast<uint4*>(ring + st * C * KST + (n + rem / PPR) * KST + (rem % PPR) * 8) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__syncthreads();
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+// 2. the tile copies of this thread (the same rows and columns in every tile)
+size_t soff[CPT];
+int doff[CPT];
+bool cv[CPT];
+#pragma unroll
+for (int u = 0; u < CPT; ++u) {
+  const int e = threadIdx.x + u * NTH;
+  const int j = e / CPR, x = (e % CPR) * 8;
+  cv[u] = j < n;
+  soff[u] = kvbase + (cv[u] ? (size_t)pl[j] * D : 0) + x;
+  doff[u] = j * KST + x;
+}
+auto issue = [&](int t) {
+  if (t < NTILE) {
+    const T* src = (t < NDT ? k + t * DT : v + (t - NDT) * DT);
+    T* dst = ring + (t % NST) * C * KST;
+#pragma unroll
+    for (int u = 0; u < CPT; ++u) {
+      if (cv[u]) tf_cp_async16(dst + doff[u], src + soff[u]);
+    }
+  }
+  tf_cp_async_commit();
+};
+#pragma unroll
+for (int t = 0; t < NST - 1; ++t) issue(t);
+// q fragments: head 8*nt + g8 of the block, d = 16 s + 2 t4 (+1, +8, +9)
+const unsigned int* qp[NT];
+bool qv[NT];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+  const int gh = hb * HB + 8 * nt + g8;
+  qv[nt] = gh < G;
+  qp[nt] = reinterpret_cast<const unsigned int*>(
+      q + ((size_t)(b * HQ + hk * G + (qv[nt] ? gh : 0)) * M + i) * D + 2 * t4);
+}
+const float scale = scale_f[0];
+float c[NT][4];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+for (int t = 0; t < NTILE; ++t) {
+  unsigned int qb[KS][NT][2];
+  if (t < NDT) {                                    // loads in flight with the tile's
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int o = (t * DT + 16 * s) / 2;
+        qb[s][nt][0] = qv[nt] ? __ldg(qp[nt] + o) : 0u;
+        qb[s][nt][1] = qv[nt] ? __ldg(qp[nt] + o + 4) : 0u;
       }
     }
   }
-  res = nk > 0 ? __fdiv_rn(o_all, l_all) : 0.0f;
+  tf_cp_async_wait<NST - 2>();
+  __syncthreads();                                  // tile t landed; tile t-1's readers done
+  issue(t + NST - 1);
+  const T* tile = ring + (t % NST) * C * KST;
+  if (t < NDT) {                                    // 3. scores of keys 16w .. 16w+15
+    const T* ka = tile + (16 * warp + g8) * KST + 2 * t4;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      unsigned int a[4];
+      a[0] = *reinterpret_cast<const unsigned int*>(ka + 16 * s);
+      a[1] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST + 16 * s);
+      a[2] = *reinterpret_cast<const unsigned int*>(ka + 16 * s + 8);
+      a[3] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST + 16 * s + 8);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) tf_mma(c[nt], a, qb[s][nt], T());
+    }
+    continue;
+  }
+  if (t == NDT) {                                   // 4. softmax of the span's head rows
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float* sd = ss + (8 * nt + 2 * t4) * SST + 16 * warp + g8;
+      sd[0] = c[nt][0];
+      sd[SST] = c[nt][1];
+      sd[8] = c[nt][2];
+      sd[SST + 8] = c[nt][3];
+    }
+    __syncthreads();
+    for (int hh = warp; hh < HB; hh += NW) {
+      const float sa = lane < n ? __fmul_rn(ss[hh * SST + lane], scale) : TF_NEG_INF;
+      const float sb = lane + 32 < n ? __fmul_rn(ss[hh * SST + lane + 32], scale) : TF_NEG_INF;
+      float mc = fmaxf(sa, sb);
+#pragma unroll
+      for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
+      T ea = tf_from_float<T>(0.0f), eb = ea;
+      if (lane < n) ea = tf_from_float<T>(expf(__fsub_rn(sa, mc)));
+      if (lane + 32 < n) eb = tf_from_float<T>(expf(__fsub_rn(sb, mc)));
+      const float lc = tf_warp_sum(__fadd_rn(tf_to_float(ea), tf_to_float(eb)));
+      ps[hh * PST + lane] = ea;
+      ps[hh * PST + lane + 32] = eb;
+      if (lane == 0) {
+        ml[2 * hh] = mc;
+        ml[2 * hh + 1] = lc;
+      }
+    }
+    __syncthreads();
+  }
+  const int vt = t - NDT;                           // 5. o of d tiles w, w+4, .. of V tile vt
+  for (int dt = warp; dt < KS; dt += NW) {
+    float o[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    const int mi = lane >> 3, rr = lane & 7;
+    const T* va = tile + (rr + ((mi >> 1) << 3)) * KST + 16 * dt + ((mi & 1) << 3);
+#pragma unroll
+    for (int s = 0; s < C / 16; ++s) {
+      unsigned int a[4];
+      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(va + 16 * s * KST));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const T* pb = ps + (8 * nt + g8) * PST + 2 * t4 + 16 * s;
+        unsigned int bb[2];
+        bb[0] = *reinterpret_cast<const unsigned int*>(pb);
+        bb[1] = *reinterpret_cast<const unsigned int*>(pb + 8);
+        tf_mma(o[nt], a, bb, T());
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int hh = 8 * nt + 2 * t4 + h2;
+        const int gh = hb * HB + hh;
+        if (gh < G) {
+          float* dst = part + ((size_t)((b * HQ + hk * G + gh) * rows + zr) * nspan + span) * (D + 2);
+          const int d = vt * DT + 16 * dt + g8;
+          dst[d] = o[nt][h2];
+          dst[d + 8] = o[nt][2 + h2];
+          if (vt == 0 && dt == 0 && g8 == 0) {
+            dst[D] = ml[2 * hh];
+            dst[D + 1] = ml[2 * hh + 1];
+          }
+        }
+      }
+    }
+  }
 }
-out[tid] = tf_from_float<T>(res);

@@ -45,6 +45,8 @@ _KERNELS = {
     "sparse_partial": (["q", "k", "v", "kept", "nkept", "scale_f", "rinfo"], ["part"],
                        "sparse_attention.cu"),
     "sparse_merge": (["part", "nkept", "q", "rinfo"], ["out"], "sparse_attention.cu"),
+    "sparse_tc": (["q", "k", "v", "indices", "offset", "scale_f", "rinfo"], ["part", "nkept"],
+                  "sparse_attention.cu"),
     "qk_norm_rope": (["qkv", "qn", "kn", "inv_freq", "params", "offset"], ["q", "k"],
                      "qk_norm_rope.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
@@ -348,6 +350,8 @@ def sparse_smem(D: int, kdtype) -> tuple[bool, int]:
 
 
 SPARSE_SCRATCH = 256 * 2**20   # bytes of span partials per launch of the split form
+SPARSE_TC_THREADS = 128        # sparse_tc: 4 warps
+SPARSE_TC_TILES = None         # sparse_tc: (DT, NST) override (tests / bench; None: the plan's)
 
 
 def sparse_tile(D: int, kdtype) -> tuple[int, int]:
@@ -361,30 +365,80 @@ def sparse_tile(D: int, kdtype) -> tuple[int, int]:
     raise NotImplementedError(f"sparse_attention (cuda): no D tile for head size {D}")
 
 
+def sparse_tc_plan(D: int, G: int, q_dtype, k_dtype, v_dtype):
+    """(DT, NST, HB, dynamic shared memory bytes) of sparse_tc (tensor cores), or None where it
+    does not apply (it needs bf16 / f16 q, K and V of one dtype and D a multiple of 16). A
+    function of dtypes, D and the GQA group size only, so every call of a model takes the same
+    path. DT (the D tile of the cp.async ring), NST (tiles in the ring) and HB (heads per block)
+    move data only: they never change a row's arithmetic (the mma chains run over 16-wide
+    steps whatever the tile)."""
+    if not (q_dtype == k_dtype == v_dtype and q_dtype in (mx.bfloat16, mx.float16)) or D % 16:
+        return None
+    if SPARSE_TC_TILES is not None:
+        DT, NST = SPARSE_TC_TILES
+    else:
+        DT, NST = (64 if D % 64 == 0 else (32 if D % 32 == 0 else 16)), 4
+    HB = 16 if G > 8 else 8
+    smem = (NST * SPARSE_C * (DT + 8) * 2 + HB * (SPARSE_C + 4) * 4
+            + HB * (SPARSE_C + 8) * 2 + HB * 2 * 4 + SPARSE_C * 4 + 8 * 4)
+    if D % DT or DT % 16 or NST < 2 or smem > SMEM_LIMIT:
+        raise ValueError(f"sparse_tc: tiles {(DT, NST)} do not fit D = {D} in 48 KB")
+    return DT, NST, HB, smem
+
+
 def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True):
     """Sparse selected-key attention (csrc/cuda/sparse_attention.cu), any D.
 
-    split (default): the kept entries are compacted per row (sparse_compact), every span of 64
-    of them is its own block (sparse_partial, D tiled) and the spans are merged in order
-    (sparse_merge) -- the arithmetic of the one-kernel form (split=False, sparse_attn), spread
-    over blocks; query rows go in groups so that the span partials stay under SPARSE_SCRATCH."""
-    if not split:
-        return _sparse_fused(q, k, v, indices, offset, scale, stream)
+    bf16 / f16 (q, K, V of one dtype, D % 16 == 0): `sparse_tc` -- one block per (span of 64
+    kept entries, kv head, query row, 16 heads) compacts the row's list itself, streams the
+    span's keys and values through a cp.async ring and scores / sums on tensor cores -- then
+    `sparse_merge` folds the spans in order. Other dtypes (CUDA cores): the kept entries are
+    compacted per row (sparse_compact), every span of 64 of them is its own block
+    (sparse_partial, D tiled) and the spans are merged in order (sparse_merge) -- the arithmetic
+    of the one-kernel form (split=False, sparse_attn, CUDA-core dtypes only), spread over blocks.
+    Query rows go in groups so that the span partials stay under SPARSE_SCRATCH."""
     B, HQ, M, D = q.shape
     HKV, NI = k.shape[1], indices.shape[2]
     G = HQ // HKV
+    tc = sparse_tc_plan(D, G, q.dtype, k.dtype, v.dtype)
+    if not split:
+        if tc is not None:
+            raise ValueError("sparse_attention (cuda): the one-kernel form has the CUDA-core "
+                             "arithmetic; bf16 / f16 use the tensor-core split form")
+        return _sparse_fused(q, k, v, indices, offset, scale, stream)
     nspan = max(1, -(-NI // SPARSE_C))
+    scale_f = _scale_array(scale)
+    per_row = B * HQ * nspan * (D + 2) * 4
+    group = max(1, min(M, SPARSE_SCRATCH // per_row))
+    merge = _kernel("sparse_merge", 0)
+    mtemplate = [("T", q.dtype), ("D", D), ("HQ", HQ)]
+    outs = []
+    if tc is not None:
+        DT, NST, HB, smem = tc
+        kern = _kernel("sparse_tc", smem)
+        template = [("T", q.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT), ("NST", NST),
+                    ("HB", HB)]
+        for r0 in range(0, M, group):
+            rows = min(group, M - r0)
+            rinfo = _const_array((r0, rows, 0), mx.int32)
+            part, nkept = kern(
+                inputs=[q, k, v, indices, offset, scale_f, rinfo], template=template,
+                grid=(nspan * SPARSE_TC_THREADS, B * HKV, rows * -(-G // HB)),
+                threadgroup=(SPARSE_TC_THREADS, 1, 1),
+                output_shapes=[(B * HQ * rows, nspan, D + 2), (B * rows,)],
+                output_dtypes=[mx.float32, mx.int32], stream=stream)
+            outs.append(merge(
+                inputs=[part, nkept, q, rinfo], template=mtemplate,
+                grid=(B * HQ * rows * -(-D // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream)[0])
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     kept, nkept = _kernel("sparse_compact", 0)(
         inputs=[indices, offset, k], grid=(B * M * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(B * M, NI), (B * M,)], output_dtypes=[mx.int32, mx.int32], stream=stream)
     DT, smem = sparse_tile(D, k.dtype)
-    scale_f = _scale_array(scale)
-    per_row = B * HQ * nspan * (D + 2) * 4
-    group = max(1, min(M, SPARSE_SCRATCH // per_row))
-    outs = []
     for r0 in range(0, M, group):
         rows = min(group, M - r0)
-        rinfo = _const_array((r0, rows), mx.int32)
+        rinfo = _const_array((r0, rows, r0), mx.int32)
         part = _kernel("sparse_partial", smem)(
             inputs=[q, k, v, kept, nkept, scale_f, rinfo],
             template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT)],
@@ -392,9 +446,9 @@ def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True
             threadgroup=(32 * SPARSE_WARPS, 1, 1),
             output_shapes=[(B * HQ * rows, nspan, D + 2)], output_dtypes=[mx.float32], stream=stream,
         )[0]
-        outs.append(_kernel("sparse_merge", 0)(
-            inputs=[part, nkept, q, rinfo], template=[("T", q.dtype), ("D", D), ("HQ", HQ)],
-            grid=(B * HQ * rows * D, 1, 1), threadgroup=(256, 1, 1),
+        outs.append(merge(
+            inputs=[part, nkept, q, rinfo], template=mtemplate,
+            grid=(B * HQ * rows * -(-D // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream,
         )[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)

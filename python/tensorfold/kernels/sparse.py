@@ -11,9 +11,11 @@ whatever M is, whatever the other rows (queries or index lists) hold, and whatev
 capacity is. Its bits depend only on its query, the ordered list of its *kept* indices
 (entries e with 0 <= e <= offset+i, in the order given; padding / out-of-range entries are
 skipped wherever they sit) and the keys those name. Softmax in fp32, online, over chunks of
-consecutive kept entries in list order. Given the full causal set 0..offset+i in ascending
-order (what ``select_topk`` returns while a row sees at most ``topk`` keys) the result is
-bit-identical to ``row_attention`` on the same face.
+consecutive kept entries in list order (CUDA, bf16 / f16: scores and sums on tensor cores,
+csrc/cuda/sparse_attention.cu). Given the full causal set 0..offset+i in ascending order (what
+``select_topk`` returns while a row sees at most ``topk`` keys) the result is bit-identical to
+``row_attention`` on the CPU face; on CUDA the two kernels have different arithmetic and agree
+within the stated tolerance only.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def use_sparse(chunk_end: int, topk: int) -> bool:
     can see more than ``topk`` keys. It depends on positions only, so a resumed prompt
     and a fresh one make the same choice for the same chunk.
 
-    Either choice gives the same bits for a row that sees at most ``topk`` keys:
-    ``select_topk`` then returns that row's full causal set in ascending order, and
-    ``sparse_attention`` over the full causal set equals ``row_attention`` bit for bit
-    (same face). So the rule may be applied per chunk without breaking drafted == serial.
+    On the CPU face either choice gives the same bits for a row that sees at most ``topk``
+    keys: ``select_topk`` then returns that row's full causal set in ascending order, and
+    ``sparse_attention`` over the full causal set equals ``row_attention`` bit for bit. On
+    the CUDA face it does not (different arithmetic, equal within tolerance only), so a
+    caller that must keep drafted == serial has to pick the kernel per row position
+    (``use_sparse(p + 1, topk)`` for the row at position p), not per chunk.
     """
     return int(chunk_end) > int(topk)
 
@@ -53,6 +57,9 @@ def _offset_value(offset, M: int, limit: int, who: str) -> mx.array:
     offset = int(offset)
     if offset < 0 or offset + M > limit:
         raise ValueError(f"{who}: rows {offset}..{offset + M - 1} do not fit {limit} keys")
+    # (a host-made array. Made on the device by one GPU op instead, as _cuda.device_array does,
+    # the H200 call got slower: 0.10 -> 0.23 ms at M = 1, 0.29 -> 0.37 ms at M = 64, 64k keys;
+    # docs/benchmarks.md, "Sparse attention on the H200".)
     return mx.array([offset], dtype=mx.int32)
 
 
@@ -69,8 +76,8 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
     raises instead). Duplicate entries count once per occurrence.
 
     D: a multiple of 16 on CPU (64..576 tested, e.g. MLA's 576-wide latent with one KV
-    head); CUDA: any D (K is staged in shared memory when it fits 48 KB, else read from
-    global memory -- same arithmetic).
+    head); CUDA: bf16 / f16 (q, k, v of one dtype) with D a multiple of 16 on tensor cores,
+    any other dtype / D on CUDA cores (docs/kernels.md).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("sparse_attention: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
