@@ -107,6 +107,40 @@ def test_sparse_used_only_past_topk(pair, monkeypatch):
     assert len(calls) == 2 * ours.cfg.num_layers
 
 
+def test_exact_rows_take_their_own_kernel_across_topk(pair, monkeypatch):
+    """An exact call whose rows cross index_topk sends each row to the kernel its one-row step
+    uses (row_attention while p + 1 <= topk, sparse_attention after): on CUDA the two kernels'
+    bits differ, so choosing per call would break drafted == serial at the switch. The CPU
+    face's bits agree either way, so this checks the routing itself."""
+    ours, _ = pair[Q4]
+    topk, seen = ours.cfg.index_topk, []
+    real_dense, real_sparse = kernels.row_attention, kernels.sparse_attention
+
+    def dense(q, k, v, off, *a, **kw):
+        seen.append(("dense", int(off), q.shape[2]))
+        return real_dense(q, k, v, off, *a, **kw)
+
+    def sparse(q, k, v, idx, off, *a, **kw):
+        seen.append(("sparse", int(off), q.shape[2]))
+        return real_sparse(q, k, v, idx, off, *a, **kw)
+
+    monkeypatch.setattr(kernels, "row_attention", dense)
+    monkeypatch.setattr(kernels, "sparse_attention", sparse)
+    ids = _ids(ours.cfg.vocab_size, 30, 5)
+    c = ours.new_cache()
+    ours.forward(mx.array([ids[:16]]), c, exact=False, logits=False)     # dense prefill (mlx-lm's ops)
+    seen.clear()
+    ours.forward(mx.array([ids[16:24]]), c, exact=True)                   # positions 16..23
+    per_layer = seen[: len(seen) // ours.cfg.num_layers]
+    assert per_layer == [("dense", 16, topk - 16), ("sparse", topk, 24 - topk)], per_layer
+    for p in (topk - 1, topk):                                            # one-row steps either side
+        c1 = ours.new_cache()
+        ours.forward(mx.array([ids[:p]]), c1, exact=False, logits=False)
+        seen.clear()
+        ours.forward(mx.array([ids[p:p + 1]]), c1, exact=True)
+        assert seen[0] == ("dense" if p + 1 <= topk else "sparse", p, 1), (p, seen[0])
+
+
 def _ties_low_indexer(monkeypatch):
     """mlx-lm's Indexer with its argpartition replaced by select_topk (ties to the lower
     position): the same key set as ours, so only the attention arithmetic differs."""

@@ -361,12 +361,21 @@ class DSAModel(BoundedPrefill, DenseModel):
         if exact or sparse:
             emb = ly.embed_q.exact if exact else ly.embed_q
             qa = mx.concatenate([emb(q_nope), q_pe], axis=-1)             # [B, H, L, kvr + rd]
-            if sparse:
+            # rows 0..b-1 attend densely, rows b.. sparsely. The exact path decides per row
+            # (use_sparse(p + 1) for the row at position p), so a verify window that crosses
+            # top-k gives each row the kernel its one-row decode step uses: on CUDA the two
+            # kernels' bits differ. Prefill chunks (not exact) decide per chunk, as mlx-lm does.
+            b = min(L, max(0, cfg.index_topk - off)) if exact else (0 if sparse else L)
+            parts = []
+            if b > 0:
+                parts.append(kernels.row_attention(qa[:, :, :b] if b < L else qa, kb, kb, off,
+                                                   self.scale))
+            if b < L:
                 sel = kernels.select_topk(self._index_scores(ly, x, qr, ib, off, exact),
                                           cfg.index_topk, off)
-                o = kernels.sparse_attention(qa, kb, kb, sel, off, self.scale)
-            else:
-                o = kernels.row_attention(qa, kb, kb, off, self.scale)
+                parts.append(kernels.sparse_attention(qa[:, :, b:] if b else qa, kb, kb,
+                                                      sel[:, b:] if b else sel, off + b, self.scale))
+            o = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             o = o[..., :kvr]
             o = ly.unembed_out.exact(o) if exact else ly.unembed_out(o)
         else:   # mlx-lm's dense path, op for op
