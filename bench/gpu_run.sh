@@ -12,6 +12,7 @@
 #   bash bench/gpu_run.sh profile   # 8B-shaped decode step: host parts, per-kernel device time
 #   bash bench/gpu_run.sh cp        # row_qmm_cp: == row_qmm_tc bitwise, tests, plan sweep, 8B decode
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
+#   bash bench/gpu_run.sh attn-split | ablate   # where the attention / the decode step's time goes
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
@@ -136,6 +137,18 @@ case "${1:-tests}" in
           --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section SourceCounters python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} 2>&1 \
           | tee "$out/gemm_prof_$NK.txt" | grep -E "row_qmm|Duration|Stall|Issued|Shared|Block Limit|DRAM Through|Compute \(SM\)|Achieved Occ|Registers Per|Theoretical Occ|Eligible Warps|Warp Cycles Per Issued" | head -45
+    done
+    ;;
+  attn-split)   # session 7: row_attn_tc variants that leave stages out (ncu) and a per-block
+                # %globaltimer trace, scalars in managed vs device memory (bench/gpu_attn_split.py)
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfv_|tfmark|row_attn" \
+        python3 bench/gpu_attn_split.py --keys 2048,32768 --rows 1 > "$out/split.csv" 2> "$out/split.err"
+    python3 bench/gpu_attn_split.py --report "$out/split.csv" | tee "$out/split.md"
+    timeout 60 python3 bench/gpu_attn_split.py --trace --keys 2048 --rows 1 2>&1 | tee "$out/trace.txt"
+    ;;
+  ablate)   # session 7: decode tok/s with one part of the exact step replaced by a no-op
+    for a in none attn merge kv norm swiglu none; do
+      timeout 90 python3 bench/gpu_ablate.py --ablate $a --prompt ${PROMPT:-2048} 2>&1 | grep "^|" | tee -a "$out/ablate.md"
     done
     ;;
   moe-profile)   # issue 7: where a Qwen3-30B-A3B-shaped decode step's time goes (host; per kernel)

@@ -163,6 +163,33 @@ def test_cuda_fused_qk_norm_rope(hd, norm, dtype):
         assert err < tol, err
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="a CUDA-only launch fusion")
+@pytest.mark.parametrize("hd,norm,dtype", [(128, True, mx.bfloat16), (64, False, mx.float16)])
+def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
+    """fused_qk_norm_rope(kv=...) (the compiled decode step's cache write): q has the bits of the
+    unfused call; the cache buffers gain exactly the unfused call's k rows and qkv's v rows at
+    rows offset.., every other row unchanged; rows past the capacity are not written."""
+    H, Hk, L, eps, cap = 8, 2, 5, 1e-6, 64
+    rng = _rng("qk-rope-kv", hd, norm, str(dtype))
+    qkv = rand(rng, (1, L, (H + 2 * Hk) * hd), dtype, 2.0)
+    qn, kn = (rand(rng, (hd,), dtype), rand(rng, (hd,), dtype)) if norm else (None, None)
+    inv = mx.array([10000.0 ** (-i / hd) for i in range(0, hd, 2)], dtype=mx.float32)
+    v_rows = qkv.reshape(1, L, H + 2 * Hk, hd)[:, :, H + Hk:].transpose(0, 2, 1, 3)
+    for off in (0, 17, cap - 3):
+        kc, vc = rand(rng, (1, Hk, cap, hd), dtype), rand(rng, (1, Hk, cap, hd), dtype)
+        mx.eval(kc, vc)
+        want_k, want_v = np.array(bits(kc)), np.array(bits(vc))     # copies, taken before
+        q_ref, k_ref = K.fused_qk_norm_rope(qkv, H, Hk, qn, kn, eps, inv, 1.0, off)
+        q = K.fused_qk_norm_rope(qkv, H, Hk, qn, kn, eps, inv, 1.0, off, kv=(kc, vc))
+        mx.eval(q)
+        assert np.array_equal(bits(q), bits(q_ref))
+        n = min(L, cap - off)
+        want_k[:, :, off:off + n] = bits(k_ref)[:, :, :n]
+        want_v[:, :, off:off + n] = bits(v_rows)[:, :, :n]
+        assert np.array_equal(bits(kc), want_k), off
+        assert np.array_equal(bits(vc), want_v), off
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two 4-bit kernels")
 @pytest.mark.parametrize("N,Kd,group_size", [(72, 256, 32), (72, 256, 64), (1152, 384, 64),
                                              (384, 1152, 64), (4096, 4096, 128)])

@@ -125,14 +125,20 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
 
 def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optional[mx.array],
                        k_norm: Optional[mx.array], eps: float, inv_freq: mx.array,
-                       rope_scale: float, offset, *, stream: StreamLike = None):
+                       rope_scale: float, offset, *, kv=None, stream: StreamLike = None):
     """(q [B, H, L, hd], k [B, Hk, L, hd]) from a fused q|k|v projection qkv [B, L, (H + 2 Hk) hd]:
     per-head RMSNorm (q_norm / k_norm, when given) and non-traditional RoPE at positions
     offset .. offset + L - 1 (offset an int or an int32 [1] array), in one launch.
 
     The CUDA face only (csrc/cuda/qk_norm_rope.cu; head sizes 64, 128, 256): it replaces four
     MLX launches of a decode step's layer. Returns None elsewhere, and the caller runs MLX's
-    rms_norm and rope, which are per-row too. Each face is row-exact; their bits differ."""
+    rms_norm and rope, which are per-row too. Each face is row-exact; their bits differ.
+
+    kv = (k_cache, v_cache) [B, Hk, cap, hd]: the key and value rows are written into those
+    buffers IN PLACE at rows offset.. (the compiled decode step's cache write, two launches
+    fewer per layer) and q alone is returned. MLX does not see that write: a later kernel
+    queued in the same CUDA graph that reads the buffers is ordered after it only if it takes
+    an array produced after it (the attention takes q; see dense.StepCache.in_place)."""
     if backend_face(stream) != "cuda" or qkv.ndim != 3:
         return None
     from . import _cuda
@@ -144,7 +150,7 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
     if isinstance(offset, int):
         offset = mx.array([offset], dtype=mx.int32)
     return _cuda.qk_norm_rope(qkv, heads, kv_heads, q_norm, k_norm, eps, inv_freq, rope_scale,
-                              offset, _gpu_stream(stream))
+                              offset, _gpu_stream(stream), kv=kv)
 
 
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
@@ -169,6 +175,9 @@ def _offset_array(offset, q: mx.array, k: mx.array) -> mx.array:
         raise ValueError(
             f"row_attention: rows {offset}..{offset + q.shape[2] - 1} do not fit a KV buffer "
             f"of capacity {k.shape[2]}")
+    # a fresh host array (MLX's managed memory on CUDA): the compiled decode step passes a
+    # device array instead (KVCache.step_offset); one made per call by a GPU op was slower
+    # (sparse_attention on the H200: 0.10 -> 0.23 ms per call, session 7)
     return mx.array([offset], dtype=mx.int32)
 
 

@@ -49,6 +49,8 @@ _KERNELS = {
                   "sparse_attention.cu"),
     "qk_norm_rope": (["qkv", "qn", "kn", "inv_freq", "params", "offset"], ["q", "k"],
                      "qk_norm_rope.cu"),
+    "qk_norm_rope_kv": (["qkv", "qn", "kn", "inv_freq", "params", "offset", "kc", "vc"], ["q"],
+                        "qk_norm_rope.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
     "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
 }
@@ -267,9 +269,21 @@ def matmul(x, w, stream, plan=None):
 def _const_array(values: tuple, dtype) -> mx.array:
     """A small kernel argument (softmax scale, row range) as an evaluated array, made once per
     value (a decode step would otherwise build and copy one per layer)."""
-    a = mx.array(list(values), dtype=dtype)
+    a = device_array(values, dtype)
     mx.eval(a)
     return a
+
+
+def device_array(values, dtype) -> mx.array:
+    """A small kernel argument in device memory. MLX's CUDA allocator puts arrays made from host
+    data, and every array of <= 8 bytes, in managed memory (cudaMallocManaged; the <= 8-byte ones
+    in a pool shared with the host), where a kernel's reads cost microseconds: H200, row_attn_tc
+    at 2k keys 36 us with its offset and scale there, 7.8 us with them in device memory (Nsight
+    Compute, bench/gpu_attn_split.py). So the values are padded to 16 bytes, copied by one GPU
+    op (whose output is a device allocation), and the result is a view of the first len(values)."""
+    n = len(values)
+    pad = max(n, -(-16 // dtype.size))
+    return (mx.array(list(values) + [0] * (pad - n), dtype=dtype) + 0)[:n]
 
 
 def _scale_array(scale: float) -> mx.array:
@@ -475,21 +489,25 @@ QK_HEAD_DIMS = (64, 128, 256)
 
 
 def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rope_scale: float,
-                 offset, stream):
+                 offset, stream, kv=None):
     """q [B, H, L, hd], k [B, HK, L, hd] from qkv [B, L, (H + 2 HK) hd]: per-head RMSNorm (when
-    q_norm is given) and RoPE in one launch (csrc/cuda/qk_norm_rope.cu)."""
+    q_norm is given) and RoPE in one launch (csrc/cuda/qk_norm_rope.cu). With kv = (kc, vc), the
+    KV cache buffers [B, HK, cap, hd], the key and value rows are written into them in place at
+    rows offset.. (qk_norm_rope_kv) and only q is returned."""
     B, L, C = qkv.shape
     hd = C // (H + 2 * HK)
     norm = q_norm is not None
     dummy = _const_array((0.0,), qkv.dtype)
     warps = B * L * (H + HK)
-    return _kernel("qk_norm_rope", 0)(
-        inputs=[qkv, q_norm if norm else dummy, k_norm if norm else dummy, inv_freq,
-                _const_array((float(eps), float(rope_scale)), mx.float32), offset],
-        template=[("T", qkv.dtype), ("H", H), ("HK", HK), ("HD", hd), ("NORM", norm)],
-        grid=(-(-warps // 4) * 128, 1, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(B, H, L, hd), (B, HK, L, hd)], output_dtypes=[qkv.dtype, qkv.dtype],
-        stream=stream)
+    inputs = [qkv, q_norm if norm else dummy, k_norm if norm else dummy, inv_freq,
+              _const_array((float(eps), float(rope_scale)), mx.float32), offset]
+    launch = dict(template=[("T", qkv.dtype), ("H", H), ("HK", HK), ("HD", hd), ("NORM", norm)],
+                  grid=(-(-warps // 4) * 128, 1, 1), threadgroup=(128, 1, 1), stream=stream)
+    if kv is not None:
+        return _kernel("qk_norm_rope_kv", 0)(inputs=inputs + list(kv), output_shapes=[(B, H, L, hd)],
+                                             output_dtypes=[qkv.dtype], **launch)[0]
+    return _kernel("qk_norm_rope", 0)(inputs=inputs, output_shapes=[(B, H, L, hd), (B, HK, L, hd)],
+                                      output_dtypes=[qkv.dtype, qkv.dtype], **launch)
 
 
 def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):

@@ -113,6 +113,11 @@ class Layer:
             self.q_norm = self.k_norm = None
 
 
+def kernels_row_attention(q, kb, vb, off, scale):
+    from .. import kernels
+    return kernels.row_attention(q, kb, vb, off, scale)
+
+
 class StepCache:
     """KVCache's interface inside the compiled exact step: the offset is an int32 [1] array, so the
     traced graph does not depend on the position. Writes scatter the new rows at positions
@@ -123,7 +128,25 @@ class StepCache:
 
     def __init__(self, keys, values, offset, rows: int):
         self.keys, self.values, self.offset = list(keys), list(values), offset
-        self.pos = (offset + mx.arange(rows, dtype=mx.int32)).reshape(1, 1, rows, 1)
+        # at least 4 positions computed, so that the array is not one of MLX's <= 8-byte
+        # (managed memory) allocations (kernels._cuda.device_array)
+        pos = offset + mx.arange(max(rows, 4), dtype=mx.int32)
+        self.pos = pos[:rows].reshape(1, 1, rows, 1)
+
+    def in_place(self, layer: int):
+        """The layer's KV buffers for a fused kernel that writes the new rows itself (CUDA's
+        qk_norm_rope_kv), when TENSORFOLD_INPLACE_KV=1; else None and write() scatters.
+
+        Off by default: MLX's CUDA graphs order kernels by the buffers each declares as an
+        output (CommandEncoder::set_output_array), and an in-place write into an input declares
+        none, so a later step that is queued in the same graph (steps chained lazily, as
+        row_check does) can read the cache before an earlier step's write lands: on the H200
+        row_check failed with it (k one-row steps vs one k-row call), and passed without it.
+        mx.depends does not help (it orders MLX's evaluation, not the graph's edges). Using it
+        needs every later reader of the buffers to take an array the writer's step produced."""
+        if os.environ.get("TENSORFOLD_INPLACE_KV") != "1":
+            return None
+        return self.keys[layer], self.values[layer]
 
     def write(self, layer: int, k, v):
         def put(buf, rows):
@@ -201,7 +224,12 @@ class DenseModel:
         qk = None
         if exact and ly.qkv is not None:
             qkv = ly.qkv.exact(x)
-            qk = self._fused_qk(ly, qkv, off)   # norms + RoPE in one launch (CUDA), or None
+            kv = cache.in_place(i)
+            # norms + RoPE in one launch (CUDA), or None; with kv it also writes the KV rows
+            qk = self._fused_qk(ly, qkv, off, kv)
+            if qk is not None and kv is not None:
+                o = kernels_row_attention(qk, kv[0], kv[1], off, self.scale)
+                return _out(ly.o, o.transpose(0, 2, 1, 3).reshape(B, L, H * hd), exact, residual)
             if qk is None:
                 q, k = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd]
             v = qkv[..., (H + Hk) * hd:]
@@ -219,8 +247,7 @@ class DenseModel:
             q, k = self.rope(q, off), self.rope(k, off)
         kb, vb = cache.write(i, k, v)
         if exact:
-            from .. import kernels
-            o = kernels.row_attention(q, kb, vb, off, self.scale)
+            o = kernels_row_attention(q, kb, vb, off, self.scale)
         else:
             o = mx.fast.scaled_dot_product_attention(
                 q, kb[..., : off + L, :], vb[..., : off + L, :], scale=self.scale,
@@ -228,15 +255,17 @@ class DenseModel:
         o = o.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
         return _out(ly.o, o, exact, residual)
 
-    def _fused_qk(self, ly: Layer, qkv, off):
+    def _fused_qk(self, ly: Layer, qkv, off, kv=None):
         """Decode's q, k through kernels.fused_qk_norm_rope where the face has it (CUDA), else
-        None. TENSORFOLD_FUSED_QK=0 turns it off (MLX's rms_norm and rope, other bits)."""
+        None; with kv (the layer's KV buffers, StepCache.in_place) q alone, the key and value
+        rows written into kv. TENSORFOLD_FUSED_QK=0 turns it off (MLX's rms_norm and rope,
+        other bits)."""
         if os.environ.get("TENSORFOLD_FUSED_QK") == "0":
             return None
         from .. import kernels
         inv, scale = self.rope_freq
         return kernels.fused_qk_norm_rope(qkv, self.cfg.num_heads, self.cfg.num_kv_heads,
-                                          ly.q_norm, ly.k_norm, self.eps, inv, scale, off)
+                                          ly.q_norm, ly.k_norm, self.eps, inv, scale, off, kv=kv)
 
     def _mlp(self, ly: Layer, x, exact: bool, residual=None):
         if exact and ly.gate_up is not None:
@@ -282,20 +311,22 @@ class DenseModel:
 
     # ---- the compiled exact step ------------------------------------------------------------
     def _exact_body(self, ids, offset, keys, values):
-        """forward(exact=True, all_logits=True) as a pure function of (ids, offset, KV buffers)."""
-        cache = StepCache(keys, values, offset, ids.shape[1])
+        """forward(exact=True, all_logits=True) as a pure function of (ids, offset, KV buffers);
+        offset is an int32 [4] array (KVCache.step_offset) and the step returns offset + L."""
+        L = ids.shape[1]
+        cache = StepCache(keys, values, offset[:1], L)
         h = self._layers(self.embed.embed(ids), cache, True)
         h = mx.fast.rms_norm(h, self.norm, self.eps)
-        return self.lm_head.exact(h)[0], cache.keys, cache.values
+        return self.lm_head.exact(h)[0], cache.keys, cache.values, offset + L
 
     def _exact_compiled(self, ids, cache: KVCache):
         step = self.__dict__.get("_exact_step")
         if step is None:
             step = self._exact_step = mx.compile(self._exact_body)
-        off = mx.array([cache.offset], dtype=mx.int32)
-        logits, keys, values = step(ids, off, cache.keys, cache.values)
+        logits, keys, values, nxt = step(ids, cache.step_offset(), cache.keys, cache.values)
         # rebinding drops the old buffers' last host references: the scatters can write in
         # place (MLX donates a buffer nothing else holds; peak memory measured unchanged)
         cache.keys, cache.values = keys, values
         cache.offset += ids.shape[1]
+        cache.set_step_offset(nxt)
         return logits

@@ -23,6 +23,20 @@ class KVCache:
         self.values: list[mx.array | None] = [None] * num_layers
         self.offset = 0
         self.capacity = 0
+        self._step_off: tuple[int, mx.array] | None = None
+
+    def step_offset(self) -> mx.array:
+        """The offset as the first element of an int32 [4] array for the compiled exact step:
+        the array the last step returned (offset + L, computed on the device) while it still
+        matches, else a fresh one. On CUDA that keeps it out of MLX's managed memory (where
+        arrays made from host data and all arrays of <= 8 bytes live, and every kernel's read of
+        them costs microseconds: kernels._cuda.device_array)."""
+        if self._step_off is None or self._step_off[0] != self.offset:
+            self._step_off = (self.offset, mx.array([self.offset, 0, 0, 0], dtype=mx.int32) + 0)
+        return self._step_off[1]
+
+    def set_step_offset(self, arr: mx.array) -> None:
+        self._step_off = (self.offset, arr)
 
     def reserve(self, n: int) -> None:
         """Make room for positions [0, n)."""
@@ -38,6 +52,10 @@ class KVCache:
                 v[..., : self.offset, :] = self.values[i][..., : self.offset, :]
             self.keys[i], self.values[i] = k, v
         self.capacity = cap
+
+    def in_place(self, layer: int):
+        """None: the eager path writes rows with slice updates (StepCache.in_place)."""
+        return None
 
     def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store rows at [offset, offset + L) for one layer; returns the full buffers."""
