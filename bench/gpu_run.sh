@@ -13,6 +13,7 @@
 #   bash bench/gpu_run.sh cp        # row_qmm_cp: == row_qmm_tc bitwise, tests, plan sweep, 8B decode
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 #   bash bench/gpu_run.sh attn-split | ablate   # where the attention / the decode step's time goes
+#   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the default
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
@@ -145,6 +146,17 @@ case "${1:-tests}" in
         python3 bench/gpu_attn_split.py --keys 2048,32768 --rows 1 > "$out/split.csv" 2> "$out/split.err"
     python3 bench/gpu_attn_split.py --report "$out/split.csv" | tee "$out/split.md"
     timeout 60 python3 bench/gpu_attn_split.py --trace --keys 2048 --rows 1 2>&1 | tee "$out/trace.txt"
+    ;;
+  inplace)  # issue 4: the KV rows written in place with fences (TENSORFOLD_INPLACE_KV=1) --
+            # row_check and the lazily-queued-steps test must pass, drafts must be accepted;
+            # then the default and the in-place step side by side with mlx-lm at 2k and 32k
+    TENSORFOLD_INPLACE_KV=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py \
+        tests/test_kernels.py -k "compiled or in_place or fused_qk" 2>&1 | tee "$out/test_inplace.log" | tail -3
+    TENSORFOLD_INPLACE_KV=1 timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_inplace.txt" | tail -4
+    for f in 0 1; do
+      TENSORFOLD_INPLACE_KV=$f timeout 280 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} \
+          --decode 128 --repeat 3 2>&1 | tee "$out/bench_decode_inplace$f.md" | tail -3
+    done
     ;;
   ablate)   # session 7: decode tok/s with one part of the exact step replaced by a no-op
     for a in none attn merge kv norm swiglu none; do

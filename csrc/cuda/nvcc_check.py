@@ -114,7 +114,8 @@ for T in (bf, f16, f32):
         CASES.append(("qk_norm_rope", dict(T=T, H=32, HK=8, HD=HD, NORM=NORM),
                       dict(qkv=T, qn=T, kn=T, inv_freq=f32, params=f32, offset=i32), dict(q=T, k=T)))
         CASES.append(("qk_norm_rope_kv", dict(T=T, H=32, HK=8, HD=HD, NORM=NORM),
-                      dict(qkv=T, qn=T, kn=T, inv_freq=f32, params=f32, offset=i32, kc=T, vc=T),
+                      dict(qkv=T, qn=T, kn=T, inv_freq=f32, params=f32, offset=i32, kc=T, vc=T,
+                           fence=f32),
                       dict(q=T)))
 CASES.append(("sparse_compact", dict(), dict(indices=i32, offset=i32, k=bf), dict(kept=i32, nkept=i32)))
 

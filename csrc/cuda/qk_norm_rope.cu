@@ -89,8 +89,10 @@ for (int j = 0; j < PL; ++j) {
 // compiled decode step's cache write, which otherwise takes two scatter launches per layer):
 // inputs: as qk_norm_rope, plus kc, vc [B, HK, cap, HD] (T): rows offset + l are overwritten
 //         IN PLACE (the buffers are inputs; MLX is not told -- the step's attention, which reads
-//         them, depends on this kernel's q, so it runs after it on the stream). Rows outside
-//         the buffer are not written.
+//         them, depends on this kernel's q, so it runs after it), and fence (any array, never
+//         read: MLX's CUDA graph runs this launch after the kernel that produced it, the
+//         previous step's attention; dense.StepCache.in_place). Rows outside the buffer are
+//         not written.
 // output: q [B, H, L, HD] (T).   template: T, H, HK, HD, NORM
 // launch: as qk_norm_rope. Same arithmetic (tf_qk_head); v rows are copied unchanged.
 constexpr int HALF = HD / 2;

@@ -49,8 +49,8 @@ _KERNELS = {
                   "sparse_attention.cu"),
     "qk_norm_rope": (["qkv", "qn", "kn", "inv_freq", "params", "offset"], ["q", "k"],
                      "qk_norm_rope.cu"),
-    "qk_norm_rope_kv": (["qkv", "qn", "kn", "inv_freq", "params", "offset", "kc", "vc"], ["q"],
-                        "qk_norm_rope.cu"),
+    "qk_norm_rope_kv": (["qkv", "qn", "kn", "inv_freq", "params", "offset", "kc", "vc", "fence"],
+                        ["q"], "qk_norm_rope.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
     "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
 }
@@ -492,8 +492,9 @@ def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rop
                  offset, stream, kv=None):
     """q [B, H, L, hd], k [B, HK, L, hd] from qkv [B, L, (H + 2 HK) hd]: per-head RMSNorm (when
     q_norm is given) and RoPE in one launch (csrc/cuda/qk_norm_rope.cu). With kv = (kc, vc), the
-    KV cache buffers [B, HK, cap, hd], the key and value rows are written into them in place at
-    rows offset.. (qk_norm_rope_kv) and only q is returned."""
+    KV cache buffers [B, HK, cap, hd] (and optionally a fence: any array, never read, that the
+    launch waits for in MLX's CUDA graph), the key and value rows are written into them in place
+    at rows offset.. (qk_norm_rope_kv) and only q is returned."""
     B, L, C = qkv.shape
     hd = C // (H + 2 * HK)
     norm = q_norm is not None
@@ -504,7 +505,10 @@ def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rop
     launch = dict(template=[("T", qkv.dtype), ("H", H), ("HK", HK), ("HD", hd), ("NORM", norm)],
                   grid=(-(-warps // 4) * 128, 1, 1), threadgroup=(128, 1, 1), stream=stream)
     if kv is not None:
-        return _kernel("qk_norm_rope_kv", 0)(inputs=inputs + list(kv), output_shapes=[(B, H, L, hd)],
+        kc, vc = kv[0], kv[1]
+        fence = kv[2] if len(kv) > 2 else dummy
+        return _kernel("qk_norm_rope_kv", 0)(inputs=inputs + [kc, vc, fence],
+                                             output_shapes=[(B, H, L, hd)],
                                              output_dtypes=[qkv.dtype], **launch)[0]
     return _kernel("qk_norm_rope", 0)(inputs=inputs, output_shapes=[(B, H, L, hd), (B, HK, L, hd)],
                                       output_dtypes=[qkv.dtype, qkv.dtype], **launch)

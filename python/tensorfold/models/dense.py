@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from functools import partial
 
@@ -113,6 +114,11 @@ class Layer:
             self.q_norm = self.k_norm = None
 
 
+@functools.lru_cache(maxsize=1)
+def _fence0() -> mx.array:
+    return mx.zeros((1,), mx.float32)
+
+
 def kernels_row_attention(q, kb, vb, off, scale):
     from .. import kernels
     return kernels.row_attention(q, kb, vb, off, scale)
@@ -126,27 +132,36 @@ class StepCache:
     launches one thread per element of the whole KV buffer (copy_general_dynamic sizes its grid
     by the output), measured 35 us per write at 2.3k capacity on the H200, growing with it."""
 
-    def __init__(self, keys, values, offset, rows: int):
+    def __init__(self, keys, values, offset, rows: int, fences=None):
         self.keys, self.values, self.offset = list(keys), list(values), offset
         # at least 4 positions computed, so that the array is not one of MLX's <= 8-byte
         # (managed memory) allocations (kernels._cuda.device_array)
         pos = offset + mx.arange(max(rows, 4), dtype=mx.int32)
         self.pos = pos[:rows].reshape(1, 1, rows, 1)
+        self.fences = None if fences is None else list(fences)
 
     def in_place(self, layer: int):
-        """The layer's KV buffers for a fused kernel that writes the new rows itself (CUDA's
-        qk_norm_rope_kv), when TENSORFOLD_INPLACE_KV=1; else None and write() scatters.
+        """(k buffer, v buffer, fence) for a fused kernel that writes the layer's new KV rows
+        into the buffers itself (CUDA's qk_norm_rope_kv; then write() is skipped), when the step
+        was given fences (TENSORFOLD_INPLACE_KV=1, DenseModel.inplace_kv); else None.
 
-        Off by default: MLX's CUDA graphs order kernels by the buffers each declares as an
-        output (CommandEncoder::set_output_array), and an in-place write into an input declares
-        none, so a later step that is queued in the same graph (steps chained lazily, as
-        row_check does) can read the cache before an earlier step's write lands: on the H200
-        row_check failed with it (k one-row steps vs one k-row call), and passed without it.
-        mx.depends does not help (it orders MLX's evaluation, not the graph's edges). Using it
-        needs every later reader of the buffers to take an array the writer's step produced."""
-        if os.environ.get("TENSORFOLD_INPLACE_KV") != "1":
+        MLX's CUDA graphs order kernels by the buffers each declares as outputs
+        (CommandEncoder::set_output_array), and an in-place write into an input declares none:
+        with several steps queued lazily in one graph (row_check builds its k one-row steps
+        before evaluating them), a later step's attention could run before an earlier step's
+        write. So the writer also takes the layer's fence, a view of the previous step's
+        attention output for this layer (fenced(), returned by the step): write(t) -> q(t) ->
+        attention(t) -> fence -> write(t + 1) -> attention(t + 1). Without the fence, row_check
+        failed on the H200 (mx.depends does not help: it orders MLX's evaluation, not the
+        graph's edges). With it: not yet run on a GPU, so off by default."""
+        if self.fences is None:
             return None
-        return self.keys[layer], self.values[layer]
+        return self.keys[layer], self.values[layer], self.fences[layer]
+
+    def fenced(self, layer: int, o) -> None:
+        """After the attention that read the in-place rows: its output becomes the fence of
+        the next write into this layer's buffers (a 1-element view: no copy, one trace)."""
+        self.fences[layer] = o.reshape(-1)[:1]
 
     def write(self, layer: int, k, v):
         def put(buf, rows):
@@ -229,6 +244,7 @@ class DenseModel:
             qk = self._fused_qk(ly, qkv, off, kv)
             if qk is not None and kv is not None:
                 o = kernels_row_attention(qk, kv[0], kv[1], off, self.scale)
+                cache.fenced(i, o)
                 return _out(ly.o, o.transpose(0, 2, 1, 3).reshape(B, L, H * hd), exact, residual)
             if qk is None:
                 q, k = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd]
@@ -310,20 +326,35 @@ class DenseModel:
         return head(h)[0]
 
     # ---- the compiled exact step ------------------------------------------------------------
-    def _exact_body(self, ids, offset, keys, values):
+    def _exact_body(self, ids, offset, keys, values, fences=None):
         """forward(exact=True, all_logits=True) as a pure function of (ids, offset, KV buffers);
-        offset is an int32 [4] array (KVCache.step_offset) and the step returns offset + L."""
+        offset is an int32 [4] array (KVCache.step_offset) and the step returns offset + L.
+        With fences (one 1-element array per layer) the KV rows are written in place where the
+        face can (StepCache.in_place) and the step also returns the next fences."""
         L = ids.shape[1]
-        cache = StepCache(keys, values, offset[:1], L)
+        cache = StepCache(keys, values, offset[:1], L, fences)
         h = self._layers(self.embed.embed(ids), cache, True)
         h = mx.fast.rms_norm(h, self.norm, self.eps)
-        return self.lm_head.exact(h)[0], cache.keys, cache.values, offset + L
+        out = (self.lm_head.exact(h)[0], cache.keys, cache.values, offset + L)
+        return out if fences is None else out + (cache.fences,)
+
+    @staticmethod
+    def inplace_kv() -> bool:
+        """TENSORFOLD_INPLACE_KV=1: the compiled step writes KV rows in place (StepCache.in_place;
+        CUDA only, not yet validated on a GPU with its fences)."""
+        return os.environ.get("TENSORFOLD_INPLACE_KV") == "1"
 
     def _exact_compiled(self, ids, cache: KVCache):
         step = self.__dict__.get("_exact_step")
         if step is None:
             step = self._exact_step = mx.compile(self._exact_body)
-        logits, keys, values, nxt = step(ids, cache.step_offset(), cache.keys, cache.values)
+        args = (ids, cache.step_offset(), cache.keys, cache.values)
+        if self.inplace_kv():
+            if cache.fences is None:    # any array: the buffers' own producers order the first write
+                cache.fences = [_fence0() for _ in range(self.cfg.num_layers)]
+            logits, keys, values, nxt, cache.fences = step(*args, cache.fences)
+        else:
+            logits, keys, values, nxt = step(*args)
         # rebinding drops the old buffers' last host references: the scatters can write in
         # place (MLX donates a buffer nothing else holds; peak memory measured unchanged)
         cache.keys, cache.values = keys, values

@@ -24,6 +24,7 @@ class KVCache:
         self.offset = 0
         self.capacity = 0
         self._step_off: tuple[int, mx.array] | None = None
+        self.fences: list[mx.array] | None = None     # DenseModel.inplace_kv (StepCache.in_place)
 
     def step_offset(self) -> mx.array:
         """The offset as the first element of an int32 [4] array for the compiled exact step:
