@@ -77,14 +77,15 @@ def test_in_place_kv_writes_are_fenced(checkpoints, name, monkeypatch):
     """TENSORFOLD_INPLACE_KV=1 (StepCache.in_place): on CUDA the fused q/k kernel writes the KV rows
     into the cache buffers itself, which MLX's CUDA graphs cannot see, so each layer's write
     takes a fence (the previous step's attention output). _decode queues all its steps lazily
-    before one eval, the case that broke without fences: serial steps must equal 4-row calls
-    and the default path, bit for bit, KV included. On the CPU the fused kernel does not exist
+    before one eval, the case that broke without fences, and crosses a capacity step (the
+    growth copy reads the buffers: KVCache._settle): serial steps must equal 4-row calls and
+    the default path, bit for bit, KV included. On the CPU the fused kernel does not exist
     and this checks the fence plumbing: one fence per layer returned by every step, one trace
-    per row count."""
+    per (row count, capacity)."""
     model = load_model(checkpoints[name])
     model.compiled_decode = True
     rng = np.random.default_rng(3)
-    ids = rng.integers(3, model.cfg.vocab_size, 40).tolist()
+    ids = rng.integers(3, model.cfg.vocab_size, 250).tolist()   # the steps cross the 256 capacity
     steps = rng.integers(3, model.cfg.vocab_size, 12).tolist()
     ref, c0 = _decode(model, ids, steps)
     monkeypatch.setenv("TENSORFOLD_INPLACE_KV", "1")
@@ -99,7 +100,7 @@ def test_in_place_kv_writes_are_fenced(checkpoints, name, monkeypatch):
     monkeypatch.setattr(model, "_exact_body", counted)
     serial, c1 = _decode(model, ids, steps)
     block, c2 = _decode(model, ids, steps, block=4)
-    assert traces == [(1, 1), (1, 4)]
+    assert traces == [(1, 1), (1, 1), (1, 4), (1, 4)]       # one per (rows, capacity 256 / 512)
     assert len(c1.fences) == model.cfg.num_layers and all(f.size == 1 for f in c1.fences)
     assert bool(mx.array_equal(serial, ref).item()) and bool(mx.array_equal(block, ref).item())
     for c in (c1, c2):

@@ -39,10 +39,18 @@ class KVCache:
     def set_step_offset(self, arr: mx.array) -> None:
         self._step_off = (self.offset, arr)
 
+    def _settle(self) -> None:
+        """Rows written in place by compiled steps (DenseModel.inplace_kv) are invisible to MLX's
+        CUDA graphs, so before an eager op reads or rewrites the buffers, the steps queued so
+        far are evaluated (their fences are the last thing each layer's step produces)."""
+        if self.fences is not None:
+            mx.eval(self.fences)
+
     def reserve(self, n: int) -> None:
         """Make room for positions [0, n)."""
         if n <= self.capacity:
             return
+        self._settle()
         cap = -(-n // self.step) * self.step
         shape = (1, self.num_kv_heads, cap, self.head_dim)
         vshape = (1, self.num_kv_heads, cap, self.value_dim)
@@ -60,6 +68,8 @@ class KVCache:
 
     def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store rows at [offset, offset + L) for one layer; returns the full buffers."""
+        if layer == 0:
+            self._settle()
         L = k.shape[2]
         self.keys[layer][..., self.offset: self.offset + L, :] = k
         self.values[layer][..., self.offset: self.offset + L, :] = v
@@ -78,6 +88,7 @@ class KVCache:
         """Copies of the first n positions of every layer (a prompt-cache snapshot)."""
         if n > self.offset:
             raise ValueError("snapshot beyond offset")
+        self._settle()
         return [(mx.array(self.keys[i][..., :n, :]), mx.array(self.values[i][..., :n, :]))
                 for i in range(self.num_layers)]
 
