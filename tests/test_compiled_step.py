@@ -24,10 +24,8 @@ def _decode(model, ids, steps, block=1):
     return mx.concatenate(rows, axis=0), c
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
-    model = load_model(checkpoints[name])
-    model.compiled_decode = True          # the default; forced so an env override cannot skip it
+def _count_traces(model, monkeypatch) -> list:
+    """The row shapes the compiled step is traced with (mx.compile calls the body per trace)."""
     traces = []
     body = model._exact_body
 
@@ -36,6 +34,14 @@ def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
         return body(*a)
 
     monkeypatch.setattr(model, "_exact_body", counted)
+    return traces
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_trace_serves_every_position(checkpoints, name, monkeypatch):
+    model = load_model(checkpoints[name])
+    model.compiled_decode = True          # the default; forced so an env override cannot skip it
+    traces = _count_traces(model, monkeypatch)
     rng = np.random.default_rng(1)
     ids = rng.integers(3, model.cfg.vocab_size, 20).tolist()
     steps = rng.integers(3, model.cfg.vocab_size, 24).tolist()
@@ -90,14 +96,7 @@ def test_in_place_kv_writes_are_fenced(checkpoints, name, monkeypatch):
     ref, c0 = _decode(model, ids, steps)
     monkeypatch.setenv("TENSORFOLD_INPLACE_KV", "1")
     model.__dict__.pop("_exact_step")             # compile again, with fences
-    traces = []
-    body = model._exact_body
-
-    def counted(*a):
-        traces.append(a[0].shape)
-        return body(*a)
-
-    monkeypatch.setattr(model, "_exact_body", counted)
+    traces = _count_traces(model, monkeypatch)
     serial, c1 = _decode(model, ids, steps)
     block, c2 = _decode(model, ids, steps, block=4)
     assert traces == [(1, 1), (1, 1), (1, 4), (1, 4)]       # one per (rows, capacity 256 / 512)

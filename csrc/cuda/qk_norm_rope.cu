@@ -59,6 +59,17 @@ __device__ __forceinline__ void tf_qk_head(const T* qkv, const T* qn, const T* k
   }
 }
 
+// The two halves of one head vector (tf_qk_head's outputs) rounded to T into dst[0 .. HD).
+template <typename T, int HD>
+__device__ __forceinline__ void tf_qk_store(T* dst, const float (&oa)[HD / 64],
+                                            const float (&ob)[HD / 64], int lane) {
+#pragma unroll
+  for (int j = 0; j < HD / 64; ++j) {
+    dst[lane + 32 * j] = tf_from_float<T>(oa[j]);
+    dst[HD / 2 + lane + 32 * j] = tf_from_float<T>(ob[j]);
+  }
+}
+
 // @@body qk_norm_rope
 // inputs: qkv [B, L, (H + 2 HK) * HD] (T), qn, kn [HD] (T; read only with NORM),
 //         inv_freq [HD/2] float32, params [2] float32 (eps, rope scale), offset [1] int32
@@ -78,11 +89,7 @@ float oa[PL], ob[PL];
 tf_qk_head<T, H, HK, HD, NORM>(qkv, qn, kn, inv_freq, params, offset[0] + l, row, head, lane, oa, ob);
 T* dst = head < H ? q + (((size_t)b * H + head) * L + l) * HD
                   : k + (((size_t)b * HK + (head - H)) * L + l) * HD;
-#pragma unroll
-for (int j = 0; j < PL; ++j) {
-  dst[lane + 32 * j] = tf_from_float<T>(oa[j]);
-  dst[HALF + lane + 32 * j] = tf_from_float<T>(ob[j]);
-}
+tf_qk_store<T, HD>(dst, oa, ob, lane);
 
 // @@body qk_norm_rope_kv
 // qk_norm_rope that writes the key and value rows straight into the KV cache buffers (the
@@ -121,8 +128,4 @@ if (head < H) {
 #pragma unroll
   for (int j = 0; j < HD / 32; ++j) vdst[lane + 32 * j] = vsrc[lane + 32 * j];
 }
-#pragma unroll
-for (int j = 0; j < PL; ++j) {
-  dst[lane + 32 * j] = tf_from_float<T>(oa[j]);
-  dst[HALF + lane + 32 * j] = tf_from_float<T>(ob[j]);
-}
+tf_qk_store<T, HD>(dst, oa, ob, lane);
