@@ -152,7 +152,9 @@ case "${1:-tests}" in
             # then the default and the in-place step side by side with mlx-lm at 2k and 32k
     TENSORFOLD_INPLACE_KV=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py \
         tests/test_kernels.py -k "compiled or in_place or fused_qk" 2>&1 | tee "$out/test_inplace.log" | tail -3
-    TENSORFOLD_INPLACE_KV=1 timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_inplace.txt" | tail -4
+    for f in 0 1; do   # the default (session 7's device scalars) and the in-place write
+      TENSORFOLD_INPLACE_KV=$f timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_inplace$f.txt" | tail -4
+    done
     for f in 0 1; do
       TENSORFOLD_INPLACE_KV=$f timeout 280 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} \
           --decode 128 --repeat 3 2>&1 | tee "$out/bench_decode_inplace$f.md" | tail -3
