@@ -134,11 +134,13 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
     MLX launches of a decode step's layer. Returns None elsewhere, and the caller runs MLX's
     rms_norm and rope, which are per-row too. Each face is row-exact; their bits differ.
 
-    kv = (k_cache, v_cache) [B, Hk, cap, hd]: the key and value rows are written into those
-    buffers IN PLACE at rows offset.. (the compiled decode step's cache write, two launches
-    fewer per layer) and q alone is returned. MLX does not see that write: a later kernel
-    queued in the same CUDA graph that reads the buffers is ordered after it only if it takes
-    an array produced after it (the attention takes q; see dense.StepCache.in_place)."""
+    kv = (k_cache, v_cache[, fence]), caches [B, Hk, cap, hd]: the key and value rows are
+    written into those buffers IN PLACE at rows offset.. (the compiled decode step's cache
+    write, two launches fewer per layer) and q alone is returned. MLX does not see that write:
+    a later kernel queued in the same CUDA graph that reads the buffers is ordered after it only
+    if it takes an array produced after it (the attention takes q); the fence, an array the
+    kernel never reads, orders the write after the kernel that produced it (the previous step's
+    attention: dense.StepCache.in_place)."""
     if backend_face(stream) != "cuda" or qkv.ndim != 3:
         return None
     from . import _cuda

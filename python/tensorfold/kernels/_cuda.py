@@ -424,16 +424,13 @@ def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True
     scale_f = _scale_array(scale)
     per_row = B * HQ * nspan * (D + 2) * 4
     group = max(1, min(M, SPARSE_SCRATCH // per_row))
-    merge = _kernel("sparse_merge", 0)
-    mtemplate = [("T", q.dtype), ("D", D), ("HQ", HQ)]
-    outs = []
     if tc is not None:
         DT, NST, HB, smem = tc
         kern = _kernel("sparse_tc", smem)
         template = [("T", q.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT), ("NST", NST),
                     ("HB", HB)]
-        for r0 in range(0, M, group):
-            rows = min(group, M - r0)
+
+        def partials(r0, rows):     # the row's list compacted in the kernel
             rinfo = _const_array((r0, rows, 0), mx.int32)
             part, nkept = kern(
                 inputs=[q, k, v, indices, offset, scale_f, rinfo], template=template,
@@ -441,30 +438,34 @@ def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True
                 threadgroup=(SPARSE_TC_THREADS, 1, 1),
                 output_shapes=[(B * HQ * rows, nspan, D + 2), (B * rows,)],
                 output_dtypes=[mx.float32, mx.int32], stream=stream)
-            outs.append(merge(
-                inputs=[part, nkept, q, rinfo], template=mtemplate,
-                grid=(B * HQ * rows * -(-D // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-                output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream)[0])
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    kept, nkept = _kernel("sparse_compact", 0)(
-        inputs=[indices, offset, k], grid=(B * M * 32, 1, 1), threadgroup=(32, 1, 1),
-        output_shapes=[(B * M, NI), (B * M,)], output_dtypes=[mx.int32, mx.int32], stream=stream)
-    DT, smem = sparse_tile(D, k.dtype)
+            return part, nkept, rinfo
+    else:
+        kept, nkept_all = _kernel("sparse_compact", 0)(
+            inputs=[indices, offset, k], grid=(B * M * 32, 1, 1), threadgroup=(32, 1, 1),
+            output_shapes=[(B * M, NI), (B * M,)], output_dtypes=[mx.int32, mx.int32],
+            stream=stream)
+        DT, smem = sparse_tile(D, k.dtype)
+
+        def partials(r0, rows):
+            rinfo = _const_array((r0, rows, r0), mx.int32)
+            part = _kernel("sparse_partial", smem)(
+                inputs=[q, k, v, kept, nkept_all, scale_f, rinfo],
+                template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV),
+                          ("DT", DT)],
+                grid=(nspan * 32 * SPARSE_WARPS, B * HKV, rows * -(-G // SPARSE_WARPS)),
+                threadgroup=(32 * SPARSE_WARPS, 1, 1),
+                output_shapes=[(B * HQ * rows, nspan, D + 2)], output_dtypes=[mx.float32],
+                stream=stream)[0]
+            return part, nkept_all, rinfo
+    merge = _kernel("sparse_merge", 0)
+    outs = []
     for r0 in range(0, M, group):
         rows = min(group, M - r0)
-        rinfo = _const_array((r0, rows, r0), mx.int32)
-        part = _kernel("sparse_partial", smem)(
-            inputs=[q, k, v, kept, nkept, scale_f, rinfo],
-            template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", HKV), ("DT", DT)],
-            grid=(nspan * 32 * SPARSE_WARPS, B * HKV, rows * -(-G // SPARSE_WARPS)),
-            threadgroup=(32 * SPARSE_WARPS, 1, 1),
-            output_shapes=[(B * HQ * rows, nspan, D + 2)], output_dtypes=[mx.float32], stream=stream,
-        )[0]
+        part, nkept, rinfo = partials(r0, rows)
         outs.append(merge(
-            inputs=[part, nkept, q, rinfo], template=mtemplate,
+            inputs=[part, nkept, q, rinfo], template=[("T", q.dtype), ("D", D), ("HQ", HQ)],
             grid=(B * HQ * rows * -(-D // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-            output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream,
-        )[0])
+            output_shapes=[(B, HQ, rows, D)], output_dtypes=[q.dtype], stream=stream)[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 

@@ -368,13 +368,12 @@ class DSAModel(BoundedPrefill, DenseModel):
             b = min(L, max(0, cfg.index_topk - off)) if exact else (0 if sparse else L)
             parts = []
             if b > 0:
-                parts.append(kernels.row_attention(qa[:, :, :b] if b < L else qa, kb, kb, off,
-                                                   self.scale))
+                parts.append(kernels.row_attention(qa[:, :, :b], kb, kb, off, self.scale))
             if b < L:
                 sel = kernels.select_topk(self._index_scores(ly, x, qr, ib, off, exact),
                                           cfg.index_topk, off)
-                parts.append(kernels.sparse_attention(qa[:, :, b:] if b else qa, kb, kb,
-                                                      sel[:, b:] if b else sel, off + b, self.scale))
+                parts.append(kernels.sparse_attention(qa[:, :, b:], kb, kb, sel[:, b:], off + b,
+                                                      self.scale))
             o = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             o = o[..., :kvr]
             o = ly.unembed_out.exact(o) if exact else ly.unembed_out(o)
