@@ -147,10 +147,10 @@ case "${1:-tests}" in
     python3 bench/gpu_attn_split.py --report "$out/split.csv" | tee "$out/split.md"
     timeout 60 python3 bench/gpu_attn_split.py --trace --keys 2048 --rows 1 2>&1 | tee "$out/trace.txt"
     ;;
-  inplace)  # issue 4: the KV rows written in place with fences (TENSORFOLD_INPLACE_KV=1) --
+  inplace)  # issue 4: the KV rows written in place with fences (the default since session 8) --
             # row_check and the lazily-queued-steps test must pass, drafts must be accepted;
             # then the default and the in-place step side by side with mlx-lm at 2k and 32k
-    TENSORFOLD_INPLACE_KV=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py \
+    TENSORFOLD_INPLACE_KV=1 timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py \
         tests/test_kernels.py -k "compiled or in_place or fused_qk" 2>&1 | tee "$out/test_inplace.log" | tail -3
     for f in 0 1; do   # the default (session 7's device scalars) and the in-place write
       TENSORFOLD_INPLACE_KV=$f timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_inplace$f.txt" | tail -4

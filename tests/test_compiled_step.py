@@ -80,9 +80,9 @@ def test_compiled_step_is_the_default(checkpoints, monkeypatch):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_in_place_kv_writes_are_fenced(checkpoints, name, monkeypatch):
-    """TENSORFOLD_INPLACE_KV=1 (StepCache.in_place): on CUDA the fused q/k kernel writes the KV rows
-    into the cache buffers itself, which MLX's CUDA graphs cannot see, so each layer's write
-    takes a fence (the previous step's attention output). _decode queues all its steps lazily
+    """The in-place KV write (StepCache.in_place, the default; TENSORFOLD_INPLACE_KV=0 gives the
+    reference): on CUDA the fused q/k kernel writes the KV rows into the cache buffers itself,
+    which MLX's CUDA graphs cannot see, so each layer's write takes a fence (the previous step's attention output). _decode queues all its steps lazily
     before one eval, the case that broke without fences, and crosses a capacity step (the
     growth copy reads the buffers: KVCache._settle): serial steps must equal 4-row calls and
     the default path, bit for bit, KV included. On the CPU the fused kernel does not exist
@@ -93,6 +93,7 @@ def test_in_place_kv_writes_are_fenced(checkpoints, name, monkeypatch):
     rng = np.random.default_rng(3)
     ids = rng.integers(3, model.cfg.vocab_size, 250).tolist()   # the steps cross the 256 capacity
     steps = rng.integers(3, model.cfg.vocab_size, 12).tolist()
+    monkeypatch.setenv("TENSORFOLD_INPLACE_KV", "0")
     ref, c0 = _decode(model, ids, steps)
     monkeypatch.setenv("TENSORFOLD_INPLACE_KV", "1")
     model.__dict__.pop("_exact_step")             # compile again, with fences
