@@ -199,6 +199,123 @@ def test_row_expert_matmul_errors_and_bad_index():
         K.row_expert_matmul(x, w[0], s[0], b[0], mx.zeros((2, 1), mx.int32), 64, 4)
 
 
+# ---------------------------------------------------------------- route / expert_glu / expert_sum
+
+from tensorfold.kernels import moe as KM  # noqa: E402
+
+MOE_OP_CASES = [  # (bits, weight / scale dtype, x dtype, D, F, group, E, k)
+    (4, mx.bfloat16, mx.bfloat16, 128, 192, 64, 16, 4),
+    (8, mx.float16, mx.float16, 64, 64, 32, 12, 3),
+    (3, mx.bfloat16, mx.bfloat16, 256, 64, 64, 8, 8),
+    (None, mx.bfloat16, mx.bfloat16, 96, 64, 64, 10, 2),
+    (None, mx.float32, mx.float32, 64, 32, 64, 6, 5),
+]
+
+
+def _moe_op_inputs(case, R, seed):
+    bits, wdt, xdt, D, F, gs, E, k = MOE_OP_CASES[case]
+    rng = np.random.default_rng(seed)
+    gate, up = (_experts(rng, E, F, D, bits, wdt, gs)[:3] for _ in range(2))
+    down = _experts(rng, E, D, F, bits, wdt, gs)[:3]
+    x = mx.array(rng.standard_normal((R, D), dtype=np.float32)).astype(xdt)
+    logits = mx.array(rng.standard_normal((R, E), dtype=np.float32) * 3)
+    res = mx.array(rng.standard_normal((R, D), dtype=np.float32)).astype(xdt)
+    return gate, up, down, x, logits, res, gs, bits or 0, k
+
+
+def _moe_ops(gate, up, down, x, logits, res, gs, bits, k, normalize=True):
+    inds, scores = KM.route(logits, k, normalize)
+    h = KM.expert_glu(x, gate, up, inds, gs, bits)
+    return inds, scores, h, KM.expert_sum(h, down, inds, scores, res, gs, bits)
+
+
+@pytest.mark.parametrize("case", range(len(MOE_OP_CASES)))
+def test_moe_decode_ops_row_exact(case):
+    """route, expert_glu and expert_sum: row i is bit-identical alone, inside 16 rows, and
+    inside M-row calls whose other rows hold huge garbage and choose other experts."""
+    gate, up, down, x, logits, res, gs, bits, k = _moe_op_inputs(case, 16, 200 + case)
+    if bits == 0 and K.backend_face() == "cuda" and x.shape[1] % 32:
+        pytest.skip("CUDA dense expert faces need K % 32 == 0")
+    full = _moe_ops(gate, up, down, x, logits, res, gs, bits, k)
+    mx.eval(full)
+    assert full[0].dtype == mx.int32 and full[1].dtype == mx.float32
+    assert full[2].shape == (16, k, gate[0].shape[1]) and full[3].shape == x.shape
+    assert full[2].dtype == x.dtype and full[3].dtype == x.dtype
+    rng = np.random.default_rng(7)
+    for i in (0, 5, 15):
+        alone = _moe_ops(gate, up, down, x[i:i + 1], logits[i:i + 1], res[i:i + 1], gs, bits, k)
+        for a, b in zip(alone, full):
+            assert np.array_equal(_bits(a[0]), _bits(b[i])), i
+    for M in (2, 3, 8, 16):
+        _, _, _, xg, lg, rg, *_ = _moe_op_inputs(case, M, 300 + M)
+        xg, lg = xg * 1000, lg[:, ::-1] * 5                 # garbage rows, other experts
+        pos, i = int(rng.integers(0, M)), int(rng.integers(0, 16))
+        xg[pos], lg[pos], rg[pos] = x[i], logits[i], res[i]
+        got = _moe_ops(gate, up, down, xg, lg, rg, gs, bits, k)
+        for a, b in zip(got, full):
+            assert np.array_equal(_bits(a[pos]), _bits(b[i])), (M, pos, i)
+
+
+@pytest.mark.parametrize("case", range(len(MOE_OP_CASES)))
+def test_moe_decode_ops_equal_their_definition(case):
+    """expert_glu and expert_sum equal their definitions in row_expert_matmul and MLX ops, bit
+    for bit on every face (on CUDA: the fused kernels against the separate kernels and MLX's
+    fp32 elementwise ops); route's experts equal a float64 reference where no two
+    probabilities are within 1e-6, and its scores are within fp32 rounding."""
+    gate, up, down, x, logits, res, gs, bits, k = _moe_op_inputs(case, 16, 400 + case)
+    if bits == 0 and K.backend_face() == "cuda" and x.shape[1] % 32:
+        pytest.skip("CUDA dense expert faces need K % 32 == 0")
+    for normalize in (True, False):
+        inds, scores = KM.route(logits, k, normalize)
+        l64 = np.asarray(logits, dtype=np.float64)
+        p64 = np.exp(l64 - l64.max(-1, keepdims=True))
+        p64 /= p64.sum(-1, keepdims=True)
+        for r in range(16):
+            order = np.lexsort((np.arange(p64.shape[1]), -p64[r]))
+            gaps = np.abs(np.diff(np.sort(p64[r])))
+            if gaps.min() > 1e-6:
+                assert np.asarray(inds[r]).tolist() == order[:k].tolist()
+            want = p64[r, order[:k]]
+            want = want / want.sum() if normalize else want
+            np.testing.assert_allclose(np.asarray(scores[r]), want, rtol=2e-6, atol=0)
+    inds, scores = KM.route(logits, k, True)
+    g = K.row_expert_matmul(x, *gate, inds, gs, bits)
+    u = K.row_expert_matmul(x, *up, inds, gs, bits)
+    h = KM.expert_glu(x, gate, up, inds, gs, bits)
+    assert np.array_equal(_bits(h), _bits(KM.glu_f32(g, u)))
+    R, F = x.shape[0], h.shape[-1]
+    y = K.row_expert_matmul(h.reshape(R * k, F), *down, inds.reshape(R * k, 1), gs, bits).reshape(R, k, -1)
+    acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
+    for j in range(1, k):
+        acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
+    for r in (None, res):
+        want = acc.astype(x.dtype) if r is None else r + acc.astype(x.dtype)
+        got = KM.expert_sum(h, down, inds, scores, r, gs, bits)
+        assert np.array_equal(_bits(got), _bits(want)), "residual" if r is not None else "plain"
+
+
+def test_route_ties_nan_and_errors():
+    lg = mx.array([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0], [1.0] * 6, [0.0, float("nan"), 3.0, 1.0, 0.0, 0.0]],
+                  dtype=mx.float32)
+    inds, scores = KM.route(lg, 3, True)
+    assert np.asarray(inds[:2]).tolist() == [[1, 2, 4], [0, 1, 2]]
+    assert np.array_equal(np.asarray(scores[1]), np.full(3, np.float32(1) / np.float32(3)))
+    # a NaN logit makes the row's probabilities NaN, which rank below every number: the
+    # lowest ids, never an id out of range
+    assert np.asarray(inds[2]).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        KM.route(lg.astype(mx.bfloat16), 2, True)
+    with pytest.raises(ValueError):
+        KM.route(lg, 7, True)
+    rng = np.random.default_rng(0)
+    w = _experts(rng, 4, 32, 64, 4, mx.bfloat16)[:3]
+    with pytest.raises(ValueError):
+        KM.expert_glu(mx.ones((2, 64), mx.bfloat16), w, w, mx.zeros((3, 1), mx.int32))
+    with pytest.raises(ValueError):
+        KM.expert_sum(mx.ones((2, 1, 32), mx.bfloat16), w, mx.zeros((2, 1), mx.int32),
+                      mx.ones((2, 2), mx.float32))
+
+
 # ---------------------------------------------------------------- top-k
 
 def test_topk_deterministic_ties():

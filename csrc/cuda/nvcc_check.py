@@ -56,6 +56,23 @@ for T in (bf, f16, f32):
                       dict(x=T, w=u32, scales=T, biases=T, indices=i32), dict(out=T)))
     CASES.append(("row_expert_mm", dict(T=T, W=T, K=2048, N=768, E=128, TOPK=8),
                   dict(x=T, w=T, indices=i32), dict(out=T)))
+    # the fused MoE-decode kernels: gate + up + SwiGLU, down + combine + residual
+    for bits in (3, 4, 8):
+        CASES.append(("row_expert_qmm_glu", dict(T=T, S=T, K=2048, N=768, E=128, TOPK=8, GS=64,
+                                                 BITS=bits),
+                      dict(x=T, wg=u32, sg=T, bg=T, wu=u32, su=T, bu=T, indices=i32), dict(h=T)))
+        for RES in (True, False):
+            CASES.append(("row_expert_qmm_sum", dict(T=T, S=T, K=768, N=2048, E=128, TOPK=8,
+                                                     GS=64, BITS=bits, RES=RES),
+                          dict(h=T, w=u32, scales=T, biases=T, indices=i32, scores=f32, res=T),
+                          dict(out=T)))
+    CASES.append(("row_expert_mm_glu", dict(T=T, W=T, K=2048, N=768, E=128, TOPK=8),
+                  dict(x=T, wg=T, wu=T, indices=i32), dict(h=T)))
+    CASES.append(("row_expert_mm_sum", dict(T=T, W=T, K=768, N=2048, E=128, TOPK=8, RES=True),
+                  dict(h=T, w=T, indices=i32, scores=f32, res=T), dict(out=T)))
+for E, TOPK, NORM in ((128, 8, True), (256, 8, False), (60, 4, True), (1024, 32, True)):
+    CASES.append(("moe_route", dict(E=E, TOPK=TOPK, NORM=NORM), dict(logits=f32),
+                  dict(inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
 from tensorfold.kernels._cuda import cp_plan, tc_plan  # noqa: E402

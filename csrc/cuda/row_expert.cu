@@ -14,6 +14,11 @@
 // never on R, TOPK, the other pairs or which experts they chose. An expert id outside
 // [0, E) writes NaN.
 //
+// The fused MoE-decode kernels below (row_expert_*_glu: gate + up + SwiGLU; row_expert_*_sum:
+// down + the score-weighted sum + the residual add; moe_route: the router's softmax + top-k)
+// keep each dot product in exactly this arithmetic (tf_expert_qdot / tf_expert_dot) and
+// define their epilogues in the helpers next to it.
+//
 // Work layout (speed only): one block = 8 warps x 2 columns = 16 output columns of ONE
 // (row, expert) pair, blockIdx.y = pair. No shared-memory staging: each lane reads its x
 // chunk straight from global memory (decode has few pairs: R <= 16 rows x TOPK experts),
@@ -21,7 +26,89 @@
 
 // @@header
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_extract, tf_load_chunk,
-// tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
+// tf_dequant8, tf_warp_sum, TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by
+// _sources.py)
+
+// The lane's share of NC dot products x . w_hat[row c], row c of a quantized weight given by
+// its base pointers (wr: K*BITS/32 words; sr / br: K/GS scales / biases): row_gemm.cu's
+// row_qmm arithmetic. Chunks lane, lane + 32, ... in order; in a chunk j = 0..31 in order
+// acc = fma(w_hat_j, x_j, acc) with w_hat = fma(scale, q, bias). The caller finishes each
+// acc[c] with tf_warp_sum.
+template <typename T, typename S, int K, int GS, int BITS, int NC>
+__device__ __forceinline__ void tf_expert_qdot(const T* xr, const unsigned int* const (&wr)[NC],
+                                               const S* const (&sr)[NC], const S* const (&br)[NC],
+                                               int lane, float (&acc)[NC]) {
+  constexpr int NCHUNK = K / 32;
+  for (int ch = lane; ch < NCHUNK; ch += 32) {
+    unsigned int words[NC][BITS];
+    float sc[NC], bi[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      tf_load_chunk<BITS>(wr[c] + (size_t)ch * BITS, words[c]);
+      const int g = (ch * 32) / GS;
+      sc[c] = tf_to_float(sr[c][g]);
+      bi[c] = tf_to_float(br[c][g]);
+    }
+#pragma unroll
+    for (int jb = 0; jb < 32; jb += 8) {
+      float wh[NC][8];
+      tf_dequant8<BITS, NC>(words, sc, bi, jb, wh);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float xv = tf_to_float(xr[ch * 32 + jb + jj]);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = __fmaf_rn(wh[c][jj], xv, acc[c]);
+      }
+    }
+  }
+}
+
+// The same for rows of an unquantized weight (K elements each): row_mm's arithmetic.
+template <typename T, typename W, int K, int NC>
+__device__ __forceinline__ void tf_expert_dot(const T* xr, const W* const (&wr)[NC], int lane,
+                                              float (&acc)[NC]) {
+  constexpr int NCHUNK = K / 32;
+  for (int ch = lane; ch < NCHUNK; ch += 32) {
+#pragma unroll
+    for (int jb = 0; jb < 32; jb += 8) {
+      float wh[NC][8];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) tf_load8(wr[c] + (size_t)ch * 32 + jb, wh[c]);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float xv = tf_to_float(xr[ch * 32 + jb + jj]);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = __fmaf_rn(wh[c][jj], xv, acc[c]);
+      }
+    }
+  }
+}
+
+// SwiGLU of one element of the fused gate/up kernels: the gate and up sums rounded to T (the
+// values row_expert_qmm would store), then silu(g) * u in fp32 as MLX computes it on float32
+// arrays (Sigmoid: y = 1 / (1 + exp(|g|)), g < 0 ? y : 1 - y; then (g * s) * u), rounded once.
+template <typename T>
+__device__ __forceinline__ T tf_glu(float g, float u) {
+  const float gf = tf_to_float(tf_from_float<T>(g));
+  const float uf = tf_to_float(tf_from_float<T>(u));
+  const float y = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(fabsf(gf))));
+  const float s = gf < 0.0f ? y : __fsub_rn(1.0f, y);
+  return tf_from_float<T>(__fmul_rn(__fmul_rn(gf, s), uf));
+}
+
+// The k expert outputs of one column of one row, combined (row_expert_qmm_sum / mm_sum): each
+// ys[j] already rounded to T, acc = ys[0] * s[0], then acc = acc + ys[j] * s[j] for j = 1..k-1
+// (fp32, each product and sum rounded: no fma), rounded to T; with a residual, res + that in
+// fp32, rounded to T.
+template <typename T, int TOPK, bool RES>
+__device__ __forceinline__ T tf_expert_combine(const float (&ys)[TOPK], const float* s, const T* res) {
+  float a = __fmul_rn(ys[0], s[0]);
+#pragma unroll
+  for (int j = 1; j < TOPK; ++j) a = __fadd_rn(a, __fmul_rn(ys[j], s[j]));
+  float o = tf_to_float(tf_from_float<T>(a));
+  if constexpr (RES) o = __fadd_rn(tf_to_float(*res), o);
+  return tf_from_float<T>(o);
+}
 
 // @@body row_expert_qmm
 // inputs: x [R, K] (T), w [E, N, K*BITS/32] uint32, scales / biases [E, N, K/GS] (S),
@@ -30,7 +117,6 @@
 // launch: grid (ceil(N/16)*256, R*TOPK, 1), threadgroup (256, 1, 1), no shared memory
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
-constexpr int NCHUNK = K / 32;
 constexpr int KW = K * BITS / 32;
 constexpr int NG = K / GS;
 const int lane = threadIdx.x & 31;
@@ -45,31 +131,17 @@ if (n0 < N) {
 #pragma unroll
   for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
   if (!bad) {
-    const T* xr = x + (size_t)r * K;
-    for (int ch = lane; ch < NCHUNK; ch += 32) {
-      unsigned int words[NCW][BITS];
-      float sc[NCW], bi[NCW];
+    const unsigned int* wr[NCW];
+    const S* sr[NCW];
+    const S* br[NCW];
 #pragma unroll
-      for (int c = 0; c < NCW; ++c) {
-        const int n = min(n0 + c, N - 1); // a missing column repeats the last; never stored
-        const size_t row = (size_t)e * N + n;
-        tf_load_chunk<BITS>(w + row * KW + (size_t)ch * BITS, words[c]);
-        const int g = (ch * 32) / GS;
-        sc[c] = tf_to_float(scales[row * NG + g]);
-        bi[c] = tf_to_float(biases[row * NG + g]);
-      }
-#pragma unroll
-      for (int jb = 0; jb < 32; jb += 8) {
-        float wh[NCW][8];
-        tf_dequant8<BITS, NCW>(words, sc, bi, jb, wh);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const float xv = tf_to_float(xr[ch * 32 + jb + jj]);
-#pragma unroll
-          for (int c = 0; c < NCW; ++c) acc[c] = __fmaf_rn(wh[c][jj], xv, acc[c]);
-        }
-      }
+    for (int c = 0; c < NCW; ++c) {
+      const size_t row = (size_t)e * N + min(n0 + c, N - 1); // a missing column repeats the last
+      wr[c] = w + row * KW;
+      sr[c] = scales + row * NG;
+      br[c] = biases + row * NG;
     }
+    tf_expert_qdot<T, S, K, GS, BITS, NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
   }
 #pragma unroll
   for (int c = 0; c < NCW; ++c) {
@@ -83,7 +155,6 @@ if (n0 < N) {
 // template: T, W, K, N, E, TOPK.   launch: as row_expert_qmm.
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
-constexpr int NCHUNK = K / 32;
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int n0 = (blockIdx.x * WARPS + warp) * NCW;
@@ -96,28 +167,255 @@ if (n0 < N) {
 #pragma unroll
   for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
   if (!bad) {
-    const T* xr = x + (size_t)r * K;
-    for (int ch = lane; ch < NCHUNK; ch += 32) {
+    const W* wr[NCW];
 #pragma unroll
-      for (int jb = 0; jb < 32; jb += 8) {
-        float wh[NCW][8];
-#pragma unroll
-        for (int c = 0; c < NCW; ++c) {
-          const int n = min(n0 + c, N - 1);
-          tf_load8(w + ((size_t)e * N + n) * K + (size_t)ch * 32 + jb, wh[c]);
-        }
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const float xv = tf_to_float(xr[ch * 32 + jb + jj]);
-#pragma unroll
-          for (int c = 0; c < NCW; ++c) acc[c] = __fmaf_rn(wh[c][jj], xv, acc[c]);
-        }
-      }
-    }
+    for (int c = 0; c < NCW; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
+    tf_expert_dot<T, W, K, NCW>(x + (size_t)r * K, wr, lane, acc);
   }
 #pragma unroll
   for (int c = 0; c < NCW; ++c) {
     const float v = bad ? __int_as_float(0x7fc00000) : tf_warp_sum(acc[c]);
     if (lane == 0 && n0 + c < N) out[(size_t)p * N + n0 + c] = tf_from_float<T>(v);
   }
+}
+
+// @@body row_expert_qmm_glu
+// The gate and up projections of the routed experts and their SwiGLU in one launch (MoE
+// decode): h[p, n] = tf_glu(x[r] . gate_hat[e, n, :], x[r] . up_hat[e, n, :]), each dot
+// product with row_expert_qmm's arithmetic (so the gate and up sums are the bits
+// row_expert_qmm gives on those weights).
+// inputs: x [R, K] (T), wg / wu [E, N, K*BITS/32] uint32, sg, bg, su, bu [E, N, K/GS] (S),
+//         indices [R*TOPK] int32.    output: h [R*TOPK, N] (T).
+// template: T, S, K, N, E, TOPK, GS, BITS.   launch: as row_expert_qmm.
+constexpr int WARPS = 8;
+constexpr int NCW = 2;
+constexpr int KW = K * BITS / 32;
+constexpr int NG = K / GS;
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int n0 = (blockIdx.x * WARPS + warp) * NCW;
+const int p = blockIdx.y;
+const int r = p / TOPK;
+const int e = indices[p];
+if (n0 < N) {
+  const bool bad = e < 0 || e >= E;
+  float acc[2 * NCW];
+#pragma unroll
+  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
+  if (!bad) {
+    const unsigned int* wr[2 * NCW];
+    const S* sr[2 * NCW];
+    const S* br[2 * NCW];
+#pragma unroll
+    for (int c = 0; c < NCW; ++c) {
+      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
+      wr[c] = wg + row * KW;
+      sr[c] = sg + row * NG;
+      br[c] = bg + row * NG;
+      wr[NCW + c] = wu + row * KW;
+      sr[NCW + c] = su + row * NG;
+      br[NCW + c] = bu + row * NG;
+    }
+    tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
+  }
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+    const float g = tf_warp_sum(acc[c]);
+    const float u = tf_warp_sum(acc[NCW + c]);
+    const T v = bad ? tf_from_float<T>(__int_as_float(0x7fc00000)) : tf_glu<T>(g, u);
+    if (lane == 0 && n0 + c < N) h[(size_t)p * N + n0 + c] = v;
+  }
+}
+
+// @@body row_expert_mm_glu
+// row_expert_qmm_glu for unquantized expert weights (row_expert_mm's arithmetic).
+// inputs: x [R, K] (T), wg / wu [E, N, K] (W), indices [R*TOPK] int32.  output: h [R*TOPK, N] (T).
+// template: T, W, K, N, E, TOPK.   launch: as row_expert_qmm.
+constexpr int WARPS = 8;
+constexpr int NCW = 2;
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int n0 = (blockIdx.x * WARPS + warp) * NCW;
+const int p = blockIdx.y;
+const int r = p / TOPK;
+const int e = indices[p];
+if (n0 < N) {
+  const bool bad = e < 0 || e >= E;
+  float acc[2 * NCW];
+#pragma unroll
+  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
+  if (!bad) {
+    const W* wr[2 * NCW];
+#pragma unroll
+    for (int c = 0; c < NCW; ++c) {
+      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
+      wr[c] = wg + row * K;
+      wr[NCW + c] = wu + row * K;
+    }
+    tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
+  }
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+    const float g = tf_warp_sum(acc[c]);
+    const float u = tf_warp_sum(acc[NCW + c]);
+    const T v = bad ? tf_from_float<T>(__int_as_float(0x7fc00000)) : tf_glu<T>(g, u);
+    if (lane == 0 && n0 + c < N) h[(size_t)p * N + n0 + c] = v;
+  }
+}
+
+// @@body row_expert_qmm_sum
+// The down projection of the routed experts, their score-weighted sum and the residual add
+// in one launch (MoE decode): warp j of a block computes pair p = r*TOPK + j's dot products
+// (row_expert_qmm's arithmetic, rounded to T) for the block's NCW columns; then one thread per
+// column combines them in rank order (tf_expert_combine). Row r's bits depend on its own
+// h rows, experts and scores only.
+// inputs: h [R*TOPK, K] (T), w [E, N, K*BITS/32] uint32, scales / biases [E, N, K/GS] (S),
+//         indices [R*TOPK] int32, scores [R*TOPK] float, res [R, N] (T; read only when RES).
+// output: out [R, N] (T).   template: T, S, K, N, E, TOPK, GS, BITS, RES.
+// launch: grid (ceil(N/2)*32*TOPK, R, 1), threadgroup (32*TOPK, 1, 1); TOPK <= 32.
+constexpr int NCW = 2;
+constexpr int KW = K * BITS / 32;
+constexpr int NG = K / GS;
+__shared__ float ys[NCW][TOPK];
+const int lane = threadIdx.x & 31;
+const int j = threadIdx.x >> 5;
+const int n0 = blockIdx.x * NCW;
+const int r = blockIdx.y;
+const int p = r * TOPK + j;
+const int e = indices[p];
+const bool bad = e < 0 || e >= E;
+float acc[NCW];
+#pragma unroll
+for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
+if (!bad) {
+  const unsigned int* wr[NCW];
+  const S* sr[NCW];
+  const S* br[NCW];
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+    const size_t row = (size_t)e * N + min(n0 + c, N - 1);
+    wr[c] = w + row * KW;
+    sr[c] = scales + row * NG;
+    br[c] = biases + row * NG;
+  }
+  tf_expert_qdot<T, S, K, GS, BITS, NCW>(h + (size_t)p * K, wr, sr, br, lane, acc);
+}
+#pragma unroll
+for (int c = 0; c < NCW; ++c) {
+  const float v = bad ? __int_as_float(0x7fc00000) : tf_to_float(tf_from_float<T>(tf_warp_sum(acc[c])));
+  if (lane == 0) ys[c][j] = v;
+}
+__syncthreads();
+if (threadIdx.x < NCW && n0 + threadIdx.x < N) {
+  const int n = n0 + threadIdx.x;
+  out[(size_t)r * N + n] = tf_expert_combine<T, TOPK, RES>(ys[threadIdx.x], scores + (size_t)r * TOPK,
+                                                           res + (size_t)r * N + n);
+}
+
+// @@body row_expert_mm_sum
+// row_expert_qmm_sum for unquantized expert weights (row_expert_mm's arithmetic).
+// inputs: h [R*TOPK, K] (T), w [E, N, K] (W), indices [R*TOPK] int32, scores [R*TOPK] float,
+//         res [R, N] (T).   output: out [R, N] (T).   template: T, W, K, N, E, TOPK, RES.
+// launch: as row_expert_qmm_sum.
+constexpr int NCW = 2;
+__shared__ float ys[NCW][TOPK];
+const int lane = threadIdx.x & 31;
+const int j = threadIdx.x >> 5;
+const int n0 = blockIdx.x * NCW;
+const int r = blockIdx.y;
+const int p = r * TOPK + j;
+const int e = indices[p];
+const bool bad = e < 0 || e >= E;
+float acc[NCW];
+#pragma unroll
+for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
+if (!bad) {
+  const W* wr[NCW];
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
+  tf_expert_dot<T, W, K, NCW>(h + (size_t)p * K, wr, lane, acc);
+}
+#pragma unroll
+for (int c = 0; c < NCW; ++c) {
+  const float v = bad ? __int_as_float(0x7fc00000) : tf_to_float(tf_from_float<T>(tf_warp_sum(acc[c])));
+  if (lane == 0) ys[c][j] = v;
+}
+__syncthreads();
+if (threadIdx.x < NCW && n0 + threadIdx.x < N) {
+  const int n = n0 + threadIdx.x;
+  out[(size_t)r * N + n] = tf_expert_combine<T, TOPK, RES>(ys[threadIdx.x], scores + (size_t)r * TOPK,
+                                                           res + (size_t)r * N + n);
+}
+
+// @@body moe_route
+// The router's softmax and top-k of MoE decode, one warp per row: p = softmax(logits) in fp32
+// (max, then exp(l - max) summed lane-sequentially and by tf_warp_sum, then divided), the TOPK
+// largest p by (p descending, expert id ascending: ties go to the lower id; a NaN p ranks
+// below every number), and their p, divided by their sum in rank order when NORM. Row r's
+// result depends on row r's logits only.
+// inputs: logits [R, E] float.   outputs: inds [R, TOPK] int32, scores [R, TOPK] float.
+// template: E, TOPK, NORM.   launch: grid (32*R, 1, 1), threadgroup (32, 1, 1); TOPK <= min(E, 32).
+constexpr int EPL = (E + 31) / 32;
+const int lane = threadIdx.x & 31;
+const int r = blockIdx.x;
+const float* lr = logits + (size_t)r * E;
+float v[EPL];
+float m = TF_NEG_INF;
+#pragma unroll
+for (int t = 0; t < EPL; ++t) {
+  const int i = lane + 32 * t;
+  v[t] = i < E ? lr[i] : TF_NEG_INF;
+  m = fmaxf(m, v[t]);
+}
+#pragma unroll
+for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TF_FULL_MASK, m, off));
+float sum = 0.0f;
+#pragma unroll
+for (int t = 0; t < EPL; ++t) {
+  if (lane + 32 * t < E) {
+    v[t] = expf(__fsub_rn(v[t], m));
+    sum = __fadd_rn(sum, v[t]);
+  }
+}
+sum = tf_warp_sum(sum);
+#pragma unroll
+for (int t = 0; t < EPL; ++t) v[t] = __fdiv_rn(v[t], sum);
+unsigned int taken = 0u;
+int my_i = 0;
+float my_p = 0.0f, tot = 0.0f;
+for (int j = 0; j < TOPK; ++j) {
+  float bk = -2.0f;          // below every key: padding and taken entries never win
+  int bi = 0x7fffffff;
+#pragma unroll
+  for (int t = 0; t < EPL; ++t) {
+    const int i = lane + 32 * t;
+    const float key = v[t] == v[t] ? v[t] : -1.0f;
+    if (i < E && !((taken >> t) & 1u) && (key > bk || (key == bk && i < bi))) {
+      bk = key;
+      bi = i;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) {
+    const float ok = __shfl_xor_sync(TF_FULL_MASK, bk, off);
+    const int oi = __shfl_xor_sync(TF_FULL_MASK, bi, off);
+    if (ok > bk || (ok == bk && oi < bi)) {
+      bk = ok;
+      bi = oi;
+    }
+  }
+  float pv = 0.0f;
+#pragma unroll
+  for (int t = 0; t < EPL; ++t) if (t == (bi >> 5)) pv = v[t];
+  pv = __shfl_sync(TF_FULL_MASK, pv, bi & 31);
+  if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+  tot = __fadd_rn(tot, pv);
+  if (lane == j) {
+    my_i = bi;
+    my_p = pv;
+  }
+}
+if (lane < TOPK) {
+  inds[(size_t)r * TOPK + lane] = my_i;
+  scores[(size_t)r * TOPK + lane] = NORM ? __fdiv_rn(my_p, tot) : my_p;
 }

@@ -53,6 +53,13 @@ _KERNELS = {
                         ["q"], "qk_norm_rope.cu"),
     "row_expert_qmm": (["x", "w", "scales", "biases", "indices"], ["out"], "row_expert.cu"),
     "row_expert_mm": (["x", "w", "indices"], ["out"], "row_expert.cu"),
+    "row_expert_qmm_glu": (["x", "wg", "sg", "bg", "wu", "su", "bu", "indices"], ["h"],
+                           "row_expert.cu"),
+    "row_expert_mm_glu": (["x", "wg", "wu", "indices"], ["h"], "row_expert.cu"),
+    "row_expert_qmm_sum": (["h", "w", "scales", "biases", "indices", "scores", "res"], ["out"],
+                           "row_expert.cu"),
+    "row_expert_mm_sum": (["h", "w", "indices", "scores", "res"], ["out"], "row_expert.cu"),
+    "moe_route": (["logits"], ["inds", "scores"], "row_expert.cu"),
 }
 
 
@@ -515,35 +522,91 @@ def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rop
                                       output_dtypes=[qkv.dtype, qkv.dtype], **launch)
 
 
-def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
-    """row_expert_matmul: x [..., K], indices [..., k] -> [..., k, N] (csrc/cuda/row_expert.cu)."""
+def _expert_shape(w, scales, bits, what: str):
+    """(E, N, K, quantized) of a stacked expert weight, with the CUDA faces' limits checked."""
     E, N = w.shape[0], w.shape[1]
     quant = scales is not None
     K = w.shape[2] * 32 // bits if quant else w.shape[2]
     if K % 32 != 0:
-        raise ValueError("row_expert_matmul (cuda): K must be a multiple of 32")
+        raise ValueError(f"{what} (cuda): K must be a multiple of 32")
     if quant and bits not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"row_expert_matmul (cuda): unsupported bits {bits}")
+        raise ValueError(f"{what} (cuda): unsupported bits {bits}")
+    return E, N, K, quant
+
+
+def _expert_template(x, w, scales, K, N, E, topk, group_size, bits, quant):
+    if quant:
+        return [("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N), ("E", E),
+                ("TOPK", topk), ("GS", group_size), ("BITS", bits)]
+    return [("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", topk)]
+
+
+def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
+    """row_expert_matmul: x [..., K], indices [..., k] -> [..., k, N] (csrc/cuda/row_expert.cu)."""
+    E, N, K, quant = _expert_shape(w, scales, bits, "row_expert_matmul")
     topk = indices.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
     idx = indices.reshape(-1).astype(mx.int32)
     grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
-    if quant:
-        out = _kernel("row_expert_qmm", 0)(
-            inputs=[x2, w, scales, biases, idx],
-            template=[("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N), ("E", E),
-                      ("TOPK", topk), ("GS", group_size), ("BITS", bits)],
-            grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-            output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
-    else:
-        out = _kernel("row_expert_mm", 0)(
-            inputs=[x2, w, idx],
-            template=[("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", topk)],
-            grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-            output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    name = "row_expert_qmm" if quant else "row_expert_mm"
+    inputs = [x2, w, scales, biases, idx] if quant else [x2, w, idx]
+    out = _kernel(name, 0)(
+        inputs=inputs, template=_expert_template(x, w, scales, K, N, E, topk, group_size, bits, quant),
+        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
+        output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
     return out.reshape(*lead, topk, N)
+
+
+def expert_glu(x, gate, up, indices, group_size, bits, stream):
+    """kernels.moe.expert_glu: x [R, K], indices [R, k] -> h [R, k, N] (row_expert_*_glu)."""
+    E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "expert_glu")
+    if x.shape[-1] != K or tuple(up[0].shape) != tuple(gate[0].shape):
+        raise ValueError(f"expert_glu (cuda): x {x.shape} and gate / up weights "
+                         f"{gate[0].shape} / {up[0].shape} do not match")
+    R, topk = indices.shape
+    idx = indices.reshape(-1)
+    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
+    if quant:
+        name, inputs = "row_expert_qmm_glu", [x, *gate[:3], *up[:3], idx]
+    else:
+        name, inputs = "row_expert_mm_glu", [x, gate[0], up[0], idx]
+    h = _kernel(name, 0)(
+        inputs=inputs, template=_expert_template(x, gate[0], gate[1], K, N, E, topk, group_size, bits, quant),
+        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
+        output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    return h.reshape(R, topk, N)
+
+
+def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
+    """kernels.moe.expert_sum: h [R, k, K], indices / scores [R, k] -> [R, N] (row_expert_*_sum)."""
+    E, N, K, quant = _expert_shape(down[0], down[1], bits, "expert_sum")
+    if h.shape[-1] != K:
+        raise ValueError(f"expert_sum (cuda): h {h.shape} does not match the weight {down[0].shape}")
+    R, topk = indices.shape
+    res = (residual.reshape(R, N).astype(h.dtype) if residual is not None
+           else _const_array((0.0,), h.dtype))
+    if quant:
+        name, inputs = "row_expert_qmm_sum", [h.reshape(R * topk, K), *down[:3]]
+    else:
+        name, inputs = "row_expert_mm_sum", [h.reshape(R * topk, K), down[0]]
+    tmpl = _expert_template(h, down[0], down[1], K, N, E, topk, group_size, bits, quant)
+    return _kernel(name, 0)(
+        inputs=inputs + [indices.reshape(-1), scores.reshape(-1), res],
+        template=tmpl + [("RES", residual is not None)],
+        grid=(-(-N // 2) * 32 * topk, R, 1), threadgroup=(32 * topk, 1, 1),
+        output_shapes=[(R, N)], output_dtypes=[h.dtype], stream=stream)[0]
+
+
+def moe_route(logits, k, normalize, stream):
+    """kernels.moe.route: fp32 logits [R, E] -> (indices int32 [R, k], scores fp32 [R, k])."""
+    R, E = logits.shape
+    inds, scores = _kernel("moe_route", 0)(
+        inputs=[logits], template=[("E", E), ("TOPK", k), ("NORM", bool(normalize))],
+        grid=(32 * R, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(R, k), (R, k)], output_dtypes=[mx.int32, mx.float32], stream=stream)
+    return inds, scores
 
 
 # ---------------------------------------------------------------- offline syntax check

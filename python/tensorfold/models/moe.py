@@ -11,10 +11,11 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
   mlx-lm's bit for bit. Each layer's outputs (hidden state and its KV writes) go to a native
   ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
   its intermediates stay bounded by two layers of one grid chunk.
-- Decode (`exact=True`): router in fp32 (row-exact matmul), softmax in fp32 per row, a
-  deterministic top-k (score descending, ties to the lower expert id), the routed experts
-  through ``kernels.row_expert_matmul`` and the k expert outputs combined in fp32 in that fixed
-  order. Row i's bits do not depend on the other rows or on the experts they chose.
+- Decode (`exact=True`): router in fp32 (row-exact matmul), then kernels/moe.py: softmax in
+  fp32 per row and a deterministic top-k (score descending, ties to the lower expert id:
+  ``route``), the routed experts' gate/up and SwiGLU (``expert_glu``), their down projection
+  combined in fp32 in rank order plus the residual (``expert_sum``); on CUDA one kernel each.
+  Row i's bits do not depend on the other rows or on the experts they chose.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, Layer, swiglu
 from .loader import Linear, take_linear
+from ..kernels.moe import topk_deterministic  # noqa: F401  (deepseek_v32 and tests import it here)
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -65,6 +67,9 @@ class Experts:
         from .. import kernels
         return kernels.row_expert_matmul(x, self.weight, self.scales, self.biases, indices,
                                          self.group_size or 64, self.bits or 0)
+
+    def triple(self) -> tuple:
+        return (self.weight, self.scales, self.biases)
 
 
 def _stacked(cfg: ModelConfig, w: dict, layer: int, proj: str, suffix: str):
@@ -139,20 +144,6 @@ def _scatter_unsort(x, inv_order, shape=None):
     return x
 
 
-def topk_deterministic(scores: mx.array, k: int) -> mx.array:
-    """Indices [..., k] (int32) of the k largest scores along the last axis, ordered by
-    (score descending, expert id ascending): ties go to the lower id. Pure comparisons and
-    integer sums, so each row's answer depends on that row only."""
-    E = scores.shape[-1]
-    ids = mx.arange(E, dtype=mx.int32)
-    a = mx.expand_dims(scores, -1)          # [..., E, 1]   the expert being ranked
-    b = mx.expand_dims(scores, -2)          # [..., 1, E]   every other expert
-    before = (b > a) | ((b == a) & (ids < mx.expand_dims(ids, -1)))
-    rank = before.astype(mx.int32).sum(axis=-1)                       # [..., E], a permutation
-    hit = mx.expand_dims(rank, -2) == mx.arange(k, dtype=mx.int32)[:, None]   # [..., k, E]
-    return (hit.astype(mx.int32) * ids).sum(axis=-1)
-
-
 class MoEModel(BoundedPrefill, DenseModel):
     """qwen3_moe with DenseModel's interface (cfg, dtype, new_cache, forward, parameters)."""
 
@@ -181,7 +172,9 @@ class MoEModel(BoundedPrefill, DenseModel):
         m = getattr(ly, "moe", None)
         if m is None:
             return super()._mlp(ly, x, exact, residual)
-        y = self._moe_exact(m, x) if exact else self._moe_prefill(m, x)
+        if exact:
+            return self._moe_exact(m, x, residual)
+        y = self._moe_prefill(m, x)
         return y if residual is None else residual + y
 
     def _moe_prefill(self, m: MoEBlock, x):
@@ -206,22 +199,19 @@ class MoEModel(BoundedPrefill, DenseModel):
         y = y.squeeze(-2)
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
-    def _moe_exact(self, m: MoEBlock, x):
-        """Row-exact routed MLP: fp32 router / softmax / deterministic top-k, row_expert_matmul,
-        fp32 combination in rank order."""
+    def _moe_exact(self, m: MoEBlock, x, residual=None):
+        """Row-exact routed MLP (kernels/moe.py): the router as a row-exact fp32 matmul, then
+        route (softmax, deterministic top-k), expert_glu (gate, up, SwiGLU) and expert_sum (down,
+        the fp32 score-weighted sum in rank order, the residual): one kernel each on CUDA."""
+        from ..kernels import moe as kmoe
         k = self.cfg.num_experts_per_tok
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])                                   # [R, D]
         logits = m.router.exact(x2.astype(mx.float32))                  # [R, E] fp32
-        gates = mx.softmax(logits, axis=-1, precise=True)
-        inds = topk_deterministic(gates, k)                             # [R, k]
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if self.cfg.norm_topk_prob:
-            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        h = swiglu(m.gate.exact(x2, inds), m.up.exact(x2, inds))       # [R, k, F]
-        R, F = x2.shape[0], h.shape[-1]
-        y = m.down.exact(h.reshape(R * k, F), inds.reshape(R * k, 1)).reshape(R, k, shape[-1])
-        acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
-        for j in range(1, k):
-            acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
-        return acc.astype(x.dtype).reshape(shape)
+        inds, scores = kmoe.route(logits, k, self.cfg.norm_topk_prob)   # [R, k]
+        gs, bits = m.gate.group_size or 64, m.gate.bits or 0
+        h = kmoe.expert_glu(x2, m.gate.triple(), m.up.triple(), inds, gs, bits)     # [R, k, F]
+        res = None if residual is None else residual.reshape(x2.shape)
+        y = kmoe.expert_sum(h, m.down.triple(), inds, scores, res, m.down.group_size or 64,
+                            m.down.bits or 0)
+        return y.reshape(shape)

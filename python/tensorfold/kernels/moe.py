@@ -1,0 +1,125 @@
+"""Row-exact MoE decode ops: the router's top-k, the routed experts' gate/up + SwiGLU, and
+their down projection + score-weighted sum + residual. models/moe.py's exact path is these
+three calls per layer.
+
+* ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
+  by (probability descending, expert id ascending), their probabilities (divided by their sum
+  when ``normalize``).
+* ``expert_glu(x, gate, up, indices)`` -- ``h[r, j] = silu(g) * u`` with g, u the row's
+  ``row_expert_matmul`` outputs for expert ``indices[r, j]`` (rounded to x's dtype), SwiGLU
+  in fp32, rounded once.
+* ``expert_sum(h, down, indices, scores, residual)`` -- ``y[r, j]`` = ``row_expert_matmul`` of
+  h[r, j] on expert ``indices[r, j]``, then ``sum_j y[r, j] * scores[r, j]`` in fp32 in rank
+  order (each product and sum rounded), rounded to h's dtype, plus the residual (fp32, rounded).
+
+Contract: row r's outputs depend on row r's inputs only, whatever the call's row count and
+whatever experts the other rows chose. Faces: CUDA runs one kernel per op
+(csrc/cuda/row_expert.cu: moe_route, row_expert_*_glu, row_expert_*_sum); the CPU and Metal
+faces compose ``row_expert_matmul`` with MLX's per-row ops (softmax along the row, comparisons,
+elementwise math), which are row-invariant there. The CUDA kernels take the same definitions;
+their softmax sums in another order, so CUDA and CPU bits differ (the contract is per face).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+Weights = Sequence[Optional[mx.array]]     # (weight, scales, biases): scales = biases = None if unquantized
+
+
+def topk_deterministic(scores: mx.array, k: int) -> mx.array:
+    """Indices [..., k] (int32) of the k largest scores along the last axis, ordered by
+    (score descending, expert id ascending): ties go to the lower id; a NaN ranks below every
+    number. Pure comparisons and integer sums, so each row's answer depends on that row only."""
+    E = scores.shape[-1]
+    scores = mx.where(scores == scores, scores, -mx.inf)
+    ids = mx.arange(E, dtype=mx.int32)
+    a = mx.expand_dims(scores, -1)          # [..., E, 1]   the expert being ranked
+    b = mx.expand_dims(scores, -2)          # [..., 1, E]   every other expert
+    before = (b > a) | ((b == a) & (ids < mx.expand_dims(ids, -1)))
+    rank = before.astype(mx.int32).sum(axis=-1)                       # [..., E], a permutation
+    hit = mx.expand_dims(rank, -2) == mx.arange(k, dtype=mx.int32)[:, None]   # [..., k, E]
+    return (hit.astype(mx.int32) * ids).sum(axis=-1)
+
+
+def _face():
+    from . import backend_face
+    return backend_face()
+
+
+def route(logits: mx.array, k: int, normalize: bool):
+    """logits [R, E] float32 -> (indices [R, k] int32, scores [R, k] float32)."""
+    if logits.ndim != 2 or logits.dtype != mx.float32:
+        raise ValueError(f"route: logits must be float32 [R, E], got {logits.dtype} {logits.shape}")
+    E = logits.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"route: k = {k} out of range for {E} experts")
+    if _face() == "cuda" and k <= 32 and E <= 1024:
+        from . import _cuda, _gpu_stream
+        return _cuda.moe_route(logits, k, normalize, _gpu_stream(None))
+    gates = mx.softmax(logits, axis=-1, precise=True)
+    inds = topk_deterministic(gates, k)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if normalize:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
+def glu_f32(g: mx.array, u: mx.array) -> mx.array:
+    """silu(g) * u of two same-dtype arrays in fp32, rounded once to their dtype."""
+    g32, u32 = g.astype(mx.float32), u.astype(mx.float32)
+    return (g32 * mx.sigmoid(g32) * u32).astype(g.dtype)
+
+
+def _check_experts(x, w: Weights, indices, bits: int, what: str):
+    from . import check_expert_args
+    if indices.ndim != 2 or x.ndim != 2:
+        raise ValueError(f"{what}: x [R, K] and indices [R, k] expected, got {x.shape} and {indices.shape}")
+    if len(w) != 3:
+        raise ValueError(f"{what}: expert weights are (weight, scales, biases)")
+    check_expert_args(x, *w, indices, bits, what)
+
+
+def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array,
+               group_size: int = 64, bits: int = 4) -> mx.array:
+    """x [R, K], indices [R, k] int32 -> h [R, k, F] in x's dtype."""
+    from . import row_expert_matmul
+    _check_experts(x, gate, indices, bits, "expert_glu")
+    _check_experts(x, up, indices, bits, "expert_glu")
+    if tuple(gate[0].shape) != tuple(up[0].shape):
+        raise ValueError(f"expert_glu: gate {gate[0].shape} and up {up[0].shape} differ")
+    indices = indices.astype(mx.int32)
+    if _face() == "cuda":
+        from . import _cuda, _gpu_stream
+        return _cuda.expert_glu(x, gate, up, indices, group_size, bits, _gpu_stream(None))
+    g = row_expert_matmul(x, *gate, indices, group_size, bits)
+    u = row_expert_matmul(x, *up, indices, group_size, bits)
+    return glu_f32(g, u)
+
+
+def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
+               residual: Optional[mx.array] = None, group_size: int = 64, bits: int = 4) -> mx.array:
+    """h [R, k, F], indices [R, k] int32, scores [R, k] float32 (and residual [R, D]) -> [R, D]
+    in h's dtype."""
+    from . import row_expert_matmul
+    if h.ndim != 3 or indices.ndim != 2 or h.shape[:2] != indices.shape:
+        raise ValueError(f"expert_sum: h [R, k, F] and indices [R, k] expected, got {h.shape} and "
+                         f"{indices.shape}")
+    R, k, F = h.shape
+    _check_experts(h[:, 0], down, indices, bits, "expert_sum")
+    if scores.shape != indices.shape:
+        raise ValueError(f"expert_sum: scores {scores.shape} must match indices {indices.shape}")
+    indices, scores = indices.astype(mx.int32), scores.astype(mx.float32)
+    if _face() == "cuda" and k <= 32:
+        from . import _cuda, _gpu_stream
+        return _cuda.expert_sum(h, down, indices, scores, residual, group_size, bits,
+                                _gpu_stream(None))
+    y = row_expert_matmul(h.reshape(R * k, F), *down, indices.reshape(R * k, 1), group_size, bits)
+    y = y.reshape(R, k, -1)
+    acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
+    for j in range(1, k):
+        acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
+    out = acc.astype(h.dtype)
+    return out if residual is None else residual.reshape(out.shape) + out
