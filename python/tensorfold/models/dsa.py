@@ -27,7 +27,7 @@ Weights and math follow mlx-lm 0.32.2's deepseek_v32.py.
   the row matmuls, indexer scores per head through ``row_matmul`` summed in a fixed order,
   ``select_topk``, ``sparse_attention`` (or ``row_attention`` while ``use_sparse`` is false:
   the same bits, see docs/kernels.md), fp32 router (sigmoid + correction bias, group-limited,
-  deterministic top-k), ``row_expert_matmul`` for the routed experts.
+  deterministic top-k), kernels/moe.py's ``expert_glu`` and ``expert_sum`` for the routed experts.
 """
 
 from __future__ import annotations
@@ -425,8 +425,10 @@ class DSAModel(BoundedPrefill, DenseModel):
 
     def _moe_exact(self, ly: DSALayer, x):
         """Row-exact: fp32 router (sigmoid + correction bias, group limit, deterministic top-k,
-        ties to the lower id), row_expert_matmul, fp32 combination in rank order."""
+        ties to the lower id), then kernels/moe.py's expert_glu and expert_sum (the experts' fp32
+        combination in rank order)."""
         from .. import kernels
+        from ..kernels import moe as kmoe
         c = self.cfg
         k, E = c.num_experts_per_tok, c.num_experts
         shape = x.shape
@@ -447,10 +449,7 @@ class DSAModel(BoundedPrefill, DenseModel):
             sc = sc / sc.sum(axis=-1, keepdims=True)
         sc = sc * c.routed_scaling_factor
         gate, up, down = ly.experts
-        h = swiglu(gate.exact(x2, inds), up.exact(x2, inds))                       # [R, k, F]
-        F = h.shape[-1]
-        y = down.exact(h.reshape(R * k, F), inds.reshape(R * k, 1)).reshape(R, k, shape[-1])
-        acc = y[:, 0].astype(mx.float32) * sc[:, 0:1]
-        for j in range(1, k):
-            acc = acc + y[:, j].astype(mx.float32) * sc[:, j:j + 1]
-        return acc.astype(x.dtype).reshape(shape)
+        h = kmoe.expert_glu(x2, gate.triple(), up.triple(), inds, gate.group_size or 64,
+                            gate.bits or 0)                                        # [R, k, F]
+        y = kmoe.expert_sum(h, down.triple(), inds, sc, None, down.group_size or 64, down.bits or 0)
+        return y.reshape(shape)
