@@ -96,6 +96,20 @@ __device__ __forceinline__ T tf_glu(float g, float u) {
   return tf_from_float<T>(__fmul_rn(__fmul_rn(gf, s), uf));
 }
 
+// The fused gate/up kernels' store: each of the warp's NCW columns n0 + c of pair p gets
+// tf_glu of its gate sum acc[c] and up sum acc[NCW + c] (NaN for a bad expert id).
+template <typename T, int NCW>
+__device__ __forceinline__ void tf_glu_store(const float (&acc)[2 * NCW], bool bad, int lane, int n0,
+                                             int N, int p, T* h) {
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+    const float g = tf_warp_sum(acc[c]);
+    const float u = tf_warp_sum(acc[NCW + c]);
+    const T v = bad ? tf_from_float<T>(__int_as_float(0x7fc00000)) : tf_glu<T>(g, u);
+    if (lane == 0 && n0 + c < N) h[(size_t)p * N + n0 + c] = v;
+  }
+}
+
 // The k expert outputs of one column of one row, combined (row_expert_qmm_sum / mm_sum): each
 // ys[j] already rounded to T, acc = ys[0] * s[0], then acc = acc + ys[j] * s[j] for j = 1..k-1
 // (fp32, each product and sum rounded: no fma), rounded to T; with a residual, res + that in
@@ -108,6 +122,25 @@ __device__ __forceinline__ T tf_expert_combine(const float (&ys)[TOPK], const fl
   float o = tf_to_float(tf_from_float<T>(a));
   if constexpr (RES) o = __fadd_rn(tf_to_float(*res), o);
   return tf_from_float<T>(o);
+}
+
+// The fused down kernels' second half: warp j's sums (rounded to T; NaN for a bad expert id)
+// go to ys[c][j]; after the barrier thread c < NCW combines column n0 + c of row r.
+template <typename T, int TOPK, int NCW, bool RES>
+__device__ __forceinline__ void tf_sum_store(const float (&acc)[NCW], bool bad, int lane, int j,
+                                             int n0, int N, int r, float (&ys)[NCW][TOPK],
+                                             const float* scores, const T* res, T* out) {
+#pragma unroll
+  for (int c = 0; c < NCW; ++c) {
+    const float v = bad ? __int_as_float(0x7fc00000) : tf_to_float(tf_from_float<T>(tf_warp_sum(acc[c])));
+    if (lane == 0) ys[c][j] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < NCW && n0 + threadIdx.x < N) {
+    const int n = n0 + threadIdx.x;
+    out[(size_t)r * N + n] = tf_expert_combine<T, TOPK, RES>(ys[threadIdx.x], scores + (size_t)r * TOPK,
+                                                             res + (size_t)r * N + n);
+  }
 }
 
 // @@body row_expert_qmm
@@ -218,13 +251,7 @@ if (n0 < N) {
     }
     tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
   }
-#pragma unroll
-  for (int c = 0; c < NCW; ++c) {
-    const float g = tf_warp_sum(acc[c]);
-    const float u = tf_warp_sum(acc[NCW + c]);
-    const T v = bad ? tf_from_float<T>(__int_as_float(0x7fc00000)) : tf_glu<T>(g, u);
-    if (lane == 0 && n0 + c < N) h[(size_t)p * N + n0 + c] = v;
-  }
+  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, p, h);
 }
 
 // @@body row_expert_mm_glu
@@ -254,13 +281,7 @@ if (n0 < N) {
     }
     tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
   }
-#pragma unroll
-  for (int c = 0; c < NCW; ++c) {
-    const float g = tf_warp_sum(acc[c]);
-    const float u = tf_warp_sum(acc[NCW + c]);
-    const T v = bad ? tf_from_float<T>(__int_as_float(0x7fc00000)) : tf_glu<T>(g, u);
-    if (lane == 0 && n0 + c < N) h[(size_t)p * N + n0 + c] = v;
-  }
+  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, p, h);
 }
 
 // @@body row_expert_qmm_sum
@@ -300,17 +321,7 @@ if (!bad) {
   }
   tf_expert_qdot<T, S, K, GS, BITS, NCW>(h + (size_t)p * K, wr, sr, br, lane, acc);
 }
-#pragma unroll
-for (int c = 0; c < NCW; ++c) {
-  const float v = bad ? __int_as_float(0x7fc00000) : tf_to_float(tf_from_float<T>(tf_warp_sum(acc[c])));
-  if (lane == 0) ys[c][j] = v;
-}
-__syncthreads();
-if (threadIdx.x < NCW && n0 + threadIdx.x < N) {
-  const int n = n0 + threadIdx.x;
-  out[(size_t)r * N + n] = tf_expert_combine<T, TOPK, RES>(ys[threadIdx.x], scores + (size_t)r * TOPK,
-                                                           res + (size_t)r * N + n);
-}
+tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, out);
 
 // @@body row_expert_mm_sum
 // row_expert_qmm_sum for unquantized expert weights (row_expert_mm's arithmetic).
@@ -335,17 +346,7 @@ if (!bad) {
   for (int c = 0; c < NCW; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
   tf_expert_dot<T, W, K, NCW>(h + (size_t)p * K, wr, lane, acc);
 }
-#pragma unroll
-for (int c = 0; c < NCW; ++c) {
-  const float v = bad ? __int_as_float(0x7fc00000) : tf_to_float(tf_from_float<T>(tf_warp_sum(acc[c])));
-  if (lane == 0) ys[c][j] = v;
-}
-__syncthreads();
-if (threadIdx.x < NCW && n0 + threadIdx.x < N) {
-  const int n = n0 + threadIdx.x;
-  out[(size_t)r * N + n] = tf_expert_combine<T, TOPK, RES>(ys[threadIdx.x], scores + (size_t)r * TOPK,
-                                                           res + (size_t)r * N + n);
-}
+tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, out);
 
 // @@body moe_route
 // The router's softmax and top-k of MoE decode, one warp per row: p = softmax(logits) in fp32
