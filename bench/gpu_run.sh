@@ -174,12 +174,13 @@ case "${1:-tests}" in
     done
     ;;
   moe-fused)   # issue 7, session 8: the fused MoE decode kernels (route, expert_glu, expert_sum) --
-               # their CUDA tests, the compiled step on the MoE checkpoint, where a step's time
-               # goes, decode vs mlx-lm at 2k, and MLX's host time per op kind
+               # their CUDA tests, the compiled step on the MoE checkpoint (~80 s of JIT for one
+               # test), decode vs mlx-lm at 2k, MLX's host time per op kind. Where a step's
+               # time goes: `moe-profile` (writes the 17 GB checkpoint first when missing)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "moe_decode or route_ties or row_expert or topk" 2>&1 | tee "$out/test_moe_ops.log" | tail -3
-    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k moe 2>&1 | tee "$out/test_moe_step.log" | tail -3
-    timeout 130 python3 bench/gpu_step_profile.py --shape qwen3-30b-a3b-4bit --prompt 2048 --steps 20 2>&1 | tee "$out/moe_step_profile.md" | tail -5
-    timeout 130 python3 bench/bench_moe.py --model /tmp/tf-ckpt/qwen3-30b-a3b-4bit --prompts 2048 --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -4
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_moe_step.log" | tail -3
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 200 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -4
     timeout 40 python3 bench/gpu_host_ops.py 2>&1 | tee "$out/host_ops.md"
     ;;
   moe)      # issue 7: Qwen3-30B-A3B-shaped 4-bit, peak memory at 2k / 16k / 64k, prompt and decode
