@@ -215,8 +215,8 @@ MOE_OP_CASES = [  # (bits, weight / scale dtype, x dtype, D, F, group, E, k)
 def _moe_op_inputs(case, R, seed):
     bits, wdt, xdt, D, F, gs, E, k = MOE_OP_CASES[case]
     rng = np.random.default_rng(seed)
-    gate, up = (_experts(rng, E, F, D, bits, wdt, gs)[:3] for _ in range(2))
-    down = _experts(rng, E, D, F, bits, wdt, gs)[:3]
+    gate, up = (_experts(rng, E, F, D, bits, wdt, gs)[:3] + (gs, bits or 0) for _ in range(2))
+    down = _experts(rng, E, D, F, bits, wdt, gs)[:3] + (gs, bits or 0)
     x = mx.array(rng.standard_normal((R, D), dtype=np.float32)).astype(xdt)
     logits = mx.array(rng.standard_normal((R, E), dtype=np.float32) * 3)
     res = mx.array(rng.standard_normal((R, D), dtype=np.float32)).astype(xdt)
@@ -225,8 +225,8 @@ def _moe_op_inputs(case, R, seed):
 
 def _moe_ops(gate, up, down, x, logits, res, gs, bits, k, normalize=True):
     inds, scores = KM.route(logits, k, normalize)
-    h = KM.expert_glu(x, gate, up, inds, gs, bits)
-    return inds, scores, h, KM.expert_sum(h, down, inds, scores, res, gs, bits)
+    h = KM.expert_glu(x, gate, up, inds)
+    return inds, scores, h, KM.expert_sum(h, down, inds, scores, res)
 
 
 @pytest.mark.parametrize("case", range(len(MOE_OP_CASES)))
@@ -279,18 +279,18 @@ def test_moe_decode_ops_equal_their_definition(case):
             want = want / want.sum() if normalize else want
             np.testing.assert_allclose(np.asarray(scores[r]), want, rtol=2e-6, atol=0)
     inds, scores = KM.route(logits, k, True)
-    g = K.row_expert_matmul(x, *gate, inds, gs, bits)
-    u = K.row_expert_matmul(x, *up, inds, gs, bits)
-    h = KM.expert_glu(x, gate, up, inds, gs, bits)
+    g = K.row_expert_matmul(x, *gate[:3], inds, *gate[3:])
+    u = K.row_expert_matmul(x, *up[:3], inds, *up[3:])
+    h = KM.expert_glu(x, gate, up, inds)
     assert np.array_equal(_bits(h), _bits(KM.glu_f32(g, u)))
     R, F = x.shape[0], h.shape[-1]
-    y = K.row_expert_matmul(h.reshape(R * k, F), *down, inds.reshape(R * k, 1), gs, bits).reshape(R, k, -1)
+    y = K.row_expert_matmul(h.reshape(R * k, F), *down[:3], inds.reshape(R * k, 1), *down[3:]).reshape(R, k, -1)
     acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
     for j in range(1, k):
         acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
     for r in (None, res):
         want = acc.astype(x.dtype) if r is None else r + acc.astype(x.dtype)
-        got = KM.expert_sum(h, down, inds, scores, r, gs, bits)
+        got = KM.expert_sum(h, down, inds, scores, r)
         assert np.array_equal(_bits(got), _bits(want)), "residual" if r is not None else "plain"
 
 
@@ -308,12 +308,30 @@ def test_route_ties_nan_and_errors():
     with pytest.raises(ValueError):
         KM.route(lg, 7, True)
     rng = np.random.default_rng(0)
-    w = _experts(rng, 4, 32, 64, 4, mx.bfloat16)[:3]
+    w = _experts(rng, 4, 32, 64, 4, mx.bfloat16)[:3] + (64, 4)
     with pytest.raises(ValueError):
         KM.expert_glu(mx.ones((2, 64), mx.bfloat16), w, w, mx.zeros((3, 1), mx.int32))
     with pytest.raises(ValueError):
+        KM.expert_glu(mx.ones((2, 64), mx.bfloat16), w, w[:3] + (32, 4), mx.zeros((2, 1), mx.int32))
+    with pytest.raises(ValueError):
         KM.expert_sum(mx.ones((2, 1, 32), mx.bfloat16), w, mx.zeros((2, 1), mx.int32),
                       mx.ones((2, 2), mx.float32))
+    with pytest.raises(ValueError):
+        KM.expert_sum(mx.ones((2, 1, 64), mx.bfloat16), _experts(rng, 4, 64, 64, 4, mx.bfloat16)[:3] + (64, 4),
+                      mx.zeros((2, 1), mx.int32), mx.ones((2, 1), mx.float32), mx.ones((3, 64), mx.bfloat16))
+
+
+def test_expert_glu_with_gate_and_up_quantized_differently():
+    """A mixed-precision checkpoint may quantize gate and up differently: expert_glu then runs
+    its definition in separate calls, each with its own weights' quantization."""
+    rng = np.random.default_rng(1)
+    gate = _experts(rng, 6, 64, 128, 4, mx.bfloat16, 64)[:3] + (64, 4)
+    up = _experts(rng, 6, 64, 128, 8, mx.bfloat16, 32)[:3] + (32, 8)
+    x = mx.array(rng.standard_normal((5, 128), dtype=np.float32)).astype(mx.bfloat16)
+    ind = mx.array(rng.integers(0, 6, size=(5, 2)).astype(np.int32))
+    want = KM.glu_f32(K.row_expert_matmul(x, *gate[:3], ind, *gate[3:]),
+                      K.row_expert_matmul(x, *up[:3], ind, *up[3:]))
+    assert np.array_equal(_bits(KM.expert_glu(x, gate, up, ind)), _bits(want))
 
 
 # ---------------------------------------------------------------- top-k

@@ -206,7 +206,7 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     return _ext.row_attention(q, k, v, off, float(scale))
 
 
-def check_expert_args(x, w, scales, biases, indices, bits, what: str) -> None:
+def check_expert_args(x, w, scales, biases, indices, group_size, bits, what: str) -> None:
     """The shapes every face of the routed-expert ops needs (the CPU primitive checks them too;
     checked here so that the GPU faces never read past a buffer): ValueError otherwise."""
     if w.ndim != 3 or (scales is None) != (biases is None):
@@ -222,6 +222,9 @@ def check_expert_args(x, w, scales, biases, indices, bits, what: str) -> None:
     K = w.shape[2] * 32 // bits if scales is not None and bits else w.shape[2]
     if x.shape[-1] != K:
         raise ValueError(f"{what}: x has {x.shape[-1]} columns, the experts take {K}")
+    if scales is not None and (not group_size or scales.shape[2] * group_size != K):
+        raise ValueError(f"{what}: scales {scales.shape} do not match group size {group_size} "
+                         f"over {K} columns")
 
 
 def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
@@ -239,7 +242,7 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     """
     if indices.dtype != mx.int32:
         indices = indices.astype(mx.int32)
-    check_expert_args(x, w, scales, biases, indices, bits, "row_expert_matmul")
+    check_expert_args(x, w, scales, biases, indices, group_size, bits, "row_expert_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda

@@ -5,6 +5,9 @@ three calls per layer.
 * ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
   by (probability descending, expert id ascending), their probabilities (divided by their sum
   when ``normalize``).
+Each expert weight set is ``(weight, scales, biases, group_size, bits)`` (scales = biases =
+None, bits = 0 when unquantized), as stacked experts [E, N, K] come from the checkpoint.
+
 * ``expert_glu(x, gate, up, indices)`` -- ``h[r, j] = silu(g) * u`` with g, u the row's
   ``row_expert_matmul`` outputs for expert ``indices[r, j]`` (rounded to x's dtype), SwiGLU
   in fp32, rounded once.
@@ -26,7 +29,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-Weights = Sequence[Optional[mx.array]]     # (weight, scales, biases): scales = biases = None if unquantized
+Weights = Sequence    # (weight, scales, biases, group_size, bits): scales = biases = None, bits 0 unquantized
 
 
 def topk_deterministic(scores: mx.array, k: int) -> mx.array:
@@ -73,51 +76,53 @@ def glu_f32(g: mx.array, u: mx.array) -> mx.array:
     return (g32 * mx.sigmoid(g32) * u32).astype(g.dtype)
 
 
-def _check_experts(x, w: Weights, indices, bits: int, what: str):
+def _check_experts(x, w: Weights, indices, what: str):
     from . import check_expert_args
     if indices.ndim != 2 or x.ndim != 2:
         raise ValueError(f"{what}: x [R, K] and indices [R, k] expected, got {x.shape} and {indices.shape}")
-    if len(w) != 3:
-        raise ValueError(f"{what}: expert weights are (weight, scales, biases)")
-    check_expert_args(x, *w, indices, bits, what)
+    if len(w) != 5:
+        raise ValueError(f"{what}: expert weights are (weight, scales, biases, group_size, bits)")
+    check_expert_args(x, w[0], w[1], w[2], indices, w[3], w[4], what)
 
 
-def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array,
-               group_size: int = 64, bits: int = 4) -> mx.array:
-    """x [R, K], indices [R, k] int32 -> h [R, k, F] in x's dtype."""
+def _matmul(x, w: Weights, indices):
     from . import row_expert_matmul
-    _check_experts(x, gate, indices, bits, "expert_glu")
-    _check_experts(x, up, indices, bits, "expert_glu")
-    if tuple(gate[0].shape) != tuple(up[0].shape):
-        raise ValueError(f"expert_glu: gate {gate[0].shape} and up {up[0].shape} differ")
+    return row_expert_matmul(x, w[0], w[1], w[2], indices, w[3], w[4])
+
+
+def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx.array:
+    """x [R, K], indices [R, k] int32 -> h [R, k, F] in x's dtype."""
+    _check_experts(x, gate, indices, "expert_glu")
+    _check_experts(x, up, indices, "expert_glu")
     indices = indices.astype(mx.int32)
-    if _face() == "cuda":
+    same = (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
+        (tuple(up[0].shape), up[0].dtype, up[3], up[4])
+    if _face() == "cuda" and same:
         from . import _cuda, _gpu_stream
-        return _cuda.expert_glu(x, gate, up, indices, group_size, bits, _gpu_stream(None))
-    g = row_expert_matmul(x, *gate, indices, group_size, bits)
-    u = row_expert_matmul(x, *up, indices, group_size, bits)
-    return glu_f32(g, u)
+        return _cuda.expert_glu(x, gate, up, indices, gate[3], gate[4], _gpu_stream(None))
+    # other faces, and gate / up quantized differently: the same definition in separate calls
+    return glu_f32(_matmul(x, gate, indices), _matmul(x, up, indices))
 
 
 def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
-               residual: Optional[mx.array] = None, group_size: int = 64, bits: int = 4) -> mx.array:
+               residual: Optional[mx.array] = None) -> mx.array:
     """h [R, k, F], indices [R, k] int32, scores [R, k] float32 (and residual [R, D]) -> [R, D]
     in h's dtype."""
-    from . import row_expert_matmul
     if h.ndim != 3 or indices.ndim != 2 or h.shape[:2] != indices.shape:
         raise ValueError(f"expert_sum: h [R, k, F] and indices [R, k] expected, got {h.shape} and "
                          f"{indices.shape}")
     R, k, F = h.shape
-    _check_experts(h[:, 0], down, indices, bits, "expert_sum")
+    _check_experts(h[:, 0], down, indices, "expert_sum")
     if scores.shape != indices.shape:
         raise ValueError(f"expert_sum: scores {scores.shape} must match indices {indices.shape}")
+    if residual is not None and residual.size != R * down[0].shape[1]:
+        raise ValueError(f"expert_sum: residual {residual.shape} must hold [R, D] = [{R}, {down[0].shape[1]}]")
     indices, scores = indices.astype(mx.int32), scores.astype(mx.float32)
     if _face() == "cuda" and k <= 32:
         from . import _cuda, _gpu_stream
-        return _cuda.expert_sum(h, down, indices, scores, residual, group_size, bits,
+        return _cuda.expert_sum(h, down, indices, scores, residual, down[3], down[4],
                                 _gpu_stream(None))
-    y = row_expert_matmul(h.reshape(R * k, F), *down, indices.reshape(R * k, 1), group_size, bits)
-    y = y.reshape(R, k, -1)
+    y = _matmul(h.reshape(R * k, F), down, indices.reshape(R * k, 1)).reshape(R, k, -1)
     acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
     for j in range(1, k):
         acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]

@@ -449,7 +449,5 @@ class DSAModel(BoundedPrefill, DenseModel):
             sc = sc / sc.sum(axis=-1, keepdims=True)
         sc = sc * c.routed_scaling_factor
         gate, up, down = ly.experts
-        h = kmoe.expert_glu(x2, gate.triple(), up.triple(), inds, gate.group_size or 64,
-                            gate.bits or 0)                                        # [R, k, F]
-        y = kmoe.expert_sum(h, down.triple(), inds, sc, None, down.group_size or 64, down.bits or 0)
-        return y.reshape(shape)
+        h = kmoe.expert_glu(x2, gate.weights(), up.weights(), inds)              # [R, k, F]
+        return kmoe.expert_sum(h, down.weights(), inds, sc).reshape(shape)

@@ -68,8 +68,9 @@ class Experts:
         return kernels.row_expert_matmul(x, self.weight, self.scales, self.biases, indices,
                                          self.group_size or 64, self.bits or 0)
 
-    def triple(self) -> tuple:
-        return (self.weight, self.scales, self.biases)
+    def weights(self) -> tuple:
+        """(weight, scales, biases, group_size, bits): kernels/moe.py's expert weight set."""
+        return (self.weight, self.scales, self.biases, self.group_size or 64, self.bits or 0)
 
 
 def _stacked(cfg: ModelConfig, w: dict, layer: int, proj: str, suffix: str):
@@ -209,9 +210,6 @@ class MoEModel(BoundedPrefill, DenseModel):
         x2 = x.reshape(-1, shape[-1])                                   # [R, D]
         logits = m.router.exact(x2.astype(mx.float32))                  # [R, E] fp32
         inds, scores = kmoe.route(logits, k, self.cfg.norm_topk_prob)   # [R, k]
-        gs, bits = m.gate.group_size or 64, m.gate.bits or 0
-        h = kmoe.expert_glu(x2, m.gate.triple(), m.up.triple(), inds, gs, bits)     # [R, k, F]
+        h = kmoe.expert_glu(x2, m.gate.weights(), m.up.weights(), inds)          # [R, k, F]
         res = None if residual is None else residual.reshape(x2.shape)
-        y = kmoe.expert_sum(h, m.down.triple(), inds, scores, res, m.down.group_size or 64,
-                            m.down.bits or 0)
-        return y.reshape(shape)
+        return kmoe.expert_sum(h, m.down.weights(), inds, scores, res).reshape(shape)
