@@ -183,6 +183,16 @@ case "${1:-tests}" in
     timeout 200 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -4
     timeout 40 python3 bench/gpu_host_ops.py 2>&1 | tee "$out/host_ops.md"
     ;;
+  moe-router)  # issue 7: TENSORFOLD_FUSED_ROUTER=1 (router matmul + softmax + top-k in one kernel,
+               # written in session 8 without a GPU): its tests (== the router kernel + moe_route,
+               # bitwise), the MoE compiled step with it, then decode at 2k without and with it
+    TENSORFOLD_FUSED_ROUTER=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "gate_route or moe_decode" 2>&1 | tee "$out/test_gate_route.log" | tail -3
+    TENSORFOLD_FUSED_ROUTER=1 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_gate_route_step.log" | tail -3
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    for f in 0 1; do
+      TENSORFOLD_FUSED_ROUTER=$f timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 --skip-mlx-lm 2>&1 | tee "$out/bench_moe_router$f.md" | tail -2
+    done
+    ;;
   moe)      # issue 7: Qwen3-30B-A3B-shaped 4-bit, peak memory at 2k / 16k / 64k, prompt and decode
     python3 bench/bench_moe.py --shape qwen3-30b-a3b 2>&1 | tee "$out/bench_moe.md" | tail -12
     ;;

@@ -294,6 +294,45 @@ def test_moe_decode_ops_equal_their_definition(case):
         assert np.array_equal(_bits(got), _bits(want)), "residual" if r is not None else "plain"
 
 
+GATE_CASES = [  # (router bits (None: unquantized), weight dtype, x dtype, D, E, k, group)
+    (8, mx.bfloat16, mx.bfloat16, 256, 128, 8, 64),
+    (4, mx.float16, mx.float16, 128, 60, 4, 32),
+    (None, mx.bfloat16, mx.bfloat16, 128, 64, 6, 64),
+    (None, mx.float32, mx.float32, 64, 16, 2, 64),
+]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", range(len(GATE_CASES)))
+def test_gate_route_equals_router_then_route(case, fused, monkeypatch):
+    """gate_route == route(the router's row-exact fp32 logits), bit for bit, and row-exact; with
+    TENSORFOLD_FUSED_ROUTER=1 on CUDA that is the one-kernel form (moe_gate_route) against the
+    router kernel + moe_route."""
+    monkeypatch.setenv("TENSORFOLD_FUSED_ROUTER", "1" if fused else "0")
+    bits, wdt, xdt, D, E, k, gs = GATE_CASES[case]
+    rng = np.random.default_rng(500 + case)
+    w = mx.array(rng.standard_normal((E, D), dtype=np.float32) / np.sqrt(D)).astype(wdt)
+    router = (w, None, None, gs, 0) if bits is None else tuple(mx.quantize(w, gs, bits)) + (gs, bits)
+    x = mx.array(rng.standard_normal((16, D), dtype=np.float32) * 4).astype(xdt)
+    inds, scores = KM.gate_route(x, router, k, True)
+    x32 = x.astype(mx.float32)
+    logits = K.row_matmul(x32, w) if bits is None else K.row_quantized_matmul(x32, *router[:3], gs, bits)
+    want = KM.route(logits, k, True)
+    assert np.array_equal(np.asarray(inds), np.asarray(want[0]))
+    assert np.array_equal(_bits(scores), _bits(want[1]))
+    for M in (1, 3, 16):
+        xg = mx.array(rng.standard_normal((M, D), dtype=np.float32) * 1e3).astype(xdt)
+        pos, i = int(rng.integers(0, M)), int(rng.integers(0, 16))
+        xg[pos] = x[i]
+        gi, gsc = KM.gate_route(xg, router, k, True)
+        assert np.array_equal(np.asarray(gi[pos]), np.asarray(inds[i]))
+        assert np.array_equal(_bits(gsc[pos]), _bits(scores[i]))
+    with pytest.raises(ValueError):
+        KM.gate_route(x[:, :-32], router, k, True)
+    with pytest.raises(ValueError):
+        KM.gate_route(x, router, E + 1, True)
+
+
 def test_route_ties_nan_and_errors():
     lg = mx.array([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0], [1.0] * 6, [0.0, float("nan"), 3.0, 1.0, 0.0, 0.0]],
                   dtype=mx.float32)

@@ -73,6 +73,15 @@ for T in (bf, f16, f32):
 for E, TOPK, NORM in ((128, 8, True), (256, 8, False), (60, 4, True), (1024, 32, True)):
     CASES.append(("moe_route", dict(E=E, TOPK=TOPK, NORM=NORM), dict(logits=f32),
                   dict(inds=i32, scores=f32)))
+for T in (bf, f16, f32):    # the router fused with its softmax / top-k (8-bit routers, as mlx-lm's)
+    for bits in (4, 8):
+        CASES.append(("moe_gate_route", dict(T=T, S=T, D=2048, E=128, TOPK=8, GS=64, BITS=bits,
+                                             NORM=True),
+                      dict(x=T, w=u32, scales=T, biases=T), dict(inds=i32, scores=f32)))
+    CASES.append(("moe_gate_route_mm", dict(T=T, W=T, D=2048, E=128, TOPK=8, NORM=False),
+                  dict(x=T, w=T), dict(inds=i32, scores=f32)))
+    CASES.append(("moe_gate_route_mm", dict(T=T, W=f32, D=64, E=60, TOPK=4, NORM=True),
+                  dict(x=T, w=f32), dict(inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
 from tensorfold.kernels._cuda import cp_plan, tc_plan  # noqa: E402

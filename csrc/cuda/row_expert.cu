@@ -143,6 +143,79 @@ __device__ __forceinline__ void tf_sum_store(const float (&acc)[NCW], bool bad, 
   }
 }
 
+// The router's softmax and top-k for one row, run by one warp (moe_route, moe_gate_route):
+// p = softmax(lr[0..E)) in fp32 (max, then exp(l - max) summed lane-sequentially and by
+// tf_warp_sum, then divided), the TOPK largest p by (p descending, expert id ascending: ties go
+// to the lower id; a NaN p ranks below every number), and their p, divided by their sum in rank
+// order when NORM. Reads logits[r, 0..E) (row stride E), writes inds[r, 0..TOPK) and
+// scores[r, 0..TOPK).
+template <int E, int TOPK, bool NORM>
+__device__ __forceinline__ void tf_route(const float* logits, int r, int lane, int* inds,
+                                         float* scores) {
+  constexpr int EPL = (E + 31) / 32;
+  const float* lr = logits + (size_t)r * E;
+  float v[EPL];
+  float m = TF_NEG_INF;
+  #pragma unroll
+  for (int t = 0; t < EPL; ++t) {
+    const int i = lane + 32 * t;
+    v[t] = i < E ? lr[i] : TF_NEG_INF;
+    m = fmaxf(m, v[t]);
+  }
+  #pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TF_FULL_MASK, m, off));
+  float sum = 0.0f;
+  #pragma unroll
+  for (int t = 0; t < EPL; ++t) {
+    if (lane + 32 * t < E) {
+      v[t] = expf(__fsub_rn(v[t], m));
+      sum = __fadd_rn(sum, v[t]);
+    }
+  }
+  sum = tf_warp_sum(sum);
+  #pragma unroll
+  for (int t = 0; t < EPL; ++t) v[t] = __fdiv_rn(v[t], sum);
+  unsigned int taken = 0u;
+  int my_i = 0;
+  float my_p = 0.0f, tot = 0.0f;
+  for (int j = 0; j < TOPK; ++j) {
+    float bk = -2.0f;          // below every key: padding and taken entries never win
+    int bi = 0x7fffffff;
+  #pragma unroll
+    for (int t = 0; t < EPL; ++t) {
+      const int i = lane + 32 * t;
+      const float key = v[t] == v[t] ? v[t] : -1.0f;
+      if (i < E && !((taken >> t) & 1u) && (key > bk || (key == bk && i < bi))) {
+        bk = key;
+        bi = i;
+      }
+    }
+  #pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+      const float ok = __shfl_xor_sync(TF_FULL_MASK, bk, off);
+      const int oi = __shfl_xor_sync(TF_FULL_MASK, bi, off);
+      if (ok > bk || (ok == bk && oi < bi)) {
+        bk = ok;
+        bi = oi;
+      }
+    }
+    float pv = 0.0f;
+  #pragma unroll
+    for (int t = 0; t < EPL; ++t) if (t == (bi >> 5)) pv = v[t];
+    pv = __shfl_sync(TF_FULL_MASK, pv, bi & 31);
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    tot = __fadd_rn(tot, pv);
+    if (lane == j) {
+      my_i = bi;
+      my_p = pv;
+    }
+  }
+  if (lane < TOPK) {
+    inds[(size_t)r * TOPK + lane] = my_i;
+    scores[(size_t)r * TOPK + lane] = NORM ? __fdiv_rn(my_p, tot) : my_p;
+  }
+}
+
 // @@body row_expert_qmm
 // inputs: x [R, K] (T), w [E, N, K*BITS/32] uint32, scales / biases [E, N, K/GS] (S),
 //         indices [R*TOPK] int32.    output: out [R*TOPK, N] (T).
@@ -349,74 +422,76 @@ if (!bad) {
 tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, out);
 
 // @@body moe_route
-// The router's softmax and top-k of MoE decode, one warp per row: p = softmax(logits) in fp32
-// (max, then exp(l - max) summed lane-sequentially and by tf_warp_sum, then divided), the TOPK
-// largest p by (p descending, expert id ascending: ties go to the lower id; a NaN p ranks
-// below every number), and their p, divided by their sum in rank order when NORM. Row r's
-// result depends on row r's logits only.
+// The router's softmax and top-k of MoE decode (tf_route), one warp per row: row r's result
+// depends on row r's logits only.
 // inputs: logits [R, E] float.   outputs: inds [R, TOPK] int32, scores [R, TOPK] float.
 // template: E, TOPK, NORM.   launch: grid (32*R, 1, 1), threadgroup (32, 1, 1); TOPK <= min(E, 32).
-constexpr int EPL = (E + 31) / 32;
+tf_route<E, TOPK, NORM>(logits, blockIdx.x, threadIdx.x & 31, inds, scores);
+
+// @@body moe_gate_route
+// The router matmul, its softmax and top-k in one launch (MoE decode; kernels.moe.gate_route):
+// one block per row, 16 warps; warp w computes the logits of experts 2w, 2w+1, 2w+32, ... with
+// row_qmm's arithmetic on the row's x (x converted to fp32 exactly: the bits of the router's
+// row-exact matmul on x.astype(float32)), into shared memory; then warp 0 runs tf_route on them.
+// inputs: x [R, D] (T), w [E, D*BITS/32] uint32, scales / biases [E, D/GS] (S).
+// outputs: inds [R, TOPK] int32, scores [R, TOPK] float.
+// template: T, S, D, E, TOPK, GS, BITS, NORM.   launch: grid (512*R, 1, 1), threadgroup
+// (512, 1, 1); TOPK <= min(E, 32); E <= 1024.
+constexpr int WARPS = 16;
+constexpr int NC = 2;
+constexpr int KW = D * BITS / 32;
+constexpr int NG = D / GS;
+__shared__ float lg[E];
 const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
 const int r = blockIdx.x;
-const float* lr = logits + (size_t)r * E;
-float v[EPL];
-float m = TF_NEG_INF;
+for (int e0 = warp * NC; e0 < E; e0 += WARPS * NC) {
+  float acc[NC];
+  const unsigned int* wr[NC];
+  const S* sr[NC];
+  const S* br[NC];
 #pragma unroll
-for (int t = 0; t < EPL; ++t) {
-  const int i = lane + 32 * t;
-  v[t] = i < E ? lr[i] : TF_NEG_INF;
-  m = fmaxf(m, v[t]);
-}
+  for (int c = 0; c < NC; ++c) {
+    const int e = min(e0 + c, E - 1);     // a missing expert repeats the last; never stored
+    acc[c] = 0.0f;
+    wr[c] = w + (size_t)e * KW;
+    sr[c] = scales + (size_t)e * NG;
+    br[c] = biases + (size_t)e * NG;
+  }
+  tf_expert_qdot<T, S, D, GS, BITS, NC>(x + (size_t)r * D, wr, sr, br, lane, acc);
 #pragma unroll
-for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(TF_FULL_MASK, m, off));
-float sum = 0.0f;
-#pragma unroll
-for (int t = 0; t < EPL; ++t) {
-  if (lane + 32 * t < E) {
-    v[t] = expf(__fsub_rn(v[t], m));
-    sum = __fadd_rn(sum, v[t]);
+  for (int c = 0; c < NC; ++c) {
+    const float v = tf_warp_sum(acc[c]);
+    if (lane == 0 && e0 + c < E) lg[e0 + c] = v;
   }
 }
-sum = tf_warp_sum(sum);
+__syncthreads();
+if (warp == 0) tf_route<E, TOPK, NORM>(lg, 0, lane, inds + (size_t)r * TOPK, scores + (size_t)r * TOPK);
+
+// @@body moe_gate_route_mm
+// moe_gate_route for an unquantized router weight w [E, D] (W): row_mm's arithmetic.
+// inputs: x [R, D] (T), w [E, D] (W).  outputs, launch: as moe_gate_route.
+// template: T, W, D, E, TOPK, NORM.
+constexpr int WARPS = 16;
+constexpr int NC = 2;
+__shared__ float lg[E];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int r = blockIdx.x;
+for (int e0 = warp * NC; e0 < E; e0 += WARPS * NC) {
+  float acc[NC];
+  const W* wr[NC];
 #pragma unroll
-for (int t = 0; t < EPL; ++t) v[t] = __fdiv_rn(v[t], sum);
-unsigned int taken = 0u;
-int my_i = 0;
-float my_p = 0.0f, tot = 0.0f;
-for (int j = 0; j < TOPK; ++j) {
-  float bk = -2.0f;          // below every key: padding and taken entries never win
-  int bi = 0x7fffffff;
-#pragma unroll
-  for (int t = 0; t < EPL; ++t) {
-    const int i = lane + 32 * t;
-    const float key = v[t] == v[t] ? v[t] : -1.0f;
-    if (i < E && !((taken >> t) & 1u) && (key > bk || (key == bk && i < bi))) {
-      bk = key;
-      bi = i;
-    }
+  for (int c = 0; c < NC; ++c) {
+    acc[c] = 0.0f;
+    wr[c] = w + (size_t)min(e0 + c, E - 1) * D;
   }
+  tf_expert_dot<T, W, D, NC>(x + (size_t)r * D, wr, lane, acc);
 #pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) {
-    const float ok = __shfl_xor_sync(TF_FULL_MASK, bk, off);
-    const int oi = __shfl_xor_sync(TF_FULL_MASK, bi, off);
-    if (ok > bk || (ok == bk && oi < bi)) {
-      bk = ok;
-      bi = oi;
-    }
-  }
-  float pv = 0.0f;
-#pragma unroll
-  for (int t = 0; t < EPL; ++t) if (t == (bi >> 5)) pv = v[t];
-  pv = __shfl_sync(TF_FULL_MASK, pv, bi & 31);
-  if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-  tot = __fadd_rn(tot, pv);
-  if (lane == j) {
-    my_i = bi;
-    my_p = pv;
+  for (int c = 0; c < NC; ++c) {
+    const float v = tf_warp_sum(acc[c]);
+    if (lane == 0 && e0 + c < E) lg[e0 + c] = v;
   }
 }
-if (lane < TOPK) {
-  inds[(size_t)r * TOPK + lane] = my_i;
-  scores[(size_t)r * TOPK + lane] = NORM ? __fdiv_rn(my_p, tot) : my_p;
-}
+__syncthreads();
+if (warp == 0) tf_route<E, TOPK, NORM>(lg, 0, lane, inds + (size_t)r * TOPK, scores + (size_t)r * TOPK);

@@ -60,6 +60,8 @@ _KERNELS = {
                            "row_expert.cu"),
     "row_expert_mm_sum": (["h", "w", "indices", "scores", "res"], ["out"], "row_expert.cu"),
     "moe_route": (["logits"], ["inds", "scores"], "row_expert.cu"),
+    "moe_gate_route": (["x", "w", "scales", "biases"], ["inds", "scores"], "row_expert.cu"),
+    "moe_gate_route_mm": (["x", "w"], ["inds", "scores"], "row_expert.cu"),
 }
 
 
@@ -597,6 +599,24 @@ def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
         template=tmpl + [("RES", residual is not None)],
         grid=(-(-N // 2) * 32 * topk, R, 1), threadgroup=(32 * topk, 1, 1),
         output_shapes=[(R, N)], output_dtypes=[h.dtype], stream=stream)[0]
+
+
+def moe_gate_route(x, w, scales, biases, group_size, bits, k, normalize, stream):
+    """kernels.moe.gate_route (fused): x [R, D] -> (indices int32 [R, k], scores fp32 [R, k])."""
+    R, D = x.shape
+    E = w.shape[0]
+    if scales is not None:
+        name, inputs = "moe_gate_route", [x, w, scales, biases]
+        tmpl = [("T", x.dtype), ("S", scales.dtype), ("D", D), ("E", E), ("TOPK", k),
+                ("GS", group_size), ("BITS", bits), ("NORM", bool(normalize))]
+    else:
+        name, inputs = "moe_gate_route_mm", [x, w]
+        tmpl = [("T", x.dtype), ("W", w.dtype), ("D", D), ("E", E), ("TOPK", k),
+                ("NORM", bool(normalize))]
+    inds, scores = _kernel(name, 0)(
+        inputs=inputs, template=tmpl, grid=(512 * R, 1, 1), threadgroup=(512, 1, 1),
+        output_shapes=[(R, k), (R, k)], output_dtypes=[mx.int32, mx.float32], stream=stream)
+    return inds, scores
 
 
 def moe_route(logits, k, normalize, stream):

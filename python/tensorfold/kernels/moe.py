@@ -2,6 +2,10 @@
 their down projection + score-weighted sum + residual. models/moe.py's exact path is these
 three calls per layer.
 
+* ``gate_route(x, router, k, normalize)`` -- ``route`` of the router's row-exact fp32 logits
+  (``row_quantized_matmul`` / ``row_matmul`` of x in fp32). With TENSORFOLD_FUSED_ROUTER=1 the
+  CUDA face runs it as one kernel (moe_gate_route: the same dot-product arithmetic as the
+  router's row_qmm / row_mm, then moe_route's); off by default until it has run on a GPU.
 * ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
   by (probability descending, expert id ascending), their probabilities (divided by their sum
   when ``normalize``).
@@ -25,6 +29,7 @@ their softmax sums in another order, so CUDA and CPU bits differ (the contract i
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -68,6 +73,33 @@ def route(logits: mx.array, k: int, normalize: bool):
     if normalize:
         scores = scores / mx.sum(scores, axis=-1, keepdims=True)
     return inds, scores
+
+
+def fused_router() -> bool:
+    """TENSORFOLD_FUSED_ROUTER=1: gate_route's CUDA face runs moe_gate_route (one launch instead
+    of the fp32 copy of x, the router matmul and moe_route). Written and compiled with nvcc
+    (session 8), not yet run on a GPU, hence off by default."""
+    return os.environ.get("TENSORFOLD_FUSED_ROUTER") == "1"
+
+
+def gate_route(x: mx.array, router: Weights, k: int, normalize: bool):
+    """x [R, D] (the MLP's normed input) and the router (weight [E, D] or quantized, scales,
+    biases, group_size, bits) -> (indices [R, k] int32, scores [R, k] float32)."""
+    from . import row_matmul, row_quantized_matmul
+    w, sc, bi, gs, bits = router
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"gate_route: x [R, D] and a 2-D router weight expected, got {x.shape} and {w.shape}")
+    E = w.shape[0]
+    D = w.shape[1] * 32 // bits if sc is not None else w.shape[1]
+    if x.shape[1] != D or not 1 <= k <= E:
+        raise ValueError(f"gate_route: x {x.shape}, router {w.shape} ({bits} bits), k = {k} do not fit")
+    if (fused_router() and _face() == "cuda" and k <= 32 and E <= 1024 and D % 32 == 0
+            and (sc is None or bits in (2, 3, 4, 5, 6, 8))):
+        from . import _cuda, _gpu_stream
+        return _cuda.moe_gate_route(x, w, sc, bi, gs, bits, k, normalize, _gpu_stream(None))
+    x32 = x.astype(mx.float32)
+    logits = row_quantized_matmul(x32, w, sc, bi, gs, bits) if sc is not None else row_matmul(x32, w)
+    return route(logits, k, normalize)
 
 
 def glu_f32(g: mx.array, u: mx.array) -> mx.array:

@@ -208,8 +208,12 @@ class MoEModel(BoundedPrefill, DenseModel):
         k = self.cfg.num_experts_per_tok
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])                                   # [R, D]
-        logits = m.router.exact(x2.astype(mx.float32))                  # [R, E] fp32
-        inds, scores = kmoe.route(logits, k, self.cfg.norm_topk_prob)   # [R, k]
+        r = m.router
+        if r.bias is None:           # the router's fp32 logits, softmax and top-k
+            inds, scores = kmoe.gate_route(x2, (r.weight, r.scales, r.biases, r.group_size, r.bits),
+                                           k, self.cfg.norm_topk_prob)
+        else:
+            inds, scores = kmoe.route(r.exact(x2.astype(mx.float32)), k, self.cfg.norm_topk_prob)
         h = kmoe.expert_glu(x2, m.gate.weights(), m.up.weights(), inds)          # [R, k, F]
         res = None if residual is None else residual.reshape(x2.shape)
         return kmoe.expert_sum(h, m.down.weights(), inds, scores, res).reshape(shape)
