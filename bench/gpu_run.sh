@@ -13,7 +13,8 @@
 #   bash bench/gpu_run.sh cp        # row_qmm_cp: == row_qmm_tc bitwise, tests, plan sweep, 8B decode
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 #   bash bench/gpu_run.sh attn-split | ablate   # where the attention / the decode step's time goes
-#   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the default
+#   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the scatters
+#   bash bench/gpu_run.sh moe-fused | moe-router   # the fused MoE decode kernels; the fused router (flag)
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
