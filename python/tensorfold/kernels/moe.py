@@ -1,23 +1,23 @@
 """Row-exact MoE decode ops: the router's top-k, the routed experts' gate/up + SwiGLU, and
-their down projection + score-weighted sum + residual. models/moe.py's exact path is these
-three calls per layer.
+their down projection + score-weighted sum + residual. models/moe.py's exact path is
+``gate_route``, ``expert_glu`` and ``expert_sum`` per layer.
 
+* ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
+  by (probability descending, expert id ascending), their probabilities (divided by their sum
+  when ``normalize``).
 * ``gate_route(x, router, k, normalize)`` -- ``route`` of the router's row-exact fp32 logits
   (``row_quantized_matmul`` / ``row_matmul`` of x in fp32). With TENSORFOLD_FUSED_ROUTER=1 the
   CUDA face runs it as one kernel (moe_gate_route: the same dot-product arithmetic as the
   router's row_qmm / row_mm, then moe_route's); off by default until it has run on a GPU.
-* ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
-  by (probability descending, expert id ascending), their probabilities (divided by their sum
-  when ``normalize``).
-Each expert weight set is ``(weight, scales, biases, group_size, bits)`` (scales = biases =
-None, bits = 0 when unquantized), as stacked experts [E, N, K] come from the checkpoint.
-
 * ``expert_glu(x, gate, up, indices)`` -- ``h[r, j] = silu(g) * u`` with g, u the row's
   ``row_expert_matmul`` outputs for expert ``indices[r, j]`` (rounded to x's dtype), SwiGLU
   in fp32, rounded once.
 * ``expert_sum(h, down, indices, scores, residual)`` -- ``y[r, j]`` = ``row_expert_matmul`` of
   h[r, j] on expert ``indices[r, j]``, then ``sum_j y[r, j] * scores[r, j]`` in fp32 in rank
   order (each product and sum rounded), rounded to h's dtype, plus the residual (fp32, rounded).
+
+Weights (router, gate, up, down) are ``(weight, scales, biases, group_size, bits)``: scales =
+biases = None and bits = 0 when unquantized; experts stacked [E, N, K] as checkpoints store them.
 
 Contract: row r's outputs depend on row r's inputs only, whatever the call's row count and
 whatever experts the other rows chose. Faces: CUDA runs one kernel per op
