@@ -15,6 +15,7 @@
 #   bash bench/gpu_run.sh attn-split | ablate   # where the attention / the decode step's time goes
 #   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the scatters
 #   bash bench/gpu_run.sh moe-fused | moe-router   # the fused MoE decode kernels; the fused router (flag)
+#   bash bench/gpu_run.sh graphs    # MLX's CUDA graphs vs direct launches (MLX_USE_CUDA_GRAPHS=0)
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
@@ -192,6 +193,21 @@ case "${1:-tests}" in
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     for f in 0 1; do
       TENSORFOLD_FUSED_ROUTER=$f timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 --skip-mlx-lm 2>&1 | tee "$out/bench_moe_router$f.md" | tail -2
+    done
+    ;;
+  graphs)   # issues 4 / 7: MLX's CUDA graphs (its default) against direct launches
+            # (MLX_USE_CUDA_GRAPHS=0): host time per op, then 8B and MoE decode at 2k side by side
+            # with mlx-lm under each, and exactness without graphs (one stream: in-order by itself)
+    for g in 1 0; do
+      MLX_USE_CUDA_GRAPHS=$g timeout 40 python3 bench/gpu_host_ops.py --n 200 --reps 5 2>&1 | tee "$out/host_ops_graphs$g.md" | tail -12
+    done
+    MLX_USE_CUDA_GRAPHS=0 timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_nographs.txt" | tail -3
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    for g in 1 0; do
+      MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 \
+          --decode 128 --repeat 2 2>&1 | tee "$out/bench_decode_graphs$g.md" | tail -1
+      MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 64 \
+          2>&1 | tee "$out/bench_moe_graphs$g.md" | tail -1
     done
     ;;
   moe)      # issue 7: Qwen3-30B-A3B-shaped 4-bit, peak memory at 2k / 16k / 64k, prompt and decode
