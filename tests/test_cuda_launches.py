@@ -1,0 +1,107 @@
+"""The CUDA faces' Python wrappers launch what their kernels declare, checked without a GPU:
+`_cuda._kernel` is replaced by a stub that records each launch (and returns zeros), the face is
+forced to "cuda", and every launch of the MoE decode ops must pass one input per declared input
+name of its kernel (`_cuda._KERNELS`), with the integer / fp32 / packed-weight dtypes it reads them as, with template names
+the kernel body uses, and ask for the declared outputs. CI has no GPU; a wrapper that drifted
+from its kernel would otherwise be found only on the H200."""
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tensorfold.kernels as K
+from tensorfold.kernels import _cuda
+from tensorfold.kernels import moe as KM
+from tensorfold.kernels._sources import kernel_text
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    seen = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
+                     stream=None):
+            seen.append(dict(name=self.name, inputs=inputs, template=template, grid=grid,
+                             threadgroup=threadgroup, output_shapes=output_shapes,
+                             output_dtypes=output_dtypes))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(_cuda, "_kernel", lambda name, smem: Stub(name))
+    monkeypatch.setattr(K, "backend_face", lambda stream=None: "cuda")
+    monkeypatch.setattr(K, "_gpu_stream", lambda s: None)
+    return seen
+
+
+def _check(launch):
+    name = launch["name"]
+    inputs, outputs, filename = _cuda._KERNELS[name]
+    assert len(launch["inputs"]) == len(inputs), (name, len(launch["inputs"]), inputs)
+    assert len(launch["output_shapes"]) == len(outputs) == len(launch["output_dtypes"]), name
+    header, body = kernel_text("cuda", filename, name)
+    for key, _ in launch["template"]:
+        # every template argument of the MoE kernels is used (the GEMMs pass S as a type name)
+        assert re.search(rf"\b{key}\b", body) or not name.startswith(("row_expert", "moe_")), (name, key)
+    for arr, nm in zip(launch["inputs"], inputs):
+        assert re.search(rf"\b{nm}\b", body), (name, nm)
+        want = {"indices": mx.int32, "scores": mx.float32, "logits": mx.float32}.get(nm)
+        if nm in ("w", "wg", "wu") and ("qmm" in name or name == "moe_gate_route"):
+            want = mx.uint32
+        assert want is None or arr.dtype == want, (name, nm, arr.dtype)
+    tx, ty, tz = launch["threadgroup"]
+    assert tx * ty * tz <= 1024 and tx % 32 == 0, name
+
+
+def _experts(E, N, K_, bits, dtype=mx.bfloat16, gs=64):
+    w = mx.random.normal((E, N, K_)).astype(dtype)
+    if not bits:
+        return (w, None, None, gs, 0)
+    return tuple(mx.quantize(w, gs, bits)) + (gs, bits)
+
+
+@pytest.mark.parametrize("bits", [0, 4, 8])
+@pytest.mark.parametrize("fused_router", ["0", "1"])
+def test_moe_decode_launches_match_their_kernels(launches, monkeypatch, bits, fused_router):
+    monkeypatch.setenv("TENSORFOLD_FUSED_ROUTER", fused_router)
+    R, D, F, E, k = 3, 128, 64, 16, 4
+    x = mx.ones((R, D), mx.bfloat16)
+    router = _experts(1, E, D, 8 if bits else 0)
+    router = (router[0][0],) + tuple(a[0] if a is not None else None for a in router[1:3]) + router[3:]
+    inds, scores = KM.gate_route(x, router, k, True)
+    gate, up = _experts(E, F, D, bits), _experts(E, F, D, bits)
+    h = KM.expert_glu(x, gate, up, inds)
+    down = _experts(E, D, F, bits)
+    KM.expert_sum(h, down, inds, scores, x)
+    KM.expert_sum(h, down, inds, scores)
+    K.row_expert_matmul(x, *gate[:3], inds, *gate[3:])
+    names = [lc["name"] for lc in launches]
+    want_route = ["moe_gate_route" + ("" if bits else "_mm")] if fused_router == "1" else ["moe_route"]
+    assert set(want_route) <= set(names), names
+    q = "qmm" if bits else "mm"
+    assert {f"row_expert_{q}_glu", f"row_expert_{q}_sum", f"row_expert_{q}"} <= set(names), names
+    for lc in launches:
+        _check(lc)
+    sums = [lc for lc in launches if lc["name"].endswith("_sum")]
+    assert [dict(lc["template"])["RES"] for lc in sums] == [True, False]
+    for lc in sums:
+        assert lc["threadgroup"][0] == 32 * k and lc["output_shapes"] == [(R, D)]
+
+
+def test_moe_ops_take_the_composition_where_the_kernels_do_not_fit(launches):
+    """k > 32 experts per token (route, expert_sum) or gate and up quantized differently
+    (expert_glu): the CUDA face runs the ops' definitions instead of a kernel that cannot hold them."""
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.standard_normal((2, 64), dtype=np.float32))
+    KM.route(logits, 40, True)
+    assert "moe_route" not in [lc["name"] for lc in launches]
+    x = mx.ones((2, 128), mx.bfloat16)
+    ind = mx.zeros((2, 2), mx.int32)
+    KM.expert_glu(x, _experts(4, 64, 128, 4), _experts(4, 64, 128, 8, gs=32), ind)
+    names = [lc["name"] for lc in launches]
+    assert "row_expert_qmm_glu" not in names and names.count("row_expert_qmm") == 2
