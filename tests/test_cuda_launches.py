@@ -1,8 +1,9 @@
 """The CUDA faces' Python wrappers launch what their kernels declare, checked without a GPU:
 `_cuda._kernel` is replaced by a stub that records each launch (and returns zeros), the face is
-forced to "cuda", and every launch of the MoE decode ops must pass one input per declared input
-name of its kernel (`_cuda._KERNELS`), with the integer / fp32 / packed-weight dtypes it reads them as, with template names
-the kernel body uses, and ask for the declared outputs. CI has no GPU; a wrapper that drifted
+forced to "cuda", and every launch of the decode step's ops (GEMMs, attention, q/k norm + RoPE,
+the MoE ops) must pass one input per declared input name of its kernel (`_cuda._KERNELS`), with
+the integer / fp32 / packed-weight dtypes it reads them as, and ask for the declared outputs;
+the MoE kernels' template names must be ones their bodies use. CI has no GPU; a wrapper that drifted
 from its kernel would otherwise be found only on the H200."""
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def launches(monkeypatch):
     return seen
 
 
+# inputs a kernel takes and never reads, by design: the in-place KV write's fence orders it
+# after the previous step's attention in MLX's CUDA graph (dense.StepCache.in_place)
+NEVER_READ = {("qk_norm_rope_kv", "fence")}
+
+
 def _check(launch):
     name = launch["name"]
     inputs, outputs, filename = _cuda._KERNELS[name]
@@ -49,8 +55,9 @@ def _check(launch):
         # every template argument of the MoE kernels is used (the GEMMs pass S as a type name)
         assert re.search(rf"\b{key}\b", body) or not name.startswith(("row_expert", "moe_")), (name, key)
     for arr, nm in zip(launch["inputs"], inputs):
-        assert re.search(rf"\b{nm}\b", body), (name, nm)
-        want = {"indices": mx.int32, "scores": mx.float32, "logits": mx.float32}.get(nm)
+        assert re.search(rf"\b{nm}(_shape|_strides|_ndim)?\b", body) or (name, nm) in NEVER_READ, (name, nm)
+        want = {"indices": mx.int32, "scores": mx.float32, "logits": mx.float32, "offset": mx.int32,
+                "scale_f": mx.float32, "inv_freq": mx.float32, "params": mx.float32}.get(nm)
         if nm in ("w", "wg", "wu") and ("qmm" in name or name == "moe_gate_route"):
             want = mx.uint32
         assert want is None or arr.dtype == want, (name, nm, arr.dtype)
@@ -105,3 +112,33 @@ def test_moe_ops_take_the_composition_where_the_kernels_do_not_fit(launches):
     KM.expert_glu(x, _experts(4, 64, 128, 4), _experts(4, 64, 128, 8, gs=32), ind)
     names = [lc["name"] for lc in launches]
     assert "row_expert_qmm_glu" not in names and names.count("row_expert_qmm") == 2
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_decode_step_launches_match_their_kernels(launches, dtype):
+    """The dense decode step's CUDA wrappers (GEMMs with and without the residual, attention,
+    q/k norm + RoPE with and without the in-place KV write): the same checks, across the plans
+    the wrappers pick for a tensor-core dtype and for fp32."""
+    x = mx.ones((1, 2, 256), dtype)
+    w = mx.random.normal((512, 256)).astype(dtype)
+    wq, s, b = mx.quantize(w, 64, 4)
+    K.row_quantized_matmul(x, wq, s, b, 64, 4)
+    K.row_quantized_matmul(x[..., :256], mx.quantize(mx.random.normal((256, 256)).astype(dtype), 64, 4)[0],
+                           *mx.quantize(mx.random.normal((256, 256)).astype(dtype), 64, 4)[1:], 64, 4,
+                           residual=x)
+    K.row_matmul(x, w)
+    H, Hk, hd, cap = 4, 2, 64, 256
+    q = mx.ones((1, H, 2, hd), dtype)
+    kc, vc = mx.zeros((1, Hk, cap, hd), dtype), mx.zeros((1, Hk, cap, hd), dtype)
+    K.row_attention(q, kc, vc, 5, hd ** -0.5)
+    qkv = mx.ones((1, 2, (H + 2 * Hk) * hd), dtype)
+    inv = mx.ones((hd // 2,), mx.float32)
+    norm = mx.ones((hd,), dtype)
+    off = mx.array([5, 0, 0, 0], dtype=mx.int32)[:1]
+    K.fused_qk_norm_rope(qkv, H, Hk, norm, norm, 1e-6, inv, 1.0, off)
+    K.fused_qk_norm_rope(qkv, H, Hk, norm, norm, 1e-6, inv, 1.0, off, kv=(kc, vc, mx.zeros((1,))))
+    names = {lc["name"] for lc in launches}
+    assert {"qk_norm_rope", "qk_norm_rope_kv"} <= names, names
+    assert any(n.startswith("row_attn") for n in names) and any(n.startswith("row_qmm") for n in names)
+    for lc in launches:
+        _check(lc)
