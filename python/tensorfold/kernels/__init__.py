@@ -206,22 +206,24 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     return _ext.row_attention(q, k, v, off, float(scale))
 
 
-def check_expert_args(x, w, scales, biases, indices, group_size, bits, what: str) -> None:
+def check_expert_args(x_shape, w, scales, biases, indices, group_size, bits, what: str) -> None:
     """The shapes every face of the routed-expert ops needs (the CPU primitive checks them too;
-    checked here so that the GPU faces never read past a buffer): ValueError otherwise."""
+    checked here so that the GPU faces never read past a buffer): ValueError otherwise.
+    x_shape: the activations' shape [..., K]."""
+    x_shape = tuple(x_shape)
     if w.ndim != 3 or (scales is None) != (biases is None):
         raise ValueError(f"{what}: w must be [E, N, K'] with scales and biases both given or "
                          f"both None, got w {w.shape}")
-    if indices.ndim < 1 or tuple(indices.shape[:-1]) != tuple(x.shape[:-1]):
+    if indices.ndim < 1 or tuple(indices.shape[:-1]) != x_shape[:-1]:
         raise ValueError(f"{what}: indices {indices.shape} must be x's leading dims "
-                         f"{x.shape[:-1]} plus k")
+                         f"{x_shape[:-1]} plus k")
     if scales is not None and (tuple(scales.shape) != tuple(biases.shape)
                                or scales.shape[:2] != w.shape[:2]):
         raise ValueError(f"{what}: scales / biases {scales.shape} / {biases.shape} do not "
                          f"match w {w.shape}")
     K = w.shape[2] * 32 // bits if scales is not None and bits else w.shape[2]
-    if x.shape[-1] != K:
-        raise ValueError(f"{what}: x has {x.shape[-1]} columns, the experts take {K}")
+    if x_shape[-1] != K:
+        raise ValueError(f"{what}: x has {x_shape[-1]} columns, the experts take {K}")
     if scales is not None and (not group_size or scales.shape[2] * group_size != K):
         raise ValueError(f"{what}: scales {scales.shape} do not match group size {group_size} "
                          f"over {K} columns")
@@ -242,7 +244,7 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     """
     if indices.dtype != mx.int32:
         indices = indices.astype(mx.int32)
-    check_expert_args(x, w, scales, biases, indices, group_size, bits, "row_expert_matmul")
+    check_expert_args(x.shape, w, scales, biases, indices, group_size, bits, "row_expert_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda

@@ -563,10 +563,7 @@ def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
 
 def expert_glu(x, gate, up, indices, group_size, bits, stream):
     """kernels.moe.expert_glu: x [R, K], indices [R, k] -> h [R, k, N] (row_expert_*_glu)."""
-    E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "expert_glu")
-    if x.shape[-1] != K or tuple(up[0].shape) != tuple(gate[0].shape):
-        raise ValueError(f"expert_glu (cuda): x {x.shape} and gate / up weights "
-                         f"{gate[0].shape} / {up[0].shape} do not match")
+    E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "expert_glu")   # shapes: kernels.moe
     R, topk = indices.shape
     idx = indices.reshape(-1)
     grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
@@ -583,9 +580,7 @@ def expert_glu(x, gate, up, indices, group_size, bits, stream):
 
 def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
     """kernels.moe.expert_sum: h [R, k, K], indices / scores [R, k] -> [R, N] (row_expert_*_sum)."""
-    E, N, K, quant = _expert_shape(down[0], down[1], bits, "expert_sum")
-    if h.shape[-1] != K:
-        raise ValueError(f"expert_sum (cuda): h {h.shape} does not match the weight {down[0].shape}")
+    E, N, K, quant = _expert_shape(down[0], down[1], bits, "expert_sum")   # shapes: kernels.moe
     R, topk = indices.shape
     res = (residual.reshape(R, N).astype(h.dtype) if residual is not None
            else _const_array((0.0,), h.dtype))

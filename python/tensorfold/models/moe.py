@@ -62,12 +62,6 @@ class Experts:
                                 sorted_indices=sorted_indices).astype(x.dtype)
         return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
-    def exact(self, x, indices):
-        """Row-exact: [..., K] x [..., k] -> [..., k, N]."""
-        from .. import kernels
-        return kernels.row_expert_matmul(x, self.weight, self.scales, self.biases, indices,
-                                         self.group_size or 64, self.bits or 0)
-
     def weights(self) -> tuple:
         """(weight, scales, biases, group_size, bits): kernels/moe.py's expert weight set."""
         return (self.weight, self.scales, self.biases, self.group_size or 64, self.bits or 0)
@@ -208,12 +202,9 @@ class MoEModel(BoundedPrefill, DenseModel):
         k = self.cfg.num_experts_per_tok
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])                                   # [R, D]
-        r = m.router
-        if r.bias is None:           # the router's fp32 logits, softmax and top-k
-            inds, scores = kmoe.gate_route(x2, (r.weight, r.scales, r.biases, r.group_size, r.bits),
-                                           k, self.cfg.norm_topk_prob)
-        else:
-            inds, scores = kmoe.route(r.exact(x2.astype(mx.float32)), k, self.cfg.norm_topk_prob)
+        r = m.router                 # no bias (take_linear without one)
+        inds, scores = kmoe.gate_route(x2, (r.weight, r.scales, r.biases, r.group_size, r.bits),
+                                       k, self.cfg.norm_topk_prob)
         h = kmoe.expert_glu(x2, m.gate.weights(), m.up.weights(), inds)          # [R, k, F]
         res = None if residual is None else residual.reshape(x2.shape)
         return kmoe.expert_sum(h, m.down.weights(), inds, scores, res).reshape(shape)
