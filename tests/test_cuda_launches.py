@@ -58,7 +58,7 @@ def _check(launch):
         assert re.search(rf"\b{nm}(_shape|_strides|_ndim)?\b", body) or (name, nm) in NEVER_READ, (name, nm)
         want = {"indices": mx.int32, "scores": mx.float32, "logits": mx.float32, "offset": mx.int32,
                 "scale_f": mx.float32, "inv_freq": mx.float32, "params": mx.float32}.get(nm)
-        if nm in ("w", "wg", "wu") and ("qmm" in name or name == "moe_gate_route"):
+        if nm in ("w", "wg", "wu") and "qmm" in name:
             want = mx.uint32
         assert want is None or arr.dtype == want, (name, nm, arr.dtype)
     tx, ty, tz = launch["threadgroup"]
@@ -73,25 +73,28 @@ def _experts(E, N, K_, bits, dtype=mx.bfloat16, gs=64):
 
 
 @pytest.mark.parametrize("bits", [0, 4, 8])
-@pytest.mark.parametrize("fused_router", ["0", "1"])
-def test_moe_decode_launches_match_their_kernels(launches, monkeypatch, bits, fused_router):
-    monkeypatch.setenv("TENSORFOLD_FUSED_ROUTER", fused_router)
+def test_moe_decode_launches_match_their_kernels(launches, bits):
     R, D, F, E, k = 3, 128, 64, 16, 4
     x = mx.ones((R, D), mx.bfloat16)
     router = _experts(1, E, D, 8 if bits else 0)
     router = (router[0][0],) + tuple(a[0] if a is not None else None for a in router[1:3]) + router[3:]
-    inds, scores = KM.gate_route(x, router, k, True)
+    logits = KM.router_logits(x, router)
     gate, up = _experts(E, F, D, bits), _experts(E, F, D, bits)
-    h = KM.expert_glu(x, gate, up, inds)
+    h, inds, scores = KM.route_glu(x, logits, gate, up, k, True)
+    KM.route(logits, k, True)
+    KM.expert_glu(x, gate, up, inds)
     down = _experts(E, D, F, bits)
     KM.expert_sum(h, down, inds, scores, x)
     KM.expert_sum(h, down, inds, scores)
     K.row_expert_matmul(x, *gate[:3], inds, *gate[3:])
     names = [lc["name"] for lc in launches]
-    want_route = ["moe_gate_route" + ("" if bits else "_mm")] if fused_router == "1" else ["moe_route"]
-    assert set(want_route) <= set(names), names
     q = "qmm" if bits else "mm"
-    assert {f"row_expert_{q}_glu", f"row_expert_{q}_sum", f"row_expert_{q}"} <= set(names), names
+    assert names[0] == f"row_{q}" and names[1] == f"row_expert_{q}_glu_route", names
+    # the router reads x as it is (bf16) and writes the fp32 logits: no copy of x
+    assert launches[0]["inputs"][0].dtype == mx.bfloat16 and launches[0]["output_dtypes"] == [mx.float32]
+    assert launches[1]["output_dtypes"] == [mx.bfloat16, mx.int32, mx.float32]
+    assert launches[1]["output_shapes"] == [(R * k, F), (R, k), (R, k)]
+    assert {"moe_route", f"row_expert_{q}_glu", f"row_expert_{q}_sum", f"row_expert_{q}"} <= set(names), names
     for lc in launches:
         _check(lc)
     sums = [lc for lc in launches if lc["name"].endswith("_sum")]

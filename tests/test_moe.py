@@ -299,35 +299,63 @@ GATE_CASES = [  # (router bits (None: unquantized), weight dtype, x dtype, D, E,
 ]
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("case", range(len(GATE_CASES)))
-def test_gate_route_equals_router_then_route(case, fused, monkeypatch):
-    """gate_route == route(the router's row-exact fp32 logits), bit for bit, and row-exact; with
-    TENSORFOLD_FUSED_ROUTER=1 on CUDA that is the one-kernel form (moe_gate_route) against the
-    router kernel + moe_route."""
-    monkeypatch.setenv("TENSORFOLD_FUSED_ROUTER", "1" if fused else "0")
+def test_router_logits_equal_the_fp32_router_matmul(case):
+    """router_logits == the router's row-exact matmul of x.astype(float32), bit for bit (on CUDA:
+    the router kernel reading x as it is and writing fp32, against the kernel on an fp32 copy),
+    and row-exact."""
     bits, wdt, xdt, D, E, k, gs = GATE_CASES[case]
     rng = np.random.default_rng(500 + case)
     w = mx.array(rng.standard_normal((E, D), dtype=np.float32) / np.sqrt(D)).astype(wdt)
     router = (w, None, None, gs, 0) if bits is None else tuple(mx.quantize(w, gs, bits)) + (gs, bits)
     x = mx.array(rng.standard_normal((16, D), dtype=np.float32) * 4).astype(xdt)
-    inds, scores = KM.gate_route(x, router, k, True)
+    logits = KM.router_logits(x, router)
     x32 = x.astype(mx.float32)
-    logits = K.row_matmul(x32, w) if bits is None else K.row_quantized_matmul(x32, *router[:3], gs, bits)
-    want = KM.route(logits, k, True)
-    assert np.array_equal(np.asarray(inds), np.asarray(want[0]))
-    assert np.array_equal(_bits(scores), _bits(want[1]))
+    want = K.row_matmul(x32, w) if bits is None else K.row_quantized_matmul(x32, *router[:3], gs, bits)
+    assert logits.dtype == mx.float32 and logits.shape == (16, E)
+    assert np.array_equal(_bits(logits), _bits(want))
     for M in (1, 3, 16):
         xg = mx.array(rng.standard_normal((M, D), dtype=np.float32) * 1e3).astype(xdt)
         pos, i = int(rng.integers(0, M)), int(rng.integers(0, 16))
         xg[pos] = x[i]
-        gi, gsc = KM.gate_route(xg, router, k, True)
-        assert np.array_equal(np.asarray(gi[pos]), np.asarray(inds[i]))
-        assert np.array_equal(_bits(gsc[pos]), _bits(scores[i]))
+        assert np.array_equal(_bits(KM.router_logits(xg, router)[pos]), _bits(logits[i]))
     with pytest.raises(ValueError):
-        KM.gate_route(x[:, :-32], router, k, True)
+        KM.router_logits(x[:, :-32], router)
     with pytest.raises(ValueError):
-        KM.gate_route(x, router, E + 1, True)
+        KM.router_logits(x[0], router)
+
+
+@pytest.mark.parametrize("case", range(len(MOE_OP_CASES)))
+def test_route_glu_equals_route_then_expert_glu(case):
+    """route_glu == route, then expert_glu on its experts: h, indices and scores bit for bit (on
+    CUDA: the one-kernel form against moe_route + row_expert_*_glu), for both normalizations,
+    and row-exact; bad shapes raise."""
+    gate, up, down, x, logits, res, gs, bits, k = _moe_op_inputs(case, 16, 600 + case)
+    for normalize in (True, False):
+        h, inds, scores = KM.route_glu(x, logits, gate, up, k, normalize)
+        wi, ws = KM.route(logits, k, normalize)
+        wh = KM.expert_glu(x, gate, up, wi)
+        assert inds.dtype == mx.int32 and scores.dtype == mx.float32 and h.dtype == x.dtype
+        assert np.array_equal(np.asarray(inds), np.asarray(wi))
+        assert np.array_equal(_bits(scores), _bits(ws))
+        assert np.array_equal(_bits(h), _bits(wh))
+    rng = np.random.default_rng(11)
+    for M in (1, 3, 16):
+        _, _, _, xg, lg, _, *_ = _moe_op_inputs(case, M, 700 + M)
+        xg, lg = xg * 1000, lg[:, ::-1] * 5
+        pos, i = int(rng.integers(0, M)), int(rng.integers(0, 16))
+        xg[pos], lg[pos] = x[i], logits[i]
+        got = KM.route_glu(xg, lg, gate, up, k, False)
+        for a, b in zip(got, (h, inds, scores)):
+            assert np.array_equal(_bits(a[pos]), _bits(b[i])), (M, pos, i)
+    E = logits.shape[1]
+    for bad in (lambda: KM.route_glu(x, logits[:, :-1], gate, up, k, True),      # E != experts
+                lambda: KM.route_glu(x, logits.astype(mx.float16), gate, up, k, True),
+                lambda: KM.route_glu(x[:3], logits, gate, up, k, True),          # rows differ
+                lambda: KM.route_glu(x, logits, gate, up, E + 1, True),
+                lambda: KM.route_glu(x[:, :-32], logits, gate, up, k, True)):
+        with pytest.raises(ValueError):
+            bad()
 
 
 def test_route_ties_nan_and_errors():

@@ -73,15 +73,19 @@ for T in (bf, f16, f32):
 for E, TOPK, NORM in ((128, 8, True), (256, 8, False), (60, 4, True), (1024, 32, True)):
     CASES.append(("moe_route", dict(E=E, TOPK=TOPK, NORM=NORM), dict(logits=f32),
                   dict(inds=i32, scores=f32)))
-for T in (bf, f16, f32):    # the router fused with its softmax / top-k (8-bit routers, as mlx-lm's)
+for T in (bf, f16, f32):    # the MoE router: x as it is, fp32 logits (8-bit routers, as mlx-lm's)
     for bits in (4, 8):
-        CASES.append(("moe_gate_route", dict(T=T, S=T, D=2048, E=128, TOPK=8, GS=64, BITS=bits,
-                                             NORM=True),
-                      dict(x=T, w=u32, scales=T, biases=T), dict(inds=i32, scores=f32)))
-    CASES.append(("moe_gate_route_mm", dict(T=T, W=T, D=2048, E=128, TOPK=8, NORM=False),
-                  dict(x=T, w=T), dict(inds=i32, scores=f32)))
-    CASES.append(("moe_gate_route_mm", dict(T=T, W=f32, D=64, E=60, TOPK=4, NORM=True),
-                  dict(x=T, w=f32), dict(inds=i32, scores=f32)))
+        CASES.append(("row_qmm", dict(T=T, S=T, K=2048, N=128, GS=64, BITS=bits),
+                      dict(x=T, w=u32, scales=T, biases=T), dict(out=f32)))
+    CASES.append(("row_mm", dict(T=T, W=T, K=2048, N=128), dict(x=T, w=T), dict(out=f32)))
+    # moe_route fused into the gate + up + SwiGLU kernels
+    for bits in (4, 8):
+        CASES.append(("row_expert_qmm_glu_route", dict(T=T, S=T, K=2048, N=768, E=128, TOPK=8,
+                                                       GS=64, BITS=bits, NORM=True),
+                      dict(x=T, wg=u32, sg=T, bg=T, wu=u32, su=T, bu=T, logits=f32),
+                      dict(h=T, inds=i32, scores=f32)))
+    CASES.append(("row_expert_mm_glu_route", dict(T=T, W=T, K=2048, N=768, E=60, TOPK=4, NORM=False),
+                  dict(x=T, wg=T, wu=T, logits=f32), dict(h=T, inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
 from tensorfold.kernels._cuda import cp_plan, tc_plan  # noqa: E402

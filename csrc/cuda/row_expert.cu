@@ -15,7 +15,8 @@
 // [0, E) writes NaN.
 //
 // The fused MoE-decode kernels below (row_expert_*_glu: gate + up + SwiGLU; row_expert_*_sum:
-// down + the score-weighted sum + the residual add; moe_route: the router's softmax + top-k)
+// down + the score-weighted sum + the residual add; moe_route: the router's softmax + top-k;
+// row_expert_*_glu_route: moe_route's code, then row_expert_*_glu's, in one launch)
 // keep each dot product in exactly this arithmetic (tf_expert_qdot / tf_expert_dot) and
 // define their epilogues in the helpers next to it.
 //
@@ -143,7 +144,7 @@ __device__ __forceinline__ void tf_sum_store(const float (&acc)[NCW], bool bad, 
   }
 }
 
-// The router's softmax and top-k for one row, run by one warp (moe_route, moe_gate_route):
+// The router's softmax and top-k for one row, run by one warp (moe_route, tf_route_pair):
 // p = softmax(lr[0..E)) in fp32 (max, then exp(l - max) summed lane-sequentially and by
 // tf_warp_sum, then divided), the TOPK largest p by (p descending, expert id ascending: ties go
 // to the lower id; a NaN p ranks below every number), and their p, divided by their sum in rank
@@ -214,6 +215,87 @@ __device__ __forceinline__ void tf_route(const float* logits, int r, int lane, i
     inds[(size_t)r * TOPK + lane] = my_i;
     scores[(size_t)r * TOPK + lane] = NORM ? __fdiv_rn(my_p, tot) : my_p;
   }
+}
+
+// One block's share of the fused gate/up kernels (row_expert_*_glu*): pair p = blockIdx.y (row
+// r, expert e), 8 warps x NCW = 2 columns n0 = (blockIdx.x * 8 + warp) * 2 of h[p], gate and
+// up sums with tf_expert_qdot's arithmetic, then tf_glu_store.
+template <typename T, typename S, int K, int N, int E, int GS, int BITS>
+__device__ __forceinline__ void tf_qmm_glu_block(const T* x, const unsigned int* wg, const S* sg,
+                                                 const S* bg, const unsigned int* wu, const S* su,
+                                                 const S* bu, int e, int r, T* h) {
+  constexpr int WARPS = 8;
+  constexpr int NCW = 2;
+  constexpr int KW = K * BITS / 32;
+  constexpr int NG = K / GS;
+  const int lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
+  if (n0 >= N) return;
+  const bool bad = e < 0 || e >= E;
+  float acc[2 * NCW];
+#pragma unroll
+  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
+  if (!bad) {
+    const unsigned int* wr[2 * NCW];
+    const S* sr[2 * NCW];
+    const S* br[2 * NCW];
+#pragma unroll
+    for (int c = 0; c < NCW; ++c) {
+      const size_t row = (size_t)e * N + min(n0 + c, N - 1);  // a missing column repeats the last
+      wr[c] = wg + row * KW;
+      sr[c] = sg + row * NG;
+      br[c] = bg + row * NG;
+      wr[NCW + c] = wu + row * KW;
+      sr[NCW + c] = su + row * NG;
+      br[NCW + c] = bu + row * NG;
+    }
+    tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
+  }
+  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
+}
+
+// The same for unquantized expert weights (tf_expert_dot).
+template <typename T, typename W, int K, int N, int E>
+__device__ __forceinline__ void tf_mm_glu_block(const T* x, const W* wg, const W* wu, int e, int r,
+                                                T* h) {
+  constexpr int WARPS = 8;
+  constexpr int NCW = 2;
+  const int lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
+  if (n0 >= N) return;
+  const bool bad = e < 0 || e >= E;
+  float acc[2 * NCW];
+#pragma unroll
+  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
+  if (!bad) {
+    const W* wr[2 * NCW];
+#pragma unroll
+    for (int c = 0; c < NCW; ++c) {
+      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
+      wr[c] = wg + row * K;
+      wr[NCW + c] = wu + row * K;
+    }
+    tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
+  }
+  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
+}
+
+// The route of the fused route + gate/up kernels: warp 0 runs tf_route on row r = blockIdx.y /
+// TOPK of logits [R, E] into s_inds / s_scores (shared), the block waits for it, and the block
+// with blockIdx.x == 0 stores entry j = blockIdx.y % TOPK to inds / scores [R, TOPK]. Returns j.
+template <int E, int TOPK, bool NORM>
+__device__ __forceinline__ int tf_route_pair(const float* logits, int* s_inds, float* s_scores,
+                                             int* inds, float* scores) {
+  const int p = blockIdx.y;
+  if (threadIdx.x < 32) tf_route<E, TOPK, NORM>(logits + (size_t)(p / TOPK) * E, 0, threadIdx.x,
+                                                s_inds, s_scores);
+  __syncthreads();
+  const int j = p % TOPK;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    inds[p] = s_inds[j];
+    scores[p] = s_scores[j];
+  }
+  return j;
 }
 
 // @@body row_expert_qmm
@@ -293,69 +375,38 @@ if (n0 < N) {
 // inputs: x [R, K] (T), wg / wu [E, N, K*BITS/32] uint32, sg, bg, su, bu [E, N, K/GS] (S),
 //         indices [R*TOPK] int32.    output: h [R*TOPK, N] (T).
 // template: T, S, K, N, E, TOPK, GS, BITS.   launch: as row_expert_qmm.
-constexpr int WARPS = 8;
-constexpr int NCW = 2;
-constexpr int KW = K * BITS / 32;
-constexpr int NG = K / GS;
-const int lane = threadIdx.x & 31;
-const int warp = threadIdx.x >> 5;
-const int n0 = (blockIdx.x * WARPS + warp) * NCW;
-const int p = blockIdx.y;
-const int r = p / TOPK;
-const int e = indices[p];
-if (n0 < N) {
-  const bool bad = e < 0 || e >= E;
-  float acc[2 * NCW];
-#pragma unroll
-  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
-  if (!bad) {
-    const unsigned int* wr[2 * NCW];
-    const S* sr[2 * NCW];
-    const S* br[2 * NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
-      wr[c] = wg + row * KW;
-      sr[c] = sg + row * NG;
-      br[c] = bg + row * NG;
-      wr[NCW + c] = wu + row * KW;
-      sr[NCW + c] = su + row * NG;
-      br[NCW + c] = bu + row * NG;
-    }
-    tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
-  }
-  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, p, h);
-}
+tf_qmm_glu_block<T, S, K, N, E, GS, BITS>(x, wg, sg, bg, wu, su, bu, indices[blockIdx.y],
+                                          blockIdx.y / TOPK, h);
+
+// @@body row_expert_qmm_glu_route
+// moe_route and row_expert_qmm_glu in one launch (MoE decode): every block first runs the
+// router's softmax + top-k of its row r (tf_route, warp 0, into shared memory: the bits
+// moe_route gives), then row_expert_qmm_glu's work for pair p = r*TOPK + j on expert
+// inds[r, j]; the blocks with blockIdx.x == 0 also store inds[r, j] and scores[r, j].
+// inputs: x [R, K] (T), wg / wu [E, N, K*BITS/32] uint32, sg, bg, su, bu [E, N, K/GS] (S),
+//         logits [R, E] float.   outputs: h [R*TOPK, N] (T), inds [R, TOPK] int32,
+//         scores [R, TOPK] float.
+// template: T, S, K, N, E, TOPK, GS, BITS, NORM.   launch: as row_expert_qmm; TOPK <= 32,
+// E <= 1024.
+__shared__ int s_inds[TOPK];
+__shared__ float s_scores[TOPK];
+const int j = tf_route_pair<E, TOPK, NORM>(logits, s_inds, s_scores, inds, scores);
+tf_qmm_glu_block<T, S, K, N, E, GS, BITS>(x, wg, sg, bg, wu, su, bu, s_inds[j], blockIdx.y / TOPK, h);
 
 // @@body row_expert_mm_glu
 // row_expert_qmm_glu for unquantized expert weights (row_expert_mm's arithmetic).
 // inputs: x [R, K] (T), wg / wu [E, N, K] (W), indices [R*TOPK] int32.  output: h [R*TOPK, N] (T).
 // template: T, W, K, N, E, TOPK.   launch: as row_expert_qmm.
-constexpr int WARPS = 8;
-constexpr int NCW = 2;
-const int lane = threadIdx.x & 31;
-const int warp = threadIdx.x >> 5;
-const int n0 = (blockIdx.x * WARPS + warp) * NCW;
-const int p = blockIdx.y;
-const int r = p / TOPK;
-const int e = indices[p];
-if (n0 < N) {
-  const bool bad = e < 0 || e >= E;
-  float acc[2 * NCW];
-#pragma unroll
-  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
-  if (!bad) {
-    const W* wr[2 * NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
-      wr[c] = wg + row * K;
-      wr[NCW + c] = wu + row * K;
-    }
-    tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
-  }
-  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, p, h);
-}
+tf_mm_glu_block<T, W, K, N, E>(x, wg, wu, indices[blockIdx.y], blockIdx.y / TOPK, h);
+
+// @@body row_expert_mm_glu_route
+// row_expert_qmm_glu_route for unquantized expert weights.
+// inputs: x [R, K] (T), wg / wu [E, N, K] (W), logits [R, E] float.   outputs: as
+// row_expert_qmm_glu_route.   template: T, W, K, N, E, TOPK, NORM.   launch: as row_expert_qmm.
+__shared__ int s_inds[TOPK];
+__shared__ float s_scores[TOPK];
+const int j = tf_route_pair<E, TOPK, NORM>(logits, s_inds, s_scores, inds, scores);
+tf_mm_glu_block<T, W, K, N, E>(x, wg, wu, s_inds[j], blockIdx.y / TOPK, h);
 
 // @@body row_expert_qmm_sum
 // The down projection of the routed experts, their score-weighted sum and the residual add
@@ -427,71 +478,3 @@ tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, ou
 // inputs: logits [R, E] float.   outputs: inds [R, TOPK] int32, scores [R, TOPK] float.
 // template: E, TOPK, NORM.   launch: grid (32*R, 1, 1), threadgroup (32, 1, 1); TOPK <= min(E, 32).
 tf_route<E, TOPK, NORM>(logits, blockIdx.x, threadIdx.x & 31, inds, scores);
-
-// @@body moe_gate_route
-// The router matmul, its softmax and top-k in one launch (MoE decode; kernels.moe.gate_route):
-// one block per row, 16 warps; warp w computes the logits of experts 2w, 2w+1, 2w+32, ... with
-// row_qmm's arithmetic on the row's x (x converted to fp32 exactly: the bits of the router's
-// row-exact matmul on x.astype(float32)), into shared memory; then warp 0 runs tf_route on them.
-// inputs: x [R, D] (T), w [E, D*BITS/32] uint32, scales / biases [E, D/GS] (S).
-// outputs: inds [R, TOPK] int32, scores [R, TOPK] float.
-// template: T, S, D, E, TOPK, GS, BITS, NORM.   launch: grid (512*R, 1, 1), threadgroup
-// (512, 1, 1); TOPK <= min(E, 32); E <= 1024.
-constexpr int WARPS = 16;
-constexpr int NC = 2;
-constexpr int KW = D * BITS / 32;
-constexpr int NG = D / GS;
-__shared__ float lg[E];
-const int lane = threadIdx.x & 31;
-const int warp = threadIdx.x >> 5;
-const int r = blockIdx.x;
-for (int e0 = warp * NC; e0 < E; e0 += WARPS * NC) {
-  float acc[NC];
-  const unsigned int* wr[NC];
-  const S* sr[NC];
-  const S* br[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int e = min(e0 + c, E - 1);     // a missing expert repeats the last; never stored
-    acc[c] = 0.0f;
-    wr[c] = w + (size_t)e * KW;
-    sr[c] = scales + (size_t)e * NG;
-    br[c] = biases + (size_t)e * NG;
-  }
-  tf_expert_qdot<T, S, D, GS, BITS, NC>(x + (size_t)r * D, wr, sr, br, lane, acc);
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const float v = tf_warp_sum(acc[c]);
-    if (lane == 0 && e0 + c < E) lg[e0 + c] = v;
-  }
-}
-__syncthreads();
-if (warp == 0) tf_route<E, TOPK, NORM>(lg, 0, lane, inds + (size_t)r * TOPK, scores + (size_t)r * TOPK);
-
-// @@body moe_gate_route_mm
-// moe_gate_route for an unquantized router weight w [E, D] (W): row_mm's arithmetic.
-// inputs: x [R, D] (T), w [E, D] (W).  outputs, launch: as moe_gate_route.
-// template: T, W, D, E, TOPK, NORM.
-constexpr int WARPS = 16;
-constexpr int NC = 2;
-__shared__ float lg[E];
-const int lane = threadIdx.x & 31;
-const int warp = threadIdx.x >> 5;
-const int r = blockIdx.x;
-for (int e0 = warp * NC; e0 < E; e0 += WARPS * NC) {
-  float acc[NC];
-  const W* wr[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    acc[c] = 0.0f;
-    wr[c] = w + (size_t)min(e0 + c, E - 1) * D;
-  }
-  tf_expert_dot<T, W, D, NC>(x + (size_t)r * D, wr, lane, acc);
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const float v = tf_warp_sum(acc[c]);
-    if (lane == 0 && e0 + c < E) lg[e0 + c] = v;
-  }
-}
-__syncthreads();
-if (warp == 0) tf_route<E, TOPK, NORM>(lg, 0, lane, inds + (size_t)r * TOPK, scores + (size_t)r * TOPK);

@@ -59,9 +59,10 @@ __device__ __forceinline__ void tf_fma_rows(float (&acc)[MAXM][NCW], const float
   }
 }
 
-// The butterfly over lanes, then lane 0 stores out[r0 + m, n0 + c].
-template <typename T, int MAXM, int NCW>
-__device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], T* out, int rows, int r0,
+// The butterfly over lanes, then lane 0 stores out[r0 + m, n0 + c] (rounded to the output's
+// type O, which may differ from x's: the MoE router's fp32 logits of bf16 rows).
+template <int MAXM, int NCW, typename O>
+__device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], O* out, int rows, int r0,
                                               int n0, int N, int lane) {
 #pragma unroll
   for (int m = 0; m < MAXM; ++m) {
@@ -69,7 +70,7 @@ __device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], T* out, i
 #pragma unroll
       for (int c = 0; c < NCW; ++c) {
         const float v = tf_warp_sum(acc[m][c]);
-        if (lane == 0 && n0 + c < N) out[(size_t)(r0 + m) * N + n0 + c] = tf_from_float<T>(v);
+        if (lane == 0 && n0 + c < N) out[(size_t)(r0 + m) * N + n0 + c] = tf_from_float<O>(v);
       }
     }
   }
@@ -257,7 +258,9 @@ __device__ __forceinline__ int tf_swz(int r, int u) {
 
 // @@body row_qmm
 // inputs: x [R, K] (T), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (S)
-// output: out [R, N] (T).   template: T, S, K, N, GS, BITS
+// output: out [R, N] (T, or float: x's values are read exactly as they would be from a float
+// copy of x, so a float output has the bits of this kernel on x.astype(float)).
+// template: T, S, K, N, GS, BITS
 // launch: grid (ceil(N/16)*256, ceil(R/16), 1), threadgroup (256, 1, 1),
 //         dynamic shared memory = min(MAXM, R rounded up to a power of 2) * 1024 * sizeof(T) bytes
 constexpr int WARPS = 8;
@@ -305,10 +308,11 @@ for (int kt = 0; kt < K; kt += KT) {
     }
   }
 }
-tf_store_rows<T, MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
+tf_store_rows<MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
 
 // @@body row_mm
-// inputs: x [R, K] (T), w [N, K] (W)      output: out [R, N] (T).  template: T, W, K, N
+// inputs: x [R, K] (T), w [N, K] (W)      output: out [R, N] (T or float, as row_qmm).
+// template: T, W, K, N
 // launch: as row_qmm.
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
@@ -347,7 +351,7 @@ for (int kt = 0; kt < K; kt += KT) {
     }
   }
 }
-tf_store_rows<T, MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
+tf_store_rows<MAXM, NCW>(acc, out, rows, r0, n0, N, lane);
 
 // ============================================================================================
 // Tensor-core faces (bf16 / fp16 activations; 4- and 8-bit or same-dtype dense weights).

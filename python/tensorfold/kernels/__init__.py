@@ -206,16 +206,16 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     return _ext.row_attention(q, k, v, off, float(scale))
 
 
-def check_expert_args(x_shape, w, scales, biases, indices, group_size, bits, what: str) -> None:
+def check_expert_args(x_shape, w, scales, biases, indices_shape, group_size, bits, what: str) -> None:
     """The shapes every face of the routed-expert ops needs (the CPU primitive checks them too;
     checked here so that the GPU faces never read past a buffer): ValueError otherwise.
-    x_shape: the activations' shape [..., K]."""
-    x_shape = tuple(x_shape)
+    x_shape: the activations' shape [..., K]; indices_shape: the expert ids' [..., k]."""
+    x_shape, indices_shape = tuple(x_shape), tuple(indices_shape)
     if w.ndim != 3 or (scales is None) != (biases is None):
         raise ValueError(f"{what}: w must be [E, N, K'] with scales and biases both given or "
                          f"both None, got w {w.shape}")
-    if indices.ndim < 1 or tuple(indices.shape[:-1]) != x_shape[:-1]:
-        raise ValueError(f"{what}: indices {indices.shape} must be x's leading dims "
+    if len(indices_shape) < 1 or indices_shape[:-1] != x_shape[:-1]:
+        raise ValueError(f"{what}: indices {indices_shape} must be x's leading dims "
                          f"{x_shape[:-1]} plus k")
     if scales is not None and (tuple(scales.shape) != tuple(biases.shape)
                                or scales.shape[:2] != w.shape[:2]):
@@ -244,7 +244,7 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     """
     if indices.dtype != mx.int32:
         indices = indices.astype(mx.int32)
-    check_expert_args(x.shape, w, scales, biases, indices, group_size, bits, "row_expert_matmul")
+    check_expert_args(x.shape, w, scales, biases, indices.shape, group_size, bits, "row_expert_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda

@@ -59,9 +59,11 @@ _KERNELS = {
     "row_expert_qmm_sum": (["h", "w", "scales", "biases", "indices", "scores", "res"], ["out"],
                            "row_expert.cu"),
     "row_expert_mm_sum": (["h", "w", "indices", "scores", "res"], ["out"], "row_expert.cu"),
+    "row_expert_qmm_glu_route": (["x", "wg", "sg", "bg", "wu", "su", "bu", "logits"],
+                                 ["h", "inds", "scores"], "row_expert.cu"),
+    "row_expert_mm_glu_route": (["x", "wg", "wu", "logits"], ["h", "inds", "scores"],
+                                "row_expert.cu"),
     "moe_route": (["logits"], ["inds", "scores"], "row_expert.cu"),
-    "moe_gate_route": (["x", "w", "scales", "biases"], ["inds", "scores"], "row_expert.cu"),
-    "moe_gate_route_mm": (["x", "w"], ["inds", "scores"], "row_expert.cu"),
 }
 
 
@@ -212,11 +214,13 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
     return x_dtype in TC_TYPES and w_dtype == x_dtype and K % 64 == 0
 
 
-def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None):
+def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
+                     out_float=False):
     """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS) for row_qmm_cp,
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
-    else by MLX's add after the kernel."""
+    else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
+    x.astype(float32) (row_qmm, whatever x's dtype: no copy of x)."""
     if bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"row_quantized_matmul (cuda): unsupported bits {bits}")
     N = w.shape[0]
@@ -226,7 +230,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     R = x2.shape[0]
     inputs = [x2, w, scales, biases]
     fused = False
-    tc = quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits)
+    tc = quantized_tc_ok(x.dtype, scales.dtype, K, group_size, bits) and not out_float
     cp_call = None
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
@@ -245,21 +249,22 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
         kern = _kernel("row_qmm", smem)
         template = [("T", x.dtype), ("S", scales.dtype), ("K", K), ("N", N),
                     ("GS", group_size), ("BITS", bits)]
-        oshape, odtype = [(R, N)], [x.dtype]
+        oshape, odtype = [(R, N)], [mx.float32 if out_float else x.dtype]
     out = kern(inputs=inputs, template=template, grid=grid, threadgroup=tg,
                output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
     out = out if x.ndim == 2 else out.reshape(*lead, N)
     return out if residual is None or fused else out + residual
 
 
-def matmul(x, w, stream, plan=None):
+def matmul(x, w, stream, plan=None, out_float=False):
+    """out_float: as quantized_matmul's (row_mm on x as it is, a float32 result)."""
     N, K = w.shape
     if K % 32 != 0:
         raise ValueError("row_matmul (cuda): K must be a multiple of 32")
     lead = x.shape[:-1]
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
-    if matmul_tc_ok(x.dtype, w.dtype, K):
+    if matmul_tc_ok(x.dtype, w.dtype, K) and not out_float:
         kern, template, grid, tg, oshape, odtype = _mm_tc_call(x.dtype, K, N, R, plan)
         out = kern(inputs=[x2, w], template=template, grid=grid, threadgroup=tg,
                    output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
@@ -269,7 +274,7 @@ def matmul(x, w, stream, plan=None):
         inputs=[x2, w],
         template=[("T", x.dtype), ("W", w.dtype), ("K", K), ("N", N)],
         grid=grid, threadgroup=tg,
-        output_shapes=[(R, N)], output_dtypes=[x.dtype], stream=stream,
+        output_shapes=[(R, N)], output_dtypes=[mx.float32 if out_float else x.dtype], stream=stream,
     )[0]
     return out.reshape(*lead, N)
 
@@ -596,22 +601,23 @@ def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
         output_shapes=[(R, N)], output_dtypes=[h.dtype], stream=stream)[0]
 
 
-def moe_gate_route(x, w, scales, biases, group_size, bits, k, normalize, stream):
-    """kernels.moe.gate_route (fused): x [R, D] -> (indices int32 [R, k], scores fp32 [R, k])."""
-    R, D = x.shape
-    E = w.shape[0]
-    if scales is not None:
-        name, inputs = "moe_gate_route", [x, w, scales, biases]
-        tmpl = [("T", x.dtype), ("S", scales.dtype), ("D", D), ("E", E), ("TOPK", k),
-                ("GS", group_size), ("BITS", bits), ("NORM", bool(normalize))]
+def expert_glu_route(x, gate, up, logits, k, normalize, group_size, bits, stream):
+    """kernels.moe.route_glu: x [R, K], logits fp32 [R, E] -> (h [R, k, N], indices int32
+    [R, k], scores fp32 [R, k]) (row_expert_*_glu_route: moe_route + row_expert_*_glu)."""
+    E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "route_glu")   # shapes: kernels.moe
+    R = x.shape[0]
+    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * k, 1)
+    if quant:
+        name, inputs = "row_expert_qmm_glu_route", [x, *gate[:3], *up[:3], logits]
     else:
-        name, inputs = "moe_gate_route_mm", [x, w]
-        tmpl = [("T", x.dtype), ("W", w.dtype), ("D", D), ("E", E), ("TOPK", k),
-                ("NORM", bool(normalize))]
-    inds, scores = _kernel(name, 0)(
-        inputs=inputs, template=tmpl, grid=(512 * R, 1, 1), threadgroup=(512, 1, 1),
-        output_shapes=[(R, k), (R, k)], output_dtypes=[mx.int32, mx.float32], stream=stream)
-    return inds, scores
+        name, inputs = "row_expert_mm_glu_route", [x, gate[0], up[0], logits]
+    tmpl = _expert_template(x, gate[0], gate[1], K, N, E, k, group_size, bits, quant)
+    h, inds, scores = _kernel(name, 0)(
+        inputs=inputs, template=tmpl + [("NORM", bool(normalize))],
+        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
+        output_shapes=[(R * k, N), (R, k), (R, k)], output_dtypes=[x.dtype, mx.int32, mx.float32],
+        stream=stream)
+    return h.reshape(R, k, N), inds, scores
 
 
 def moe_route(logits, k, normalize, stream):

@@ -1,17 +1,19 @@
-"""Row-exact MoE decode ops: the router's top-k, the routed experts' gate/up + SwiGLU, and
-their down projection + score-weighted sum + residual. models/moe.py's exact path is
-``gate_route``, ``expert_glu`` and ``expert_sum`` per layer.
+"""Row-exact MoE decode ops: the router's logits and top-k, the routed experts' gate/up +
+SwiGLU, and their down projection + score-weighted sum + residual. models/moe.py's exact path
+is ``router_logits``, ``route_glu`` and ``expert_sum`` per layer.
 
+* ``router_logits(x, router)`` -- the router's row-exact fp32 logits: ``row_quantized_matmul``
+  / ``row_matmul`` of x.astype(float32). The CUDA face reads x as it is and writes fp32 (the
+  same bits: a bf16 / fp16 value converts to fp32 exactly), without the fp32 copy of x.
 * ``route(logits, k, normalize)`` -- fp32 softmax of each row's router logits, the k largest
   by (probability descending, expert id ascending), their probabilities (divided by their sum
   when ``normalize``).
-* ``gate_route(x, router, k, normalize)`` -- ``route`` of the router's row-exact fp32 logits
-  (``row_quantized_matmul`` / ``row_matmul`` of x in fp32). With TENSORFOLD_FUSED_ROUTER=1 the
-  CUDA face runs it as one kernel (moe_gate_route: the same dot-product arithmetic as the
-  router's row_qmm / row_mm, then moe_route's); off by default until it has run on a GPU.
 * ``expert_glu(x, gate, up, indices)`` -- ``h[r, j] = silu(g) * u`` with g, u the row's
   ``row_expert_matmul`` outputs for expert ``indices[r, j]`` (rounded to x's dtype), SwiGLU
   in fp32, rounded once.
+* ``route_glu(x, logits, gate, up, k, normalize)`` -- ``route`` then ``expert_glu``: (h,
+  indices, scores). The CUDA face is one kernel (each block runs moe_route's code for its row,
+  then its share of expert_glu), bit-identical to the two.
 * ``expert_sum(h, down, indices, scores, residual)`` -- ``y[r, j]`` = ``row_expert_matmul`` of
   h[r, j] on expert ``indices[r, j]``, then ``sum_j y[r, j] * scores[r, j]`` in fp32 in rank
   order (each product and sum rounded), rounded to h's dtype, plus the residual (fp32, rounded).
@@ -21,15 +23,15 @@ biases = None and bits = 0 when unquantized; experts stacked [E, N, K] as checkp
 
 Contract: row r's outputs depend on row r's inputs only, whatever the call's row count and
 whatever experts the other rows chose. Faces: CUDA runs one kernel per op
-(csrc/cuda/row_expert.cu: moe_route, row_expert_*_glu, row_expert_*_sum); the CPU and Metal
-faces compose ``row_expert_matmul`` with MLX's per-row ops (softmax along the row, comparisons,
-elementwise math), which are row-invariant there. The CUDA kernels take the same definitions;
-their softmax sums in another order, so CUDA and CPU bits differ (the contract is per face).
+(csrc/cuda/row_expert.cu: moe_route, row_expert_*_glu, row_expert_*_glu_route,
+row_expert_*_sum); the CPU and Metal faces compose ``row_expert_matmul`` with MLX's per-row ops
+(softmax along the row, comparisons, elementwise math), which are row-invariant there. The CUDA
+kernels take the same definitions; their softmax sums in another order, so CUDA and CPU bits
+differ (the contract is per face).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -75,31 +77,23 @@ def route(logits: mx.array, k: int, normalize: bool):
     return inds, scores
 
 
-def fused_router() -> bool:
-    """TENSORFOLD_FUSED_ROUTER=1: gate_route's CUDA face runs moe_gate_route (one launch instead
-    of the fp32 copy of x, the router matmul and moe_route). Written and compiled with nvcc
-    (session 8), not yet run on a GPU, hence off by default."""
-    return os.environ.get("TENSORFOLD_FUSED_ROUTER") == "1"
-
-
-def gate_route(x: mx.array, router: Weights, k: int, normalize: bool):
+def router_logits(x: mx.array, router: Weights) -> mx.array:
     """x [R, D] (the MLP's normed input) and the router (weight [E, D] or quantized, scales,
-    biases, group_size, bits) -> (indices [R, k] int32, scores [R, k] float32)."""
+    biases, group_size, bits) -> fp32 logits [R, E]: the row-exact matmul of x.astype(float32)."""
     from . import row_matmul, row_quantized_matmul
     w, sc, bi, gs, bits = router
     if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"gate_route: x [R, D] and a 2-D router weight expected, got {x.shape} and {w.shape}")
-    E = w.shape[0]
+        raise ValueError(f"router_logits: x [R, D] and a 2-D router weight expected, got {x.shape} and {w.shape}")
     D = w.shape[1] * 32 // bits if sc is not None else w.shape[1]
-    if x.shape[1] != D or not 1 <= k <= E:
-        raise ValueError(f"gate_route: x {x.shape}, router {w.shape} ({bits} bits), k = {k} do not fit")
-    if (fused_router() and _face() == "cuda" and k <= 32 and E <= 1024 and D % 32 == 0
-            and (sc is None or bits in (2, 3, 4, 5, 6, 8))):
+    if x.shape[1] != D:
+        raise ValueError(f"router_logits: x {x.shape} does not fit the router {w.shape} ({bits} bits)")
+    if _face() == "cuda" and D % 32 == 0:
         from . import _cuda, _gpu_stream
-        return _cuda.moe_gate_route(x, w, sc, bi, gs, bits, k, normalize, _gpu_stream(None))
+        if sc is not None:
+            return _cuda.quantized_matmul(x, w, sc, bi, gs, bits, _gpu_stream(None), out_float=True)
+        return _cuda.matmul(x, w, _gpu_stream(None), out_float=True)
     x32 = x.astype(mx.float32)
-    logits = row_quantized_matmul(x32, w, sc, bi, gs, bits) if sc is not None else row_matmul(x32, w)
-    return route(logits, k, normalize)
+    return row_quantized_matmul(x32, w, sc, bi, gs, bits) if sc is not None else row_matmul(x32, w)
 
 
 def glu_f32(g: mx.array, u: mx.array) -> mx.array:
@@ -108,13 +102,13 @@ def glu_f32(g: mx.array, u: mx.array) -> mx.array:
     return (g32 * mx.sigmoid(g32) * u32).astype(g.dtype)
 
 
-def _check_experts(x_shape, w: Weights, indices, what: str):
+def _check_experts(x_shape, w: Weights, indices_shape, what: str):
     from . import check_expert_args
-    if indices.ndim != 2 or len(x_shape) != 2:
-        raise ValueError(f"{what}: x [R, K] and indices [R, k] expected, got {x_shape} and {indices.shape}")
+    if len(indices_shape) != 2 or len(x_shape) != 2:
+        raise ValueError(f"{what}: x [R, K] and indices [R, k] expected, got {x_shape} and {indices_shape}")
     if len(w) != 5:
         raise ValueError(f"{what}: expert weights are (weight, scales, biases, group_size, bits)")
-    check_expert_args(x_shape, w[0], w[1], w[2], indices, w[3], w[4], what)
+    check_expert_args(x_shape, w[0], w[1], w[2], indices_shape, w[3], w[4], what)
 
 
 def _matmul(x, w: Weights, indices):
@@ -124,8 +118,8 @@ def _matmul(x, w: Weights, indices):
 
 def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx.array:
     """x [R, K], indices [R, k] int32 -> h [R, k, F] in x's dtype."""
-    _check_experts(x.shape, gate, indices, "expert_glu")
-    _check_experts(x.shape, up, indices, "expert_glu")
+    _check_experts(x.shape, gate, indices.shape, "expert_glu")
+    _check_experts(x.shape, up, indices.shape, "expert_glu")
     indices = indices.astype(mx.int32)
     same = (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
         (tuple(up[0].shape), up[0].dtype, up[3], up[4])
@@ -136,6 +130,27 @@ def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx
     return glu_f32(_matmul(x, gate, indices), _matmul(x, up, indices))
 
 
+def route_glu(x: mx.array, logits: mx.array, gate: Weights, up: Weights, k: int, normalize: bool):
+    """x [R, K], logits fp32 [R, E] -> (h [R, k, F] in x's dtype, indices [R, k] int32,
+    scores [R, k] float32): route(logits, k, normalize), then expert_glu(x, gate, up, indices)."""
+    if logits.ndim != 2 or logits.dtype != mx.float32 or logits.shape[0] != x.shape[0]:
+        raise ValueError(f"route_glu: logits must be float32 [R, E] for x {x.shape}, got "
+                         f"{logits.dtype} {logits.shape}")
+    E = logits.shape[1]
+    if gate[0].shape[0] != E or not 1 <= k <= E:
+        raise ValueError(f"route_glu: {E} logits per row, {gate[0].shape[0]} experts, k = {k}")
+    _check_experts(x.shape, gate, (x.shape[0], k), "route_glu")
+    _check_experts(x.shape, up, (x.shape[0], k), "route_glu")
+    same = (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
+        (tuple(up[0].shape), up[0].dtype, up[3], up[4])
+    if _face() == "cuda" and same and k <= 32 and E <= 1024:
+        from . import _cuda, _gpu_stream
+        return _cuda.expert_glu_route(x, gate, up, logits, k, normalize, gate[3], gate[4],
+                                      _gpu_stream(None))
+    inds, scores = route(logits, k, normalize)
+    return expert_glu(x, gate, up, inds), inds, scores
+
+
 def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
                residual: Optional[mx.array] = None) -> mx.array:
     """h [R, k, F], indices [R, k] int32, scores [R, k] float32 (and residual [R, D]) -> [R, D]
@@ -144,7 +159,7 @@ def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
         raise ValueError(f"expert_sum: h [R, k, F] and indices [R, k] expected, got {h.shape} and "
                          f"{indices.shape}")
     R, k, F = h.shape
-    _check_experts((R, F), down, indices, "expert_sum")
+    _check_experts((R, F), down, indices.shape, "expert_sum")
     if scores.shape != indices.shape:
         raise ValueError(f"expert_sum: scores {scores.shape} must match indices {indices.shape}")
     if residual is not None and residual.size != R * down[0].shape[1]:

@@ -195,16 +195,17 @@ class MoEModel(BoundedPrefill, DenseModel):
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
     def _moe_exact(self, m: MoEBlock, x, residual=None):
-        """Row-exact routed MLP (kernels/moe.py): the router as a row-exact fp32 matmul, then
-        route (softmax, deterministic top-k), expert_glu (gate, up, SwiGLU) and expert_sum (down,
-        the fp32 score-weighted sum in rank order, the residual): one kernel each on CUDA."""
+        """Row-exact routed MLP (kernels/moe.py): the router's fp32 logits (a row-exact matmul),
+        route_glu (softmax, deterministic top-k, then gate, up and SwiGLU of the chosen experts)
+        and expert_sum (down, the fp32 score-weighted sum in rank order, the residual): three
+        kernels on CUDA."""
         from ..kernels import moe as kmoe
         k = self.cfg.num_experts_per_tok
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])                                   # [R, D]
         r = m.router                 # no bias (take_linear without one)
-        inds, scores = kmoe.gate_route(x2, (r.weight, r.scales, r.biases, r.group_size, r.bits),
-                                       k, self.cfg.norm_topk_prob)
-        h = kmoe.expert_glu(x2, m.gate.weights(), m.up.weights(), inds)          # [R, k, F]
+        logits = kmoe.router_logits(x2, (r.weight, r.scales, r.biases, r.group_size, r.bits))
+        h, inds, scores = kmoe.route_glu(x2, logits, m.gate.weights(), m.up.weights(), k,
+                                         self.cfg.norm_topk_prob)       # h [R, k, F]
         res = None if residual is None else residual.reshape(x2.shape)
         return kmoe.expert_sum(h, m.down.weights(), inds, scores, res).reshape(shape)
