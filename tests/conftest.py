@@ -7,6 +7,11 @@ import pathlib
 
 import pytest
 
+# MLX's CUDA backend runs float32 matmuls in TF32 unless MLX_ENABLE_TF32=0 (read once per
+# process, mlx/utils.h): the fp32 references of the closeness tests (e.g. test_moe's
+# test_exact_decode_close_to_prefill, 1e-4) would carry TF32's ~1e-3 error. No effect on the CPU.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 DEFAULT_TINYCODE = "/work/shared/models/tinycode-4bit"
 
 
