@@ -14,10 +14,19 @@
 #   bash bench/gpu_run.sh bench     # kernel table + engine vs mlx-lm on an 8B-shaped 4-bit model
 #   bash bench/gpu_run.sh attn-split | ablate   # where the attention / the decode step's time goes
 #   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the scatters
-#   bash bench/gpu_run.sh moe-fused | moe-router   # the fused MoE decode kernels; the fused router (flag)
-#   bash bench/gpu_run.sh graphs    # MLX's CUDA graphs vs direct launches (MLX_USE_CUDA_GRAPHS=0)
+#   bash bench/gpu_run.sh moe-fused | moe-route    # the fused MoE decode kernels; route + gate/up fused
+#   bash bench/gpu_run.sh graphs | moe-graphs   # MLX's CUDA graphs: default, off, higher limits
+#   bash bench/gpu_run.sh pending   # session 9's unrun checks: MoE compiled step, fp32 closeness, 16k / 64k
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
+genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (default), 0 (none) or big
+  local g=$1; shift
+  case "$g" in
+    0) MLX_USE_CUDA_GRAPHS=0 "$@" ;;
+    big) MLX_MAX_OPS_PER_BUFFER=${BIG_OPS:-2000} MLX_MAX_MB_PER_BUFFER=${BIG_MB:-1000000} "$@" ;;
+    *) "$@" ;;
+  esac
+}
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # MLX 0.32.4's CUDA quantized_matmul is wrong for K = 64 at M >= 2: widen the test checkpoints
@@ -185,28 +194,42 @@ case "${1:-tests}" in
     timeout 200 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -4
     timeout 40 python3 bench/gpu_host_ops.py 2>&1 | tee "$out/host_ops.md"
     ;;
-  moe-router)  # issue 7: TENSORFOLD_FUSED_ROUTER=1 (router matmul + softmax + top-k in one kernel,
-               # written in session 8 without a GPU): its tests (== the router kernel + moe_route,
-               # bitwise), the MoE compiled step with it, then decode at 2k without and with it
-    TENSORFOLD_FUSED_ROUTER=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "gate_route or moe_decode" 2>&1 | tee "$out/test_gate_route.log" | tail -3
-    TENSORFOLD_FUSED_ROUTER=1 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_gate_route_step.log" | tail -3
+  moe-route)  # issue 7, session 9: router_logits (the router reads bf16 x, writes fp32 logits: no
+               # copy of x) and route_glu (moe_route fused into the gate/up + SwiGLU kernel) --
+               # their CUDA tests (== the separate kernels, bitwise; row-exact), the MoE compiled
+               # step (== 4-row calls == eager), decode vs mlx-lm (writes the 17 GB checkpoint
+               # first when missing)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "route_glu or router_logits or moe_decode or route_ties or close_to_prefill" 2>&1 | tee "$out/test_route_glu.log" | tail -3
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_route_glu_step.log" | tail -3
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    for f in 0 1; do
-      TENSORFOLD_FUSED_ROUTER=$f timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 --skip-mlx-lm 2>&1 | tee "$out/bench_moe_router$f.md" | tail -2
+    timeout 200 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -3
+    ;;
+  pending)   # what session 9 left unrun on the H200 (~10 min, split it if a call is short): the
+              # MoE compiled step with route_glu (its JIT outran 120 s), test_moe's fp32 closeness
+              # test with MLX_ENABLE_TF32=0 (tests/conftest.py), MoE decode at 16k / 64k with it
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_moe_step.log" | tail -3
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "close_to_prefill" 2>&1 | tee "$out/test_moe_close.log" | tail -3
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 330 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-16384,65536} --decode 64 2>&1 | tee "$out/bench_moe_long.md" | tail -4
+    ;;
+  graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
+            # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
+            # graphs with far higher limits ("big"): host time per op, exactness, 8B decode at 2k
+            # side by side with mlx-lm under each setting (both sides run under the setting)
+    for g in 1 0 big; do
+      genv "$g" timeout 60 python3 bench/gpu_host_ops.py --n 200 --reps 5 2>&1 | tee "$out/host_ops_graphs$g.md" | tail -12
+    done
+    genv 0 timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_nographs.txt" | tail -3
+    for g in 1 0 big; do
+      genv "$g" timeout 150 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 \
+          --decode 128 --repeat 2 2>&1 | tee "$out/bench_decode_graphs$g.md" | tail -1
     done
     ;;
-  graphs)   # issues 4 / 7: MLX's CUDA graphs (its default) against direct launches
-            # (MLX_USE_CUDA_GRAPHS=0): host time per op, then 8B and MoE decode at 2k side by side
-            # with mlx-lm under each, and exactness without graphs (one stream: in-order by itself)
-    for g in 1 0; do
-      MLX_USE_CUDA_GRAPHS=$g timeout 40 python3 bench/gpu_host_ops.py --n 200 --reps 5 2>&1 | tee "$out/host_ops_graphs$g.md" | tail -12
-    done
-    MLX_USE_CUDA_GRAPHS=0 timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_nographs.txt" | tail -3
+  moe-graphs)  # issue 7: the same three settings on MoE decode at 2k (writes the 17 GB checkpoint
+               # first when missing)
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    for g in 1 0; do
-      MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 \
-          --decode 128 --repeat 2 2>&1 | tee "$out/bench_decode_graphs$g.md" | tail -1
-      MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 64 \
+    for g in ${GRAPHS:-1 0 big}; do
+      genv "$g" timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 64 \
           2>&1 | tee "$out/bench_moe_graphs$g.md" | tail -1
     done
     ;;
