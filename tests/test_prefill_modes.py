@@ -83,3 +83,31 @@ def test_last_prompt_token_is_one_row_exact_step(checkpoints, ops, monkeypatch):
     eng.generate_text(prompt=list(range(3, 40)), max_tokens=1)
     assert calls == [(16, ops == "kernels", False), (16, ops == "kernels", False),
                      (4, ops == "kernels", False), (1, True, True)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_moe_mlx_4bit"])
+def test_prefill_bits_do_not_depend_on_the_cache_capacity(checkpoints, name, monkeypatch):
+    """prefill reserves the whole prompt's KV rows before its first chunk (one allocation
+    instead of a re-copy of every cached row per chunk). The bits must not depend on that:
+    logits and KV rows equal with the cache grown chunk by chunk (TENSORFOLD_RESERVE_PROMPT=0)
+    and with a cache reserved far past the prompt (on MLX's CUDA backend, sdpa treats a key
+    buffer of >= 256 rows as a slice of a KV cache: another code path than a contiguous one)."""
+    import mlx.core as mx
+    from tensorfold.engine.prefill import prefill
+    from tensorfold.models import load_model
+    m = load_model(checkpoints[name])
+    ids = np.random.default_rng(5).integers(3, m.cfg.vocab_size, size=300).tolist()
+    mode = PrefillMode(grid=128)     # chunks end at 128, 256, 299: growing, the cache holds 256 rows, then 512
+    runs = []
+    for setting, extra in (("1", 0), ("0", 0), ("1", 2048)):
+        monkeypatch.setenv("TENSORFOLD_RESERVE_PROMPT", setting)
+        c = m.new_cache()
+        if extra:
+            c.reserve(extra)
+        logits = prefill(m, c, ids, mode)
+        mx.eval(logits)
+        runs.append((logits, [a[..., : len(ids), :] for a in c.arrays()], c.capacity))
+    assert runs[0][2] == runs[1][2] == 512 and runs[2][2] == 2048
+    for logits, kv, _ in runs[1:]:
+        assert mx.array_equal(logits, runs[0][0]).item()
+        assert all(mx.array_equal(a, b).item() for a, b in zip(kv, runs[0][1]))

@@ -7,6 +7,8 @@ and so are its bits. The mode (name, grid) is part of every prompt-cache key."""
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +60,12 @@ def prefill(model, cache, ids: list[int], mode: PrefillMode,
     through the row-exact ops and the LM head. Both are functions of the prompt alone, fresh or
     resumed."""
     exact = mode.ops == "kernels"
+    # the whole prompt's KV rows at once: growing chunk by chunk re-copies every row already
+    # written at each chunk (O(n^2) for a long prompt). Fresh and resumed prefills both reach
+    # this capacity before their first chunk, so every chunk reads its keys from a buffer of the
+    # same shape either way.
+    if os.environ.get("TENSORFOLD_RESERVE_PROMPT") != "0":
+        cache.reserve(len(ids))
     for s, e in grid_chunks(cache.offset, len(ids) - 1, mode.grid):
         model.forward(mx.array([ids[s:e]]), cache, exact=exact, logits=False)
         mx.eval(cache.arrays())
