@@ -16,7 +16,7 @@ from tensorfold import kernels as K
 from tensorfold.errors import CheckpointError
 from tensorfold.models import MoEModel, load_model
 from tensorfold.models.info import describe
-from tensorfold.models.moe import topk_deterministic
+from tensorfold.kernels.moe import topk_deterministic
 from tensorfold.testing import write_checkpoint
 
 

@@ -85,6 +85,29 @@ __device__ __forceinline__ void tf_expert_dot(const T* xr, const W* const (&wr)[
   }
 }
 
+// The base pointers of columns n0 .. n0 + NC - 1 of expert e (a column past N repeats the last;
+// the callers never store it): a quantized weight [E, N, K*BITS/32] with scales / biases
+// [E, N, K/GS], or an unquantized one [E, N, K].
+template <typename S, int K, int N, int GS, int BITS, int NC>
+__device__ __forceinline__ void tf_qrows(const unsigned int* w, const S* scales, const S* biases,
+                                         int e, int n0, const unsigned int** wr, const S** sr,
+                                         const S** br) {
+  constexpr int KW = K * BITS / 32;
+  constexpr int NG = K / GS;
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const size_t row = (size_t)e * N + min(n0 + c, N - 1);
+    wr[c] = w + row * KW;
+    sr[c] = scales + row * NG;
+    br[c] = biases + row * NG;
+  }
+}
+template <typename W, int K, int N, int NC>
+__device__ __forceinline__ void tf_rows(const W* w, int e, int n0, const W** wr) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
+}
+
 // SwiGLU of one element of the fused gate/up kernels: the gate and up sums rounded to T (the
 // values row_expert_qmm would store), then silu(g) * u in fp32 as MLX computes it on float32
 // arrays (Sigmoid: y = 1 / (1 + exp(|g|)), g < 0 ? y : 1 - y; then (g * s) * u), rounded once.
@@ -226,8 +249,6 @@ __device__ __forceinline__ void tf_qmm_glu_block(const T* x, const unsigned int*
                                                  const S* bu, int e, int r, T* h) {
   constexpr int WARPS = 8;
   constexpr int NCW = 2;
-  constexpr int KW = K * BITS / 32;
-  constexpr int NG = K / GS;
   const int lane = threadIdx.x & 31;
   const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
   if (n0 >= N) return;
@@ -235,20 +256,12 @@ __device__ __forceinline__ void tf_qmm_glu_block(const T* x, const unsigned int*
   float acc[2 * NCW];
 #pragma unroll
   for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
-  if (!bad) {
+  if (!bad) {     // gate columns, then up columns: one pass over x for both
     const unsigned int* wr[2 * NCW];
     const S* sr[2 * NCW];
     const S* br[2 * NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const size_t row = (size_t)e * N + min(n0 + c, N - 1);  // a missing column repeats the last
-      wr[c] = wg + row * KW;
-      sr[c] = sg + row * NG;
-      br[c] = bg + row * NG;
-      wr[NCW + c] = wu + row * KW;
-      sr[NCW + c] = su + row * NG;
-      br[NCW + c] = bu + row * NG;
-    }
+    tf_qrows<S, K, N, GS, BITS, NCW>(wg, sg, bg, e, n0, wr, sr, br);
+    tf_qrows<S, K, N, GS, BITS, NCW>(wu, su, bu, e, n0, wr + NCW, sr + NCW, br + NCW);
     tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
   }
   tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
@@ -269,12 +282,8 @@ __device__ __forceinline__ void tf_mm_glu_block(const T* x, const W* wg, const W
   for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
   if (!bad) {
     const W* wr[2 * NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const size_t row = (size_t)e * N + min(n0 + c, N - 1);
-      wr[c] = wg + row * K;
-      wr[NCW + c] = wu + row * K;
-    }
+    tf_rows<W, K, N, NCW>(wg, e, n0, wr);
+    tf_rows<W, K, N, NCW>(wu, e, n0, wr + NCW);
     tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
   }
   tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
@@ -305,8 +314,6 @@ __device__ __forceinline__ int tf_route_pair(const float* logits, int* s_inds, f
 // launch: grid (ceil(N/16)*256, R*TOPK, 1), threadgroup (256, 1, 1), no shared memory
 constexpr int WARPS = 8;
 constexpr int NCW = 2;
-constexpr int KW = K * BITS / 32;
-constexpr int NG = K / GS;
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int n0 = (blockIdx.x * WARPS + warp) * NCW;
@@ -322,13 +329,7 @@ if (n0 < N) {
     const unsigned int* wr[NCW];
     const S* sr[NCW];
     const S* br[NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) {
-      const size_t row = (size_t)e * N + min(n0 + c, N - 1); // a missing column repeats the last
-      wr[c] = w + row * KW;
-      sr[c] = scales + row * NG;
-      br[c] = biases + row * NG;
-    }
+    tf_qrows<S, K, N, GS, BITS, NCW>(w, scales, biases, e, n0, wr, sr, br);
     tf_expert_qdot<T, S, K, GS, BITS, NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
   }
 #pragma unroll
@@ -356,8 +357,7 @@ if (n0 < N) {
   for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
   if (!bad) {
     const W* wr[NCW];
-#pragma unroll
-    for (int c = 0; c < NCW; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
+    tf_rows<W, K, N, NCW>(w, e, n0, wr);
     tf_expert_dot<T, W, K, NCW>(x + (size_t)r * K, wr, lane, acc);
   }
 #pragma unroll
@@ -419,8 +419,6 @@ tf_mm_glu_block<T, W, K, N, E>(x, wg, wu, s_inds[j], blockIdx.y / TOPK, h);
 // output: out [R, N] (T).   template: T, S, K, N, E, TOPK, GS, BITS, RES.
 // launch: grid (ceil(N/2)*32*TOPK, R, 1), threadgroup (32*TOPK, 1, 1); TOPK <= 32.
 constexpr int NCW = 2;
-constexpr int KW = K * BITS / 32;
-constexpr int NG = K / GS;
 __shared__ float ys[NCW][TOPK];
 const int lane = threadIdx.x & 31;
 const int j = threadIdx.x >> 5;
@@ -436,13 +434,7 @@ if (!bad) {
   const unsigned int* wr[NCW];
   const S* sr[NCW];
   const S* br[NCW];
-#pragma unroll
-  for (int c = 0; c < NCW; ++c) {
-    const size_t row = (size_t)e * N + min(n0 + c, N - 1);
-    wr[c] = w + row * KW;
-    sr[c] = scales + row * NG;
-    br[c] = biases + row * NG;
-  }
+  tf_qrows<S, K, N, GS, BITS, NCW>(w, scales, biases, e, n0, wr, sr, br);
   tf_expert_qdot<T, S, K, GS, BITS, NCW>(h + (size_t)p * K, wr, sr, br, lane, acc);
 }
 tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, out);
@@ -466,8 +458,7 @@ float acc[NCW];
 for (int c = 0; c < NCW; ++c) acc[c] = 0.0f;
 if (!bad) {
   const W* wr[NCW];
-#pragma unroll
-  for (int c = 0; c < NCW; ++c) wr[c] = w + ((size_t)e * N + min(n0 + c, N - 1)) * K;
+  tf_rows<W, K, N, NCW>(w, e, n0, wr);
   tf_expert_dot<T, W, K, NCW>(h + (size_t)p * K, wr, lane, acc);
 }
 tf_sum_store<T, TOPK, NCW, RES>(acc, bad, lane, j, n0, N, r, ys, scores, res, out);

@@ -111,6 +111,13 @@ def _check_experts(x_shape, w: Weights, indices_shape, what: str):
     check_expert_args(x_shape, w[0], w[1], w[2], indices_shape, w[3], w[4], what)
 
 
+def _same_quantization(gate: Weights, up: Weights) -> bool:
+    """Whether gate and up share shape, dtype, group size and bits (the fused CUDA kernels read
+    both with one set of template arguments)."""
+    return (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
+        (tuple(up[0].shape), up[0].dtype, up[3], up[4])
+
+
 def _matmul(x, w: Weights, indices):
     from . import row_expert_matmul
     return row_expert_matmul(x, w[0], w[1], w[2], indices, w[3], w[4])
@@ -121,9 +128,7 @@ def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx
     _check_experts(x.shape, gate, indices.shape, "expert_glu")
     _check_experts(x.shape, up, indices.shape, "expert_glu")
     indices = indices.astype(mx.int32)
-    same = (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
-        (tuple(up[0].shape), up[0].dtype, up[3], up[4])
-    if _face() == "cuda" and same:
+    if _face() == "cuda" and _same_quantization(gate, up):
         from . import _cuda, _gpu_stream
         return _cuda.expert_glu(x, gate, up, indices, gate[3], gate[4], _gpu_stream(None))
     # other faces, and gate / up quantized differently: the same definition in separate calls
@@ -141,9 +146,7 @@ def route_glu(x: mx.array, logits: mx.array, gate: Weights, up: Weights, k: int,
         raise ValueError(f"route_glu: {E} logits per row, {gate[0].shape[0]} experts, k = {k}")
     _check_experts(x.shape, gate, (x.shape[0], k), "route_glu")
     _check_experts(x.shape, up, (x.shape[0], k), "route_glu")
-    same = (tuple(gate[0].shape), gate[0].dtype, gate[3], gate[4]) == \
-        (tuple(up[0].shape), up[0].dtype, up[3], up[4])
-    if _face() == "cuda" and same and k <= 32 and E <= 1024:
+    if _face() == "cuda" and _same_quantization(gate, up) and k <= 32 and E <= 1024:
         from . import _cuda, _gpu_stream
         return _cuda.expert_glu_route(x, gate, up, logits, k, normalize, gate[3], gate[4],
                                       _gpu_stream(None))

@@ -42,7 +42,8 @@ from .config import ModelConfig
 from .dense import DenseModel, _out, swiglu
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
-from .moe import PROJS, _gather_sort, _scatter_unsort, take_experts, topk_deterministic
+from ..kernels.moe import topk_deterministic
+from .moe import PROJS, _gather_sort, _scatter_unsort, take_experts
 
 
 class MultiLinear:

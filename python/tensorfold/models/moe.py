@@ -11,10 +11,11 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
   mlx-lm's bit for bit. Each layer's outputs (hidden state and its KV writes) go to a native
   ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
   its intermediates stay bounded by two layers of one grid chunk.
-- Decode (`exact=True`): router in fp32 (row-exact matmul), then kernels/moe.py: softmax in
-  fp32 per row and a deterministic top-k (score descending, ties to the lower expert id:
-  ``route``), the routed experts' gate/up and SwiGLU (``expert_glu``), their down projection
-  combined in fp32 in rank order plus the residual (``expert_sum``); on CUDA one kernel each.
+- Decode (`exact=True`): kernels/moe.py: the router's fp32 logits (``router_logits``, a
+  row-exact matmul), softmax in fp32 per row and a deterministic top-k (score descending, ties
+  to the lower expert id) followed by the routed experts' gate/up and SwiGLU (``route_glu``),
+  their down projection combined in fp32 in rank order plus the residual (``expert_sum``); on
+  CUDA one kernel each.
   Row i's bits do not depend on the other rows or on the experts they chose.
 """
 
@@ -27,7 +28,6 @@ from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, Layer, swiglu
 from .loader import Linear, take_linear
-from ..kernels.moe import topk_deterministic  # noqa: F401  (deepseek_v32 and tests import it here)
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
