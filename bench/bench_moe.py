@@ -90,11 +90,16 @@ def mlx_lm_run(model, tok, prompt, n_decode):
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    last = None
+    last, pre = None, None
     for r in stream_generate(model, tok, prompt, max_tokens=n_decode, sampler=make_sampler(0.0)):
+        if pre is None:                  # the prompt and the first token
+            pre = mx.get_peak_memory()
+            mx.reset_peak_memory()
         last = r
-    return dict(prompt_tps=last.prompt_tps, decode_tps=last.generation_tps,
-                peak_gb=mx.get_peak_memory() / 1e9, extra_gb=(mx.get_peak_memory() - before) / 1e9)
+    peak = max(pre, mx.get_peak_memory())
+    return dict(prompt_tps=last.prompt_tps, decode_tps=last.generation_tps, peak_gb=peak / 1e9,
+                extra_gb=(peak - before) / 1e9, prefill_extra_gb=(pre - before) / 1e9,
+                decode_extra_gb=(mx.get_peak_memory() - before) / 1e9, snapshot_gb=0.0)
 
 
 def ours_run(eng, prompt, n_decode):
@@ -104,10 +109,26 @@ def ours_run(eng, prompt, n_decode):
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    _, ids, st = eng.generate_text(prompt=prompt, max_tokens=n_decode, draft=False, ignore_eos=True,
-                                   sampling=SamplingParams(temperature=0.0))
-    return dict(prompt_tps=len(prompt) / st.prefill_s, decode_tps=st.decode_tps,
-                peak_gb=mx.get_peak_memory() / 1e9, extra_gb=(mx.get_peak_memory() - before) / 1e9)
+    pre = []
+    inner = eng._prefill
+
+    def prefill(*args, **kw):             # the prompt's peak apart from the decode's
+        out = inner(*args, **kw)
+        pre.append(mx.get_peak_memory())
+        mx.reset_peak_memory()
+        return out
+
+    eng._prefill = prefill
+    try:
+        _, ids, st = eng.generate_text(prompt=prompt, max_tokens=n_decode, draft=False, ignore_eos=True,
+                                       sampling=SamplingParams(temperature=0.0))
+    finally:
+        del eng._prefill
+    peak = max(pre[0], mx.get_peak_memory())
+    return dict(prompt_tps=len(prompt) / st.prefill_s, decode_tps=st.decode_tps, peak_gb=peak / 1e9,
+                extra_gb=(peak - before) / 1e9, prefill_extra_gb=(pre[0] - before) / 1e9,
+                decode_extra_gb=(mx.get_peak_memory() - before) / 1e9,
+                snapshot_gb=eng.snapshots.nbytes / 1e9)
 
 
 def main(argv=None):
@@ -167,13 +188,18 @@ def main(argv=None):
           f"({cfg.num_experts_per_tok} active), weights {weights_gb:.2f} GB, {a.decode} decode tokens\n")
     # peak: everything resident (both models' weights when mlx-lm runs too); extra: the
     # request's own peak above what was resident before it (KV cache, activations, snapshots)
+    # snapshot: the prompt-cache entry ours keeps of the prompt's last grid point (a feature
+    # mlx-lm does not have; part of "extra"). prefill / decode: the extra peak of each phase
     print("| prompt | peak GB ours | peak GB mlx-lm | extra GB ours | extra GB mlx-lm | KV GB "
+          "| snapshot GB ours | prefill / decode extra GB ours | mlx-lm "
           "| prompt tok/s ours | mlx-lm | decode tok/s ours | mlx-lm |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, o, t in rows:
         f = (lambda k, fmt: fmt.format(t[k]) if t else "-")
         print(f"| {n} | {o['peak_gb']:.3f} | {f('peak_gb', '{:.3f}')} | {o['extra_gb']:.3f} | "
-              f"{f('extra_gb', '{:.3f}')} | {kv(n):.3f} | {o['prompt_tps']:.0f} | "
+              f"{f('extra_gb', '{:.3f}')} | {kv(n):.3f} | {o['snapshot_gb']:.3f} | "
+              f"{o['prefill_extra_gb']:.3f} / {o['decode_extra_gb']:.3f} | "
+              f"{f('prefill_extra_gb', '{:.3f}')} / {f('decode_extra_gb', '{:.3f}')} | {o['prompt_tps']:.0f} | "
               f"{f('prompt_tps', '{:.0f}')} | {o['decode_tps']:.1f} | {f('decode_tps', '{:.1f}')} |")
     if tmp is not None:
         tmp.cleanup()

@@ -111,3 +111,35 @@ def test_prefill_bits_do_not_depend_on_the_cache_capacity(checkpoints, name, mon
     for logits, kv, _ in runs[1:]:
         assert mx.array_equal(logits, runs[0][0]).item()
         assert all(mx.array_equal(a, b).item() for a, b in zip(kv, runs[0][1]))
+
+
+def test_cache_growth_holds_one_layer_twice_at_most():
+    """Growing a filled cache copies its rows into larger buffers. Queued lazily for every layer
+    at once, all old and new buffers can be alive together until the device finishes (on the
+    H200 a CUDA graph batches up to 1 GB of inputs): KVCache.reserve settles one layer at a time,
+    so the transient above the new cache is at most one layer's old buffers."""
+    import mlx.core as mx
+    from tensorfold.models.kv import KVCache
+
+    layers, heads, dim, n = 8, 2, 64, 1024
+    cache = KVCache(layers, heads, dim, mx.bfloat16)
+    cache.reserve(n)
+    for i in range(layers):
+        cache.keys[i][..., :n, :] = mx.random.normal((1, heads, n, dim)).astype(mx.bfloat16)
+        cache.values[i][..., :n, :] = mx.random.normal((1, heads, n, dim)).astype(mx.bfloat16)
+    mx.eval(cache.arrays())
+    cache.offset = n
+    ref = [(np.array(k[..., :n, :].astype(mx.float32)), np.array(v[..., :n, :].astype(mx.float32)))
+           for k, v in zip(cache.keys, cache.values)]
+    layer_bytes = 2 * heads * n * dim * 2
+    mx.clear_cache()
+    before = mx.get_active_memory()          # the old cache
+    mx.reset_peak_memory()
+    cache.reserve(4 * n)
+    mx.eval(cache.arrays())
+    old_total, new_total = layers * layer_bytes, 4 * layers * layer_bytes
+    peak = mx.get_peak_memory() - before + old_total
+    assert peak <= new_total + 3 * layer_bytes, (peak / layer_bytes, new_total / layer_bytes)
+    for (k, v), (rk, rv) in zip(zip(cache.keys, cache.values), ref):
+        assert np.array_equal(np.array(k[..., :n, :].astype(mx.float32)), rk)
+        assert np.array_equal(np.array(v[..., :n, :].astype(mx.float32)), rv)

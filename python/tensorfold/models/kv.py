@@ -59,6 +59,11 @@ class KVCache:
             if self.keys[i] is not None and self.offset:
                 k[..., : self.offset, :] = self.keys[i][..., : self.offset, :]
                 v[..., : self.offset, :] = self.values[i][..., : self.offset, :]
+                # one layer at a time: queued lazily, every layer's old and new buffers would be
+                # alive at once until the device finished the batch (on the H200, MLX's CUDA
+                # graphs hold up to 1 GB of inputs each), a transient of up to the whole KV
+                self.keys[i], self.values[i] = k, v
+                mx.eval(k, v)
             self.keys[i], self.values[i] = k, v
         self.capacity = cap
 
