@@ -10,6 +10,7 @@ S in 8k / 32k / 64k / 128k; M = 1 (decode) and M = 64 (a prefill chunk).
     python bench/bench_sparse_attention.py            # all sizes
     python bench/bench_sparse_attention.py --quick    # 8k / 32k only (CPU)
     python bench/bench_sparse_attention.py --table    # markdown table
+    python bench/bench_sparse_attention.py --table --stream 16   # + per call in a stream of 16
 
 Every timed call evaluates its result (mx.eval). Times are medians. Peak memory is
 mx.get_peak_memory() during the calls minus the memory active before them (the KV
@@ -32,6 +33,7 @@ from tensorfold import kernels as K
 FULL_KEYS = [8192, 32768, 65536, 131072]
 QUICK_KEYS = [8192, 32768]
 MS = [1, 64]
+STREAM = 0            # --stream N
 HOST_OFFSET = False   # --host-offset: pass the offset as a host-made int32 array instead of an int
 
 
@@ -103,9 +105,33 @@ def bench_case(S, M, topk, Hq, Hkv, D, dtype, seed=0):
     res = dict(S=S, M=M, err=err, ours_ms=t_ours * 1e3, dense_ms=t_dense * 1e3,
                build_ms=t_build * 1e3,
                topk_ms=t_topk * 1e3, ours_mb=m_ours / 2**20, dense_mb=m_dense / 2**20)
+    if STREAM:
+        res.update(stream_case(q, k, v, ind, mask, off, scale, STREAM))
     del k, v, q, ind, mask, scores
     mx.clear_cache()
     return res
+
+
+def stream_case(q, k, v, ind, mask, off, scale, layers: int, reps: int = 5):
+    """Per-call time in a stream of `layers` calls, as a model's prefill issues them: each call on
+    its own layer's K / V (copies, so no call finds another's keys in the L2), all results built
+    and then evaluated together (every one of them), no wait between calls. Median over reps."""
+    ks = [k * 1 for _ in range(layers)]
+    vs = [v * 1 for _ in range(layers)]
+    mx.eval(ks, vs)
+    out = {}
+    for name, call in (("ours", lambda i: K.sparse_attention(q, ks[i], vs[i], ind, off, scale)),
+                       ("dense", lambda i: mx.fast.scaled_dot_product_attention(
+                           q, ks[i], vs[i], scale=scale, mask=mask))):
+        mx.eval([call(i) for i in range(layers)])          # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval([call(i) for i in range(layers)])
+            times.append((time.perf_counter() - t0) / layers)
+        out[f"{name}_stream_ms"] = statistics.median(times) * 1e3
+    del ks, vs
+    return out
 
 
 def main():
@@ -123,9 +149,13 @@ def main():
                     help="CUDA: DT,NST of the tensor-core form (_cuda.SPARSE_TC_TILES)")
     ap.add_argument("--host-offset", action="store_true",
                     help="pass the offset as a host-made int32 array (MLX: managed memory on CUDA)")
+    ap.add_argument("--stream", type=int, default=0, metavar="N",
+                    help="also time each op inside a stream of N calls on N layers' K / V, "
+                         "evaluated together (a prefill's view: no wait per call)")
     a = ap.parse_args()
-    global HOST_OFFSET
+    global HOST_OFFSET, STREAM
     HOST_OFFSET = a.host_offset
+    STREAM = a.stream
     if a.tc_tiles and K.backend_face() == "cuda":
         from tensorfold.kernels import _cuda
         _cuda.SPARSE_TC_TILES = tuple(int(x) for x in a.tc_tiles.split(","))
@@ -151,13 +181,16 @@ def main():
         print(f"sparse_attention vs dense masked sdpa, device {dev} (face {face}), "
               f"Hq={a.heads} Hkv={a.kv_heads} D={a.dim} {a.dtype}, top-k {a.topk}; "
               f"median ms, extra peak MB; one trivial op + eval: {floor * 1e3:.3f} ms\n")
+        st = (f" | in a stream of {STREAM}: sparse ms | dense ms | dense/sparse" if STREAM else "")
         print("| keys | M | sparse ms | dense masked ms | dense/sparse | select_topk ms "
-              "| sparse peak MB | dense peak MB | max abs diff | sparse graph build ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| sparse peak MB | dense peak MB | max abs diff | sparse graph build ms" + st + " |")
+        print("|---:" * (10 + (3 if STREAM else 0)) + "|")
         for r in rows:
+            st = (f" | {r['ours_stream_ms']:.3f} | {r['dense_stream_ms']:.3f} | "
+                  f"{r['dense_stream_ms'] / r['ours_stream_ms']:.1f}x" if STREAM else "")
             print(f"| {r['S'] // 1024}k | {r['M']} | {r['ours_ms']:.2f} | {r['dense_ms']:.2f} | "
                   f"{r['dense_ms'] / r['ours_ms']:.1f}x | {r['topk_ms']:.2f} | {r['ours_mb']:.2f} | "
-                  f"{r['dense_mb']:.2f} | {r['err']:.1e} | {r['build_ms']:.3f} |")
+                  f"{r['dense_mb']:.2f} | {r['err']:.1e} | {r['build_ms']:.3f}{st} |")
 
 
 if __name__ == "__main__":

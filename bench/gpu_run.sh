@@ -218,6 +218,43 @@ case "${1:-tests}" in
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     timeout 330 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-16384,65536} --decode 64 2>&1 | tee "$out/bench_moe_long.md" | tail -4
     ;;
+  checks)   # session 10: session 9's unrun checks side by side (the GPU idles while NVRTC
+            # compiles: the JIT-heavy pytest groups run concurrently), the MoE checkpoint written
+            # meanwhile; then the KV-reserve copy at 64k alone
+    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" > "$out/test_moe_step.log" 2>&1 &
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "close_to_prefill" > "$out/test_moe_close.log" 2>&1 &
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_modes.py > "$out/test_prefill_modes.log" 2>&1 &
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py > "$out/test_engine.log" 2>&1 &
+    timeout 200 python3 bench/gpu_exact.py 16 > "$out/exact.txt" 2>&1 &
+    wait
+    for f in test_moe_step test_moe_close test_prefill_modes test_engine; do echo "== $f"; tail -4 "$out/$f.log"; done
+    tail -3 "$out/exact.txt"; tail -2 "$out/ck.txt"
+    timeout 60 python3 bench/bench_kv_reserve.py --prompt 65536 2>&1 | tee "$out/kv_reserve.md" | tail -6
+    ;;
+  v10)      # session 10's kernels (4-bit GEMM: MAGIC + q pairs and the 8-row instantiation;
+            # the merge spread over 32-column blocks): the CUDA property tests, the engine's
+            # drafted == serial on random checkpoints, tinycode end to end -- side by side
+    timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py > "$out/test_kernels.log" 2>&1 &
+    timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "drafted or fresh or grid" > "$out/test_engine.log" 2>&1 &
+    timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py > "$out/test_compiled.log" 2>&1 &
+    timeout 200 python3 bench/gpu_exact.py 16 > "$out/exact.txt" 2>&1 &
+    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-8b-4bit'))" ) > "$out/ck8b.txt" 2>&1 &
+    wait
+    for f in test_kernels test_engine test_compiled; do echo "== $f"; grep -E "^FAILED|passed|failed" "$out/$f.log" | tail -6; done
+    tail -3 "$out/exact.txt"; tail -1 "$out/ck8b.txt"
+    ;;
+  gemm10)   # issue 3 / 4: the cp sweep (device time, ncu) and 8B decode at 2k / 32k
+    SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-90} timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep.csv" 2> "$out/cp_sweep.err"
+    tail -2 "$out/cp_sweep.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep.csv" | tee "$out/cp_sweep.md"
+    timeout 330 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} --decode 128 --repeat 2 \
+        2>&1 | tee "$out/bench_decode.md" | tail -6
+    ;;
+  moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 560 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 64 2>&1 | tee "$out/bench_moe_long.md" | tail -6
+    ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
             # graphs with far higher limits ("big"): host time per op, exactness, 8B decode at 2k

@@ -214,6 +214,26 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
             assert np.array_equal(got, ref), (M, cb, ns)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's merge launch")
+@pytest.mark.parametrize("D,dtype", [(128, mx.bfloat16), (80, mx.float16), (64, mx.float32),
+                                     (256, mx.bfloat16)])
+def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypatch):
+    """row_attn_merge spread over blocks of 32 columns (the default) gives the bits of one block
+    per row: every block folds the same (m, l) sequence, each column only its own partials."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("attn-merge-cols", D, str(dtype))
+    Hq, Hkv, cap = 8, 2, 5000
+    k, v = rand(rng, (1, Hkv, cap, D), dtype), rand(rng, (1, Hkv, cap, D), dtype)
+    st = mx.default_stream(mx.gpu)
+    for M, off in ((1, 0), (1, 4095), (5, 1234), (16, cap - 16)):
+        q = rand(rng, (1, Hq, M, D), dtype)
+        monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", None)
+        ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+        monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", 32)
+        got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+        assert np.array_equal(got, ref), (M, off)
+
+
 # ---------------------------------------------------------------- dense matmul
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

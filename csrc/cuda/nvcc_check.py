@@ -43,9 +43,10 @@ for T in (bf, f16, f32):
         NCH, VS, _ = attn_plan(D, T)
         CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8, NCH=NCH, VS=VS),
                       dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-        if D in (128, 256, 576):
-            CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=32 * NCH),
-                          dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+        if D in (80, 128, 256, 576):
+            for DC in (32, D):
+                CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=32 * NCH, DC=DC),
+                              dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
         if attn_tc_smem(D, T, T, T) is not None:
             CASES.append(("row_attn_tc", dict(T=T, D=D, HQ=32, HKV=8),
                           dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
@@ -100,9 +101,10 @@ for T in (bf, f16):
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4)
-        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=N == 4096),
-                      dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
+        for TWO in (False, True):
+            CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
+                                             RES=N == 4096, TWO=TWO),
+                          dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)
         CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT, DB=DB),

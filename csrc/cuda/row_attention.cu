@@ -27,8 +27,8 @@
 //           mc = max_j s_j;  e_j = expf(s_j - mc) rounded to T (the mma's input type)
 //           lc = butterfly sum over the warp of (e_lane + e_lane+32), from the rounded e
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
-// Kernel row_attn_merge: one block per query row; warp w merges group w of each batch of 16 groups,
-// then warp 0 merges the batch's group results in order.
+// Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
+// batch of 16 groups, then warp 0 merges the batch's group results in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
@@ -296,23 +296,29 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
-// output: out [B, HQ, M, D] (T).  template: T, D, SPAN
-// launch: grid (B*HQ*M*512, 1, 1), threadgroup (512, 1, 1), dynamic shared memory 16*(D+2)*4.
+// output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC
+// launch: grid (B*HQ*M*ceil(D/DC)*512, 1, 1), threadgroup (512, 1, 1), dynamic shared memory
+//         16*(DC+2)*4.
+// Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
+// (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
+// partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
 constexpr int GS = 16;                              // spans per group
 constexpr int MW = 16;                              // warps: groups merged side by side
-constexpr int NT = (D + 31) / 32;
+constexpr int NT = (DC + 31) / 32;
+constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
-extern __shared__ float sm[];                       // MW group results (o[0..D), m, l)
+extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int nspan = part_shape[1];
 const int cap = k_shape[2];
-const int row = blockIdx.x;
+const int row = blockIdx.x / NDB;
+const int c0 = (blockIdx.x % NDB) * DC;             // this block's first column
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int p = offset[0] + row % M;
-T* dst = out + (size_t)row * D;
+T* dst = out + (size_t)row * D + c0;
 if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
-  for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = tf_from_float<T>(__int_as_float(0x7fc00000));
+  for (int d = threadIdx.x; d < DC && c0 + d < D; d += blockDim.x) dst[d] = tf_from_float<T>(__int_as_float(0x7fc00000));
   return;
 }
 const int ns = min(p / SPAN + 1, nspan);
@@ -337,7 +343,10 @@ for (int gb = 0; gb < ng; gb += MW) {
           pm[u] = x[D];
           pl[u] = x[D + 1];
 #pragma unroll
-          for (int t = 0; t < NT; ++t) po[u][t] = lane + 32 * t < D ? x[lane + 32 * t] : 0.0f;
+          for (int t = 0; t < NT; ++t) {
+            const int d = lane + 32 * t;
+            po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
+          }
         }
       }
 #pragma unroll
@@ -352,11 +361,11 @@ for (int gb = 0; gb < ng; gb += MW) {
         }
       }
     }
-    tf_put_partial<D, NT>(sm + warp * (D + 2), o, m, l, lane);
+    tf_put_partial<DC, NT>(sm + warp * (DC + 2), o, m, l, lane);
   }
   __syncthreads();
   if (warp == 0) {
-    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<D, NT>(m2, l2, o2, sm + w * (D + 2), lane);
+    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sm + w * (DC + 2), lane);
   }
   __syncthreads();
 }
@@ -364,6 +373,6 @@ if (warp == 0) {
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int d = lane + 32 * t;
-    if (d < D) dst[d] = tf_from_float<T>(__fdiv_rn(o2[t], l2));
+    if (d < DC && c0 + d < D) dst[d] = tf_from_float<T>(__fdiv_rn(o2[t], l2));
   }
 }

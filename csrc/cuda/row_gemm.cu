@@ -81,22 +81,29 @@ __device__ __forceinline__ void tf_store_rows(float (&acc)[MAXM][NCW], O* out, i
 __device__ __forceinline__ unsigned int tf_ones2(__nv_bfloat16) { return 0x3F803F80u; }
 __device__ __forceinline__ unsigned int tf_ones2(__half) { return 0x3C003C00u; }
 
-// Nibbles j and j+4 of a 4-bit word as two exact 16-bit integers (low half: nibble j).
-// 0x4300 is bf16 128.0 and 0x6400 is fp16 1024.0: OR-ing a nibble into the mantissa gives
-// 128 + q (1024 + q), and subtracting the magic again is exact.
-__device__ __forceinline__ unsigned int tf_q4pair(unsigned int w, int j, __nv_bfloat16) {
-  const unsigned int v = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
-  __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&v);
-  const unsigned int m = 0x43004300u;
-  h = __hsub2(h, *reinterpret_cast<const __nv_bfloat162*>(&m));
-  return *reinterpret_cast<unsigned int*>(&h);
+// Nibbles j and j+4 of a 4-bit word as two exact 16-bit values (low half: nibble j), offset by
+// a magic: 0x4300 is bf16 128.0 and 0x6400 is fp16 1024.0, so OR-ing a nibble q into the mantissa
+// gives 128 + q (1024 + q) exactly. (a & 0x000F000F) | magic is one lop3 (nvcc otherwise emits
+// an AND and an OR). The 4-bit GEMMs feed these pairs to the mma as they are (P' = P + MAGIC * X,
+// X the group's sum of x, from the mma with ones) and fold the group with bias' = bias - MAGIC *
+// scale (tf_q4_bias), so no pair is ever converted back: acc += scale * P' + bias' * X.
+template <unsigned int MAGIC>
+__device__ __forceinline__ unsigned int tf_nib_or(unsigned int a) {
+  unsigned int d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(0x000F000Fu), "n"(MAGIC));
+  return d;
 }
-__device__ __forceinline__ unsigned int tf_q4pair(unsigned int w, int j, __half) {
-  const unsigned int v = ((w >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
-  __half2 h = *reinterpret_cast<const __half2*>(&v);
-  const unsigned int m = 0x64006400u;
-  h = __hsub2(h, *reinterpret_cast<const __half2*>(&m));
-  return *reinterpret_cast<unsigned int*>(&h);
+__device__ __forceinline__ unsigned int tf_q4raw(unsigned int w, int j, __nv_bfloat16) {
+  return tf_nib_or<0x43004300u>(w >> (4 * j));
+}
+__device__ __forceinline__ unsigned int tf_q4raw(unsigned int w, int j, __half) {
+  return tf_nib_or<0x64006400u>(w >> (4 * j));
+}
+__device__ __forceinline__ float tf_q4_bias(float scale, float bias, __nv_bfloat16) {
+  return __fmaf_rn(-128.0f, scale, bias);
+}
+__device__ __forceinline__ float tf_q4_bias(float scale, float bias, __half) {
+  return __fmaf_rn(-1024.0f, scale, bias);
 }
 // G consecutive 2-byte scales (or biases) of one weight row with one vector load.
 __device__ __forceinline__ void tf_set_bits(__nv_bfloat16& v, unsigned int b) {
@@ -224,7 +231,7 @@ __device__ __forceinline__ void tf_tc_xrows(const T* x, int r0, int rows, int gq
   }
 }
 // 8 consecutive x values (one 16-byte load) as the pairs (x_j, x_{j+4}), j = 0..3, matching
-// tf_q4pair / tf_q8pair.
+// tf_q4raw / tf_q8pair.
 __device__ __forceinline__ void tf_xpairs(const uint4 u, unsigned int (&xb)[4]) {
   xb[0] = __byte_perm(u.x, u.z, 0x5410);
   xb[1] = __byte_perm(u.x, u.z, 0x7632);
@@ -490,10 +497,10 @@ auto compute = [&](int ci, const Chunk& c) {
         for (int nt = 0; nt < NT; ++nt) {
           unsigned int a[4];
           if constexpr (BITS == 4) {
-            a[0] = tf_q4pair(c.wq[b][nt][0][0], 2 * s, tag);
-            a[1] = tf_q4pair(c.wq[b][nt][1][0], 2 * s, tag);
-            a[2] = tf_q4pair(c.wq[b][nt][0][0], 2 * s + 1, tag);
-            a[3] = tf_q4pair(c.wq[b][nt][1][0], 2 * s + 1, tag);
+            a[0] = tf_q4raw(c.wq[b][nt][0][0], 2 * s, tag);
+            a[1] = tf_q4raw(c.wq[b][nt][1][0], 2 * s, tag);
+            a[2] = tf_q4raw(c.wq[b][nt][0][0], 2 * s + 1, tag);
+            a[3] = tf_q4raw(c.wq[b][nt][1][0], 2 * s + 1, tag);
           } else {
             a[0] = tf_q8pair(c.wq[b][nt][0][0], c.wq[b][nt][0][WPB - 1], 2 * s, tag);
             a[1] = tf_q8pair(c.wq[b][nt][1][0], c.wq[b][nt][1][WPB - 1], 2 * s, tag);
@@ -507,7 +514,7 @@ auto compute = [&](int ci, const Chunk& c) {
         if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
       }
     }
-    // fold the group: acc = fma(scale, P, acc); acc = fma(bias, X, acc)
+    // fold the group: acc = fma(scale, P, acc); acc = fma(bias, X, acc) (4 bits: P' and bias')
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -516,8 +523,11 @@ auto compute = [&](int ci, const Chunk& c) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int h = i >> 1;
-            acc[nt][mt][i] = __fmaf_rn(tf_to_float(c.sc[nt][h][gi]), P[nt][mt][i], acc[nt][mt][i]);
-            acc[nt][mt][i] = __fmaf_rn(tf_to_float(c.bi[nt][h][gi]), X[mt][i & 1], acc[nt][mt][i]);
+            const float sc = tf_to_float(c.sc[nt][h][gi]);
+            float bi = tf_to_float(c.bi[nt][h][gi]);
+            if constexpr (BITS == 4) bi = tf_q4_bias(sc, bi, tag);
+            acc[nt][mt][i] = __fmaf_rn(sc, P[nt][mt][i], acc[nt][mt][i]);
+            acc[nt][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[nt][mt][i]);
           }
         }
       }
@@ -536,7 +546,8 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, TWO (false: the launch has at most 8 rows, so the
+// second 8-row mma tile is compiled out; rows 0..7 run the same operations either way)
 // launch: grid (ceil(N / 16) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory (SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)).
 constexpr int KW = K / 8;
@@ -561,7 +572,7 @@ const int gq = lane >> 2, tq = lane & 3;
 const int nbase = blockIdx.x * 16;
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
-const bool two = rows > 8;
+const bool two = TWO && rows > 8;
 uint4* ring = smem_cp + (SPLIT - 1) * 64 + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 + SPLIT * NS * STAGE) + warp * 32 * NGW;
 S* sbi = ssc + 16 * NGW;
@@ -653,10 +664,10 @@ for (int ci = 0; ci < CPW; ++ci) {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         unsigned int a[4];
-        a[0] = tf_q4pair(wq[b][0], 2 * s, tag);
-        a[1] = tf_q4pair(wq[b][1], 2 * s, tag);
-        a[2] = tf_q4pair(wq[b][0], 2 * s + 1, tag);
-        a[3] = tf_q4pair(wq[b][1], 2 * s + 1, tag);
+        a[0] = tf_q4raw(wq[b][0], 2 * s, tag);
+        a[1] = tf_q4raw(wq[b][1], 2 * s, tag);
+        a[2] = tf_q4raw(wq[b][0], 2 * s + 1, tag);
+        a[3] = tf_q4raw(wq[b][1], 2 * s + 1, tag);
         tf_mma(P[0], a, &xb[0][2 * s], tag);
         if (two) tf_mma(P[1], a, &xb[1][2 * s], tag);
         tf_mma(X[0], ones, &xb[0][2 * s], tag);
@@ -670,8 +681,10 @@ for (int ci = 0; ci < CPW; ++ci) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int h = i >> 1;
-          acc[0][mt][i] = __fmaf_rn(tf_to_float(ssc[(8 * h + gq) * NGW + g]), P[mt][i], acc[0][mt][i]);
-          acc[0][mt][i] = __fmaf_rn(tf_to_float(sbi[(8 * h + gq) * NGW + g]), X[mt][i & 1], acc[0][mt][i]);
+          const float sc = tf_to_float(ssc[(8 * h + gq) * NGW + g]);
+          const float bi = tf_q4_bias(sc, tf_to_float(sbi[(8 * h + gq) * NGW + g]), tag);
+          acc[0][mt][i] = __fmaf_rn(sc, P[mt][i], acc[0][mt][i]);
+          acc[0][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[0][mt][i]);
         }
       }
     }

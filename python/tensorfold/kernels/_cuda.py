@@ -27,6 +27,10 @@ GEMM_THREADS = 256
 GEMM_KT = 1024
 ATTN_WARPS = 8     # row_attn_partial: warps per block (row slots x chunks of 32 keys)
 ATTN_MERGE_WARPS = 16
+# columns per merge block: 32 spreads a row's merge over D / 32 blocks (4x the blocks at D = 128;
+# the merge was latency-bound on one block per row: 11.6 us at 32k keys, session 6); None: one
+# block per row. Bit-identical either way (row_attention.cu, row_attn_merge).
+ATTN_MERGE_COLS = 32
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
 
 # (input names, output names, file) of each kernel
@@ -189,7 +193,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
-                ("CB", CB), ("NS", NS), ("RES", res)]
+                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8)]
     grid = (-(-N // 16) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -355,10 +359,12 @@ def attention(q, k, v, offset, scale, stream):
         output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
         stream=stream,
     )[0]
-    out = _kernel("row_attn_merge", ATTN_MERGE_WARPS * (D + 2) * 4)(
+    dc = ATTN_MERGE_COLS or D
+    out = _kernel("row_attn_merge", ATTN_MERGE_WARPS * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D), ("SPAN", span)],
-        grid=(B * HQ * M * 32 * ATTN_MERGE_WARPS, 1, 1), threadgroup=(32 * ATTN_MERGE_WARPS, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc)],
+        grid=(B * HQ * M * -(-D // dc) * 32 * ATTN_MERGE_WARPS, 1, 1),
+        threadgroup=(32 * ATTN_MERGE_WARPS, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
     return out
