@@ -72,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--other-step", action="store_true",
                     help="also time serial decode with the exact step run the other way "
                          "(eager by default; compiled under TENSORFOLD_COMPILE_DECODE=0)")
+    ap.add_argument("--no-drafted", action="store_true",
+                    help="skip the drafted runs (their column then repeats nothing: '-')")
     args = ap.parse_args(argv)
 
     import mlx_lm
@@ -105,17 +107,21 @@ def main(argv=None):
         for _ in range(args.repeat):
             ref_runs.append(mlx_lm_run(ref, tok, prompt, args.decode))
             ser_runs.append(ours_run(eng, prompt, args.decode, False))
-            dr_runs.append(ours_run(eng, prompt, args.decode, True))
+            if not args.no_drafted:
+                dr_runs.append(ours_run(eng, prompt, args.decode, True))
             if args.other_step:
                 eng.model.compiled_decode = not eng.model.uses_compiled_step()
                 try:
                     other_runs.append(ours_run(eng, prompt, args.decode, False))
                 finally:
                     del eng.model.compiled_decode
+        print(f"# {n}: decode tok/s per run: mlx-lm " + " ".join(f"{r['decode_tps']:.1f}" for r in ref_runs)
+              + ", ours serial " + " ".join(f"{r['decode_tps']:.1f}" for r in ser_runs), file=sys.stderr)
         rp, op = med(ref_runs, "prompt_tps"), med(ser_runs, "prompt_tps")
-        rd, od, dd = med(ref_runs, "decode_tps"), med(ser_runs, "decode_tps"), med(dr_runs, "decode_tps")
-        print(f"| {n} | {rp:.0f} | {op:.0f} | {op / rp:.2f} | {rd:.1f} | {od:.1f} | {od / rd:.2f} | "
-              f"{dd:.1f} | {med(dr_runs, 'accept'):.2f} | {med(dr_runs, 'per_round'):.2f} | "
+        rd, od = med(ref_runs, "decode_tps"), med(ser_runs, "decode_tps")
+        dr = (f"{med(dr_runs, 'decode_tps'):.1f} | {med(dr_runs, 'accept'):.2f} | {med(dr_runs, 'per_round'):.2f}"
+              if dr_runs else "- | - | -")
+        print(f"| {n} | {rp:.0f} | {op:.0f} | {op / rp:.2f} | {rd:.1f} | {od:.1f} | {od / rd:.2f} | {dr} | "
               f"{med(ref_runs, 'peak_gb'):.2f} | {med(ser_runs, 'peak_gb'):.2f} |"
               + (f" {med(other_runs, 'decode_tps'):.1f} |" if other_runs else ""), flush=True)
 

@@ -143,3 +143,35 @@ def test_cache_growth_holds_one_layer_twice_at_most():
     for (k, v), (rk, rv) in zip(zip(cache.keys, cache.values), ref):
         assert np.array_equal(np.array(k[..., :n, :].astype(mx.float32)), rk)
         assert np.array_equal(np.array(v[..., :n, :].astype(mx.float32)), rv)
+
+
+def test_reply_rows_are_reserved_with_the_prompt(checkpoints, monkeypatch):
+    """The cache grows neither during a reply that fits the reserve (prompt + max_tokens, up to
+    REPLY_ROWS) nor more than O(log n) times past it: a growth copies every cached row and
+    retraces the compiled exact step at the new capacity. The reply's tokens do not depend on
+    the reserve (drafted == serial and the capacity test cover the bits)."""
+    from tensorfold.engine import prefill as pf
+    from tensorfold.models.kv import KVCache
+
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], drafts=False)
+    growths = []
+    inner = KVCache.reserve
+
+    def reserve(self, n):
+        if self.offset and n > self.capacity:
+            growths.append((self.offset, self.capacity))
+        inner(self, n)
+
+    monkeypatch.setattr(KVCache, "reserve", reserve)
+    prompt = np.random.default_rng(9).integers(3, eng.model.cfg.vocab_size, size=300).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    _, short, _ = eng.generate_text(prompt=prompt, max_tokens=60, ignore_eos=True, sampling=greedy)
+    assert len(short) == 60 and growths == []
+    monkeypatch.setattr(pf, "REPLY_ROWS", 16)
+    _, long, _ = eng.generate_text(prompt=prompt, max_tokens=700, ignore_eos=True, sampling=greedy)
+    assert len(long) == 700 and 1 <= len(growths) <= 4, growths
+    assert long[:60] == short
+    monkeypatch.setenv("TENSORFOLD_RESERVE_PROMPT", "0")
+    growths.clear()
+    _, grown, _ = eng.generate_text(prompt=prompt, max_tokens=60, ignore_eos=True, sampling=greedy)
+    assert grown == short

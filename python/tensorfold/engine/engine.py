@@ -23,7 +23,7 @@ from ..cache.memory import SnapshotStore
 from ..errors import RequestError
 from ..models import load_model
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .prefill import PrefillMode, prefill
+from .prefill import PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
 from .sampling import greedy_device, prompt_seed, sample
@@ -151,11 +151,14 @@ class Engine:
             except OSError as e:
                 log.warning("could not write a snapshot to %s: %s", self.disk.dir, e)
 
-    def _prefill(self, ids: list[int], progress=None, pin_at: int = 0):
+    def _prefill(self, ids: list[int], progress=None, pin_at: int = 0, room: int = 0):
+        """room: the tokens the reply may add (its rows are reserved with the prompt's, up to
+        prefill.REPLY_ROWS)."""
         cache = self.model.new_cache()
+        rows = reserve_rows(len(ids), room)
         kv, g = self._lookup(np.asarray(ids, dtype=np.int64), len(ids) - 1)
         if g:
-            cache.restore(kv, g)
+            cache.restore(kv, g, rows)
         cached = cache.offset
         points = []
 
@@ -164,7 +167,7 @@ class Engine:
             if p == pin_at and p > cached:
                 self._save(ids, cache, p, pinned=True)   # the conversation's system block
 
-        logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress)
+        logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress, reserve=rows)
         if points and points[-1] > cached and points[-1] != pin_at:
             self._save(ids, cache, points[-1], pinned=False)   # the prompt's last grid point
         return cache, logits, cached
@@ -232,7 +235,8 @@ class Engine:
         if messages is not None:
             think = self.thinking if enable_thinking is None else enable_thinking
             pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
-        cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at)
+        cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at,
+                                                           room=max_tokens + self.draft_width)
         stats.prefill_s = time.perf_counter() - t0
 
         if proposers is None:

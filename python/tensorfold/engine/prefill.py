@@ -51,21 +51,33 @@ def grid_chunks(start: int, end: int, grid: int) -> list[tuple[int, int]]:
     return out
 
 
+def reserve_rows(n_prompt: int, room: int = 0) -> int:
+    """The KV rows a request reserves before its prompt's first chunk: the prompt's, and up to
+    REPLY_ROWS of the `room` its reply may take (max_tokens, bounded by the context). 0 with
+    TENSORFOLD_RESERVE_PROMPT=0 (the cache then grows chunk by chunk)."""
+    if os.environ.get("TENSORFOLD_RESERVE_PROMPT") == "0":
+        return 0
+    return n_prompt + max(0, min(room, REPLY_ROWS))
+
+
+# Reply rows reserved with the prompt: a reply that fits never grows the cache (a growth copies
+# every cached row and retraces the compiled exact step at the new capacity).
+REPLY_ROWS = 1024
+
+
 def prefill(model, cache, ids: list[int], mode: PrefillMode,
             on_grid_point: Callable[[int], None] | None = None,
-            progress: Callable[[int, int], None] | None = None):
+            progress: Callable[[int, int], None] | None = None, reserve: int | None = None):
     """Prefill ids[cache.offset:] on the grid; returns the last row's logits [vocab].
 
     Chunks [s, e) cut at multiples of the grid cover ids[:-1]; the last token then runs alone
     through the row-exact ops and the LM head. Both are functions of the prompt alone, fresh or
-    resumed."""
+    resumed. reserve: KV rows to make room for first (default reserve_rows(len(ids)))."""
     exact = mode.ops == "kernels"
     # the whole prompt's KV rows at once: growing chunk by chunk re-copies every row already
-    # written at each chunk (O(n^2) for a long prompt). Fresh and resumed prefills both reach
-    # this capacity before their first chunk, so every chunk reads its keys from a buffer of the
-    # same shape either way.
-    if os.environ.get("TENSORFOLD_RESERVE_PROMPT") != "0":
-        cache.reserve(len(ids))
+    # written at each chunk (O(n^2) for a long prompt). No result depends on the capacity
+    # (KVCache; tested fresh, resumed, grown, reserved far past the prompt).
+    cache.reserve(reserve_rows(len(ids)) if reserve is None else reserve)
     for s, e in grid_chunks(cache.offset, len(ids) - 1, mode.grid):
         model.forward(mx.array([ids[s:e]]), cache, exact=exact, logits=False)
         mx.eval(cache.arrays())

@@ -47,10 +47,15 @@ class KVCache:
             mx.eval(self.fences)
 
     def reserve(self, n: int) -> None:
-        """Make room for positions [0, n)."""
+        """Make room for positions [0, n). A cache that already holds rows grows by at least an
+        eighth of its capacity: each growth copies every cached row and gives the compiled
+        exact step a new shape to trace (DenseModel._exact_compiled), so a long reply pays
+        O(log n) growths, not one per STEP rows."""
         if n <= self.capacity:
             return
         self._settle()
+        if self.offset:
+            n = max(n, self.capacity + self.capacity // 8)
         cap = -(-n // self.step) * self.step
         shape = (1, self.num_kv_heads, cap, self.head_dim)
         vshape = (1, self.num_kv_heads, cap, self.value_dim)
@@ -97,12 +102,13 @@ class KVCache:
         return [(mx.array(self.keys[i][..., :n, :]), mx.array(self.values[i][..., :n, :]))
                 for i in range(self.num_layers)]
 
-    def restore(self, snap: list[tuple[mx.array, mx.array]], n: int) -> None:
+    def restore(self, snap: list[tuple[mx.array, mx.array]], n: int, capacity: int = 0) -> None:
+        """The first n positions from a snapshot, in buffers with room for max(n, capacity)."""
         self.offset = 0
         self.capacity = 0
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
-        self.reserve(n)
+        self.reserve(max(n, capacity))
         for i, (k, v) in enumerate(snap):
             self.keys[i][..., :n, :] = k
             self.values[i][..., :n, :] = v
