@@ -11,6 +11,7 @@ S in 8k / 32k / 64k / 128k; M = 1 (decode) and M = 64 (a prefill chunk).
     python bench/bench_sparse_attention.py --quick    # 8k / 32k only (CPU)
     python bench/bench_sparse_attention.py --table    # markdown table
     python bench/bench_sparse_attention.py --table --stream 16   # + per call in a stream of 16
+    python bench/bench_sparse_attention.py --table --stream 16 --compiled   # ... both compiled
 
 Every timed call evaluates its result (mx.eval). Times are medians. Peak memory is
 mx.get_peak_memory() during the calls minus the memory active before them (the KV
@@ -34,6 +35,7 @@ FULL_KEYS = [8192, 32768, 65536, 131072]
 QUICK_KEYS = [8192, 32768]
 MS = [1, 64]
 STREAM = 0            # --stream N
+COMPILED = False      # --compiled
 HOST_OFFSET = False   # --host-offset: pass the offset as a host-made int32 array instead of an int
 
 
@@ -120,9 +122,13 @@ def stream_case(q, k, v, ind, mask, off, scale, layers: int, reps: int = 5):
     vs = [v * 1 for _ in range(layers)]
     mx.eval(ks, vs)
     out = {}
-    for name, call in (("ours", lambda i: K.sparse_attention(q, ks[i], vs[i], ind, off, scale)),
-                       ("dense", lambda i: mx.fast.scaled_dot_product_attention(
-                           q, ks[i], vs[i], scale=scale, mask=mask))):
+    ours = lambda q_, k_, v_, ind_: K.sparse_attention(q_, k_, v_, ind_, off, scale)  # noqa: E731
+    dense = lambda q_, k_, v_, m_: mx.fast.scaled_dot_product_attention(  # noqa: E731
+        q_, k_, v_, scale=scale, mask=m_)
+    if COMPILED:      # both ops replayed from a trace, as inside a compiled decode step
+        ours, dense = mx.compile(ours), mx.compile(dense)
+    for name, call in (("ours", lambda i: ours(q, ks[i], vs[i], ind)),
+                       ("dense", lambda i: dense(q, ks[i], vs[i], mask))):
         mx.eval([call(i) for i in range(layers)])          # warm-up
         times = []
         for _ in range(reps):
@@ -152,10 +158,13 @@ def main():
     ap.add_argument("--stream", type=int, default=0, metavar="N",
                     help="also time each op inside a stream of N calls on N layers' K / V, "
                          "evaluated together (a prefill's view: no wait per call)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="with --stream: both ops through mx.compile (no graph building per call)")
     a = ap.parse_args()
-    global HOST_OFFSET, STREAM
+    global HOST_OFFSET, STREAM, COMPILED
     HOST_OFFSET = a.host_offset
     STREAM = a.stream
+    COMPILED = a.compiled
     if a.tc_tiles and K.backend_face() == "cuda":
         from tensorfold.kernels import _cuda
         _cuda.SPARSE_TC_TILES = tuple(int(x) for x in a.tc_tiles.split(","))
@@ -181,7 +190,8 @@ def main():
         print(f"sparse_attention vs dense masked sdpa, device {dev} (face {face}), "
               f"Hq={a.heads} Hkv={a.kv_heads} D={a.dim} {a.dtype}, top-k {a.topk}; "
               f"median ms, extra peak MB; one trivial op + eval: {floor * 1e3:.3f} ms\n")
-        st = (f" | in a stream of {STREAM}: sparse ms | dense ms | dense/sparse" if STREAM else "")
+        st = (f" | in a stream of {STREAM}{' (compiled)' if COMPILED else ''}: sparse ms | dense ms "
+              "| dense/sparse" if STREAM else "")
         print("| keys | M | sparse ms | dense masked ms | dense/sparse | select_topk ms "
               "| sparse peak MB | dense peak MB | max abs diff | sparse graph build ms" + st + " |")
         print("|---:" * (10 + (3 if STREAM else 0)) + "|")

@@ -16,7 +16,9 @@
 #   bash bench/gpu_run.sh inplace   # fenced in-place KV writes: exactness, then decode vs the scatters
 #   bash bench/gpu_run.sh moe-fused | moe-route    # the fused MoE decode kernels; route + gate/up fused
 #   bash bench/gpu_run.sh graphs | moe-graphs   # MLX's CUDA graphs: default, off, higher limits
-#   bash bench/gpu_run.sh pending   # session 9's unrun checks: MoE compiled step, fp32 closeness, 16k / 64k
+#   bash bench/gpu_run.sh checks | v10   # session 10: side-by-side CUDA test groups (JIT in parallel)
+#   bash bench/gpu_run.sh gemm10 | moe-long   # cp sweep + 8B decode; MoE at 2k / 16k / 64k
+#   bash bench/gpu_run.sh next      # what session 10 left unmeasured (~8 min; split across calls)
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (default), 0 (none) or big
@@ -250,6 +252,16 @@ case "${1:-tests}" in
     tail -2 "$out/cp_sweep.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep.csv" | tee "$out/cp_sweep.md"
     timeout 330 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} --decode 128 --repeat 2 \
         2>&1 | tee "$out/bench_decode.md" | tail -6
+    ;;
+  next)     # session 10 left unmeasured: MoE at 2k / 16k / 64k with the reply's KV rows reserved
+            # (its runs paid a growth + retrace in the first decode step), the sparse op in a
+            # compiled stream, the sweep's qkv and LM-head shapes (did the LM head pass 2.5 TB/s?)
+    timeout 120 python3 bench/bench_sparse_attention.py --table --keys 65536,131072 --stream 16 --compiled 2>&1 | tee "$out/bench_sparse_compiled.md" | tail -6
+    SWEEP_SHAPES=${SWEEP_SHAPES:-6144x4096,151936x4096} SWEEP_BUDGET_S=90 timeout 200 ncu --clock-control none \
+        --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp \
+        > "$out/cp_sweep2.csv" 2> "$out/cp_sweep2.err"
+    tail -2 "$out/cp_sweep2.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep2.csv" | tee "$out/cp_sweep2.md"
+    bash "$0" moe-long
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

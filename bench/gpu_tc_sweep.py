@@ -56,7 +56,10 @@ def run(cp=False):
     t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
     from gpu_kernel_time import marker
     stream = mx.default_stream(mx.gpu)
-    for N, K in (CP_SHAPES if cp else SHAPES):
+    shapes = CP_SHAPES if cp else SHAPES
+    if os.environ.get("SWEEP_SHAPES"):    # e.g. SWEEP_SHAPES=6144x4096,151936x4096
+        shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["SWEEP_SHAPES"].split(",")]
+    for N, K in shapes:
         if time.perf_counter() > t_end:  # stop cleanly so that ncu still writes its report
             print("sweep budget spent before", N, K, file=sys.stderr)
             break

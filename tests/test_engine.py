@@ -135,6 +135,60 @@ def test_all_paths_ran(engines, drafter):
     assert seen == {"full", "partial", "reject"}
 
 
+class WrongProposer(Proposer):
+    """Test-only: always proposes tokens the target will not pick (the serial answer's tokens
+    shifted), so it is silenced again and again; the greedy engine runs its pipelined serial
+    steps while it is quiet."""
+    name = "wrong"
+
+    def __init__(self, prompt_len: int, truth: list[int], vocab: int):
+        super().__init__()
+        self.n0, self.truth, self.vocab = prompt_len, truth, vocab
+
+    def propose(self, tokens, k):
+        pos = len(tokens) - self.n0
+        return [(t + 1) % self.vocab for t in self.truth[pos: pos + k]]
+
+
+@pytest.mark.parametrize("model,plen,max_tokens", [("q4", 5, 150), ("moe", 33, 97), ("bf16", 16, 131)])
+def test_silenced_proposers_hand_over_to_the_pipeline(engines, monkeypatch, model, plen, max_tokens):
+    """Greedy with every proposer silenced: the pipelined serial steps run up to the position
+    where the first proposer wakes, then the verify loop takes over again -- the same tokens as
+    draft=False, across several silent windows, and the cache left as the host loop leaves it
+    (the next verify round reads it)."""
+    eng = engines[model]
+    vocab = eng.model.cfg.vocab_size
+    prompt = np.random.default_rng(plen).integers(3, vocab, size=plen).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    _, serial, _ = eng.generate_text(prompt=prompt, max_tokens=max_tokens, sampling=greedy,
+                                     draft=False, ignore_eos=True)
+    segments = []
+    inner = type(eng)._decode_pipelined
+
+    def spy(self, cache, tokens, reply, mt, accept, cancel, until=None):
+        start = len(tokens)
+        out = yield from inner(self, cache, tokens, reply, mt, accept, cancel, until=until)
+        segments.append((start, until, len(tokens), out))
+        return out
+
+    monkeypatch.setattr(type(eng), "_decode_pipelined", spy)
+    wrong = WrongProposer(plen, serial, vocab)
+    _, ids, st = eng.generate_text(prompt=prompt, max_tokens=max_tokens, sampling=greedy,
+                                   proposers=[wrong], ignore_eos=True)
+    assert ids == serial
+    assert st.drafted > 0 and st.accepted == 0
+    assert len(segments) >= 2, segments              # silenced, woke up, silenced again
+    for start, until, end, out in segments[:-1]:
+        assert end == until and out is None          # handed back at the wake-up position
+    # the same with a sampled request: no pipeline, the host loop throughout
+    segments.clear()
+    p = SamplingParams(temperature=0.8, seed=3)
+    _, ser, _ = eng.generate_text(prompt=prompt, max_tokens=40, sampling=p, draft=False, ignore_eos=True)
+    _, dr, _ = eng.generate_text(prompt=prompt, max_tokens=40, sampling=p, ignore_eos=True,
+                                 proposers=[WrongProposer(plen, ser, vocab)])
+    assert dr == ser and segments == []
+
+
 def test_context_copy_accepts_on_repetitive_text(engines):
     """Greedy random models fall into loops: the context proposer must get accepts there."""
     eng = engines["q4"]

@@ -277,13 +277,21 @@ class Engine:
         stats.ttft_s = time.perf_counter() - t0
         yield GenerationEvent(text=text, token_ids=[first])
 
-        if finish is None and not proposers and p.temperature <= 0.0 and self._pipeline:
+        greedy_pipeline = p.temperature <= 0.0 and self._pipeline
+        if finish is None and not proposers and greedy_pipeline:
             finish = yield from self._decode_pipelined(cache, tokens, reply, max_tokens, accept, cancel)
 
         while finish is None:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
+            if greedy_pipeline and proposers and not any(q.active(len(tokens)) for q in proposers):
+                # every proposer is silenced (it kept missing) until some later position: run
+                # the pipelined serial steps up to there (same tokens, no host wait per step)
+                until = min(q.silent_until for q in proposers)
+                finish = yield from self._decode_pipelined(cache, tokens, reply, max_tokens, accept,
+                                                           cancel, until=until)
+                continue
             room = min(max_tokens - len(reply), self.context_length - len(tokens)) - 1
             drafts, who = [], None
             for prop in proposers:
@@ -330,11 +338,12 @@ class Engine:
         yield GenerationEvent(text="", token_ids=[], finish_reason=finish, stats=stats)
 
     def _decode_pipelined(self, cache, tokens: list[int], reply: list[int], max_tokens: int, accept,
-                          cancel):
+                          cancel, until: int | None = None):
         """Greedy decode without drafts, one step ahead of the host: while step t runs on the
         device, step t+1's graph is built on its (unread) token and launched with async_eval; only
         then is step t's token read and passed to `accept`. Yields the same events as the host
-        loop in `generate` (one per token) and returns the finish reason.
+        loop in `generate` (one per token) and returns the finish reason -- or None once `tokens`
+        has reached `until` (the host loop goes on from there: silenced proposers wake up).
 
         Same tokens as the host loop: the step is the same forward call and greedy_device is
         `sample`'s greedy branch on the device. Same cache state at the end: a step launched for a
@@ -354,10 +363,14 @@ class Engine:
             return "cancelled"
         # invariant at the loop head: cur is the token at position len(tokens), its step launched,
         # and cache.offset == len(tokens)
+        end = max_tokens - len(reply) + len(tokens) if until is None else \
+            min(until, max_tokens - len(reply) + len(tokens))     # len(tokens) to stop at
+        if len(tokens) >= end:
+            return None
         cur = step(tokens[-1])
         finish = None
-        while finish is None:
-            nxt = step(cur) if len(reply) + 1 < max_tokens else None
+        while finish is None and len(tokens) < end:
+            nxt = step(cur) if len(tokens) + 1 < end else None
             tok = cur.item()
             tokens.append(tok)
             text, finish = accept(tok)
