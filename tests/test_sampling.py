@@ -105,3 +105,26 @@ def test_filters_match_brute_force_on_large_vocab_with_ties():
                            top_k=int(rng.choice([0, 1, 7, 2000])), min_p=float(rng.choice([0.0, 0.02])))
         got = np.isfinite(filtered_logits(logits, p))
         assert np.array_equal(got, _reference_keep(logits, p)), (trial, p)
+
+
+def test_unfiltered_rows_take_the_same_tokens_as_the_gathered_form():
+    """sample() skips the gather of kept ids when no filter took an id out; the token must be
+    the one the gathered form (keyed uniforms of the kept ids, argmax, lowest id on ties) gives."""
+    def gathered(logits, seed, position, p):
+        x = filtered_logits(logits, p)
+        ids = np.flatnonzero(np.isfinite(x))
+        g = x[ids] - np.log(-np.log(keyed_uniforms(seed, position, x.shape[0], ids)))
+        return int(ids[np.argmax(g)])
+
+    rng = np.random.default_rng(11)
+    for _ in range(400):
+        V = int(rng.choice([3, 64, 4096]))
+        x = (rng.standard_normal(V) * rng.choice([0.01, 1.0, 8.0])).astype(np.float32)
+        if rng.random() < 0.3:
+            x[rng.integers(0, V, size=max(1, V // 8))] = -np.inf
+        if rng.random() < 0.3:
+            x = np.round(x)                      # ties
+        p = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.7])),
+                           top_p=float(rng.choice([1.0, 0.8])), top_k=int(rng.choice([0, 5])))
+        seed, pos = int(rng.integers(0, 2**62)), int(rng.integers(0, 10**6))
+        assert sample(x, seed, pos, p) == gathered(x, seed, pos, p)

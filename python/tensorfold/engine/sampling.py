@@ -89,7 +89,11 @@ def sample(logits: np.ndarray, seed: int, position: int, p: SamplingParams) -> i
     if p.temperature <= 0.0:
         return int(np.argmax(logits))  # first maximum: ties to the lower id
     x = filtered_logits(logits, p)
-    ids = np.flatnonzero(np.isfinite(x))           # ascending ids
+    finite = np.isfinite(x)
+    if finite.all():                               # no filter took an id out: no gather needed
+        u = keyed_uniforms(seed, position, x.shape[0])
+        return int(np.argmax(x - np.log(-np.log(u))))
+    ids = np.flatnonzero(finite)                   # ascending ids
     u = keyed_uniforms(seed, position, x.shape[0], ids)
     g = x[ids] - np.log(-np.log(u))
     return int(ids[np.argmax(g)])  # argmax returns the lowest id among equal maxima
