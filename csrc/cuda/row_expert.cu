@@ -241,52 +241,49 @@ __device__ __forceinline__ void tf_route(const float* logits, int r, int lane, i
 }
 
 // One block's share of the fused gate/up kernels (row_expert_*_glu*): pair p = blockIdx.y (row
-// r, expert e), 8 warps x NCW = 2 columns n0 = (blockIdx.x * 8 + warp) * 2 of h[p], gate and
-// up sums with tf_expert_qdot's arithmetic, then tf_glu_store.
+// r, expert e), 8 warps x NCW = 2 columns n0 = (blockIdx.x * 8 + warp) * 2 of h[p]; dot(n0,
+// lane, acc) adds the gate sums (acc[0..NCW)) and up sums (acc[NCW..2 NCW)) of a valid expert,
+// then tf_glu_store.
+template <typename T, int N, int E, typename Dot>
+__device__ __forceinline__ void tf_glu_block(int e, T* h, Dot&& dot) {
+  constexpr int WARPS = 8;
+  constexpr int NCW = 2;
+  const int lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
+  if (n0 >= N) return;
+  const bool bad = e < 0 || e >= E;
+  float acc[2 * NCW];
+#pragma unroll
+  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
+  if (!bad) dot(n0, lane, acc);     // gate columns, then up columns: one pass over x for both
+  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
+}
+
+// Quantized experts: tf_expert_qdot's arithmetic.
 template <typename T, typename S, int K, int N, int E, int GS, int BITS>
 __device__ __forceinline__ void tf_qmm_glu_block(const T* x, const unsigned int* wg, const S* sg,
                                                  const S* bg, const unsigned int* wu, const S* su,
                                                  const S* bu, int e, int r, T* h) {
-  constexpr int WARPS = 8;
-  constexpr int NCW = 2;
-  const int lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
-  if (n0 >= N) return;
-  const bool bad = e < 0 || e >= E;
-  float acc[2 * NCW];
-#pragma unroll
-  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
-  if (!bad) {     // gate columns, then up columns: one pass over x for both
-    const unsigned int* wr[2 * NCW];
-    const S* sr[2 * NCW];
-    const S* br[2 * NCW];
-    tf_qrows<S, K, N, GS, BITS, NCW>(wg, sg, bg, e, n0, wr, sr, br);
-    tf_qrows<S, K, N, GS, BITS, NCW>(wu, su, bu, e, n0, wr + NCW, sr + NCW, br + NCW);
-    tf_expert_qdot<T, S, K, GS, BITS, 2 * NCW>(x + (size_t)r * K, wr, sr, br, lane, acc);
-  }
-  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
+  tf_glu_block<T, N, E>(e, h, [&](int n0, int lane, float (&acc)[4]) {
+    const unsigned int* wr[4];
+    const S* sr[4];
+    const S* br[4];
+    tf_qrows<S, K, N, GS, BITS, 2>(wg, sg, bg, e, n0, wr, sr, br);
+    tf_qrows<S, K, N, GS, BITS, 2>(wu, su, bu, e, n0, wr + 2, sr + 2, br + 2);
+    tf_expert_qdot<T, S, K, GS, BITS, 4>(x + (size_t)r * K, wr, sr, br, lane, acc);
+  });
 }
 
-// The same for unquantized expert weights (tf_expert_dot).
+// Unquantized experts: tf_expert_dot's arithmetic.
 template <typename T, typename W, int K, int N, int E>
 __device__ __forceinline__ void tf_mm_glu_block(const T* x, const W* wg, const W* wu, int e, int r,
                                                 T* h) {
-  constexpr int WARPS = 8;
-  constexpr int NCW = 2;
-  const int lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * NCW;
-  if (n0 >= N) return;
-  const bool bad = e < 0 || e >= E;
-  float acc[2 * NCW];
-#pragma unroll
-  for (int c = 0; c < 2 * NCW; ++c) acc[c] = 0.0f;
-  if (!bad) {
-    const W* wr[2 * NCW];
-    tf_rows<W, K, N, NCW>(wg, e, n0, wr);
-    tf_rows<W, K, N, NCW>(wu, e, n0, wr + NCW);
-    tf_expert_dot<T, W, K, 2 * NCW>(x + (size_t)r * K, wr, lane, acc);
-  }
-  tf_glu_store<T, NCW>(acc, bad, lane, n0, N, blockIdx.y, h);
+  tf_glu_block<T, N, E>(e, h, [&](int n0, int lane, float (&acc)[4]) {
+    const W* wr[4];
+    tf_rows<W, K, N, 2>(wg, e, n0, wr);
+    tf_rows<W, K, N, 2>(wu, e, n0, wr + 2);
+    tf_expert_dot<T, W, K, 4>(x + (size_t)r * K, wr, lane, acc);
+  });
 }
 
 // The route of the fused route + gate/up kernels: warp 0 runs tf_route on row r = blockIdx.y /
