@@ -206,20 +206,6 @@ case "${1:-tests}" in
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     timeout 200 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048} --decode 64 2>&1 | tee "$out/bench_moe.md" | tail -3
     ;;
-  pending)   # what session 9 left unrun on the H200 (~10 min, split it if a call is short): the
-              # MoE compiled step with route_glu (its JIT outran 120 s), test_moe's fp32 closeness
-              # test with MLX_ENABLE_TF32=0 (tests/conftest.py), the prompt reserve's checks, MoE
-              # prompt and decode at 16k / 64k with both (TENSORFOLD_RESERVE_PROMPT=0: without)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py -k "compiled_equals_eager_and_rows and moe" 2>&1 | tee "$out/test_moe_step.log" | tail -3
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "close_to_prefill" 2>&1 | tee "$out/test_moe_close.log" | tail -3
-    # the prompt's KV reserved once (session 9): bits independent of the capacity on CUDA too
-    # (sdpa takes a >= 256-row buffer as a KV-cache slice), resumed == fresh, the copy it saves
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_modes.py -k capacity 2>&1 | tee "$out/test_capacity.log" | tail -3
-    timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact.txt" | tail -3
-    timeout 60 python3 bench/bench_kv_reserve.py --prompt 65536 2>&1 | tee "$out/kv_reserve.md"
-    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    timeout 330 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-16384,65536} --decode 64 2>&1 | tee "$out/bench_moe_long.md" | tail -4
-    ;;
   checks)   # session 10: session 9's unrun checks side by side (the GPU idles while NVRTC
             # compiles: the JIT-heavy pytest groups run concurrently), the MoE checkpoint written
             # meanwhile; then the KV-reserve copy at 64k alone

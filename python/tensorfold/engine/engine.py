@@ -363,8 +363,9 @@ class Engine:
             return "cancelled"
         # invariant at the loop head: cur is the token at position len(tokens), its step launched,
         # and cache.offset == len(tokens)
-        end = max_tokens - len(reply) + len(tokens) if until is None else \
-            min(until, max_tokens - len(reply) + len(tokens))     # len(tokens) to stop at
+        end = len(tokens) + max_tokens - len(reply)           # len(tokens) to stop at
+        if until is not None:
+            end = min(end, until)
         if len(tokens) >= end:
             return None
         cur = step(tokens[-1])

@@ -51,6 +51,11 @@ def grid_chunks(start: int, end: int, grid: int) -> list[tuple[int, int]]:
     return out
 
 
+# Reply rows reserved with the prompt: a reply that fits never grows the cache (a growth copies
+# every cached row and retraces the compiled exact step at the new capacity).
+REPLY_ROWS = 1024
+
+
 def reserve_rows(n_prompt: int, room: int = 0) -> int:
     """The KV rows a request reserves before its prompt's first chunk: the prompt's, and up to
     REPLY_ROWS of the `room` its reply may take (max_tokens, bounded by the context). 0 with
@@ -58,11 +63,6 @@ def reserve_rows(n_prompt: int, room: int = 0) -> int:
     if os.environ.get("TENSORFOLD_RESERVE_PROMPT") == "0":
         return 0
     return n_prompt + max(0, min(room, REPLY_ROWS))
-
-
-# Reply rows reserved with the prompt: a reply that fits never grows the cache (a growth copies
-# every cached row and retraces the compiled exact step at the new capacity).
-REPLY_ROWS = 1024
 
 
 def prefill(model, cache, ids: list[int], mode: PrefillMode,

@@ -61,15 +61,16 @@ class KVCache:
         vshape = (1, self.num_kv_heads, cap, self.value_dim)
         for i in range(self.num_layers):
             k, v = mx.zeros(shape, self.dtype), mx.zeros(vshape, self.dtype)
-            if self.keys[i] is not None and self.offset:
+            copy = self.keys[i] is not None and self.offset
+            if copy:
                 k[..., : self.offset, :] = self.keys[i][..., : self.offset, :]
                 v[..., : self.offset, :] = self.values[i][..., : self.offset, :]
+            self.keys[i], self.values[i] = k, v
+            if copy:
                 # one layer at a time: queued lazily, every layer's old and new buffers would be
                 # alive at once until the device finished the batch (on the H200, MLX's CUDA
                 # graphs hold up to 1 GB of inputs each), a transient of up to the whole KV
-                self.keys[i], self.values[i] = k, v
                 mx.eval(k, v)
-            self.keys[i], self.values[i] = k, v
         self.capacity = cap
 
     def in_place(self, layer: int):
