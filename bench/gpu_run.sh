@@ -19,6 +19,7 @@
 #   bash bench/gpu_run.sh checks | v10   # session 10: side-by-side CUDA test groups (JIT in parallel)
 #   bash bench/gpu_run.sh gemm10 | moe-long   # cp sweep + 8B decode; MoE at 2k / 16k / 64k
 #   bash bench/gpu_run.sh next      # what session 10 left unmeasured (~8 min; split across calls)
+#   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (default), 0 (none) or big
@@ -248,6 +249,26 @@ case "${1:-tests}" in
         > "$out/cp_sweep2.csv" 2> "$out/cp_sweep2.err"
     tail -2 "$out/cp_sweep2.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep2.csv" | tee "$out/cp_sweep2.md"
     bash "$0" moe-long
+    ;;
+  s11a)     # session 11, first call: the engine's reply reserve / silenced-proposer hand-over on CUDA
+            # (JIT-heavy, side by side, the MoE checkpoint written meanwhile), then the sparse op at the
+            # prefill's grid chunk (M = 2048) and in a compiled stream
+    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
+    timeout 240 python3 bench/gpu_exact.py 16 > "$out/exact.txt" 2>&1 &
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k silenced tests/test_prefill_modes.py -k "silenced or reply" > "$out/test_engine.log" 2>&1 &
+    wait
+    tail -3 "$out/exact.txt"; grep -E "^FAILED|passed|failed" "$out/test_engine.log" | tail -4; tail -1 "$out/ck.txt"
+    timeout 280 python3 bench/bench_sparse_attention.py --table --keys ${KEYS:-32768,65536,131072} --ms 1,64,2048 \
+        --stream 16 --compiled 2>&1 | tee "$out/bench_sparse11.md" | tail -12
+    ;;
+  s11b)     # session 11, second call: the cp sweep's qkv / LM-head shapes, then MoE at 2k / 16k / 64k
+            # with the reply's KV rows reserved, 128 decode tokens
+    SWEEP_SHAPES=${SWEEP_SHAPES:-151936x4096,6144x4096} SWEEP_BUDGET_S=80 timeout 170 ncu --clock-control none \
+        --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp \
+        > "$out/cp_sweep11.csv" 2> "$out/cp_sweep11.err"
+    tail -2 "$out/cp_sweep11.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep11.csv" | tee "$out/cp_sweep11.md"
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 400 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe11.md" | tail -6
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
