@@ -20,6 +20,8 @@
 #   bash bench/gpu_run.sh gemm10 | moe-long   # cp sweep + 8B decode; MoE at 2k / 16k / 64k
 #   bash bench/gpu_run.sh next      # what session 10 left unmeasured (~8 min; split across calls)
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
+#   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
+#                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
 genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (default), 0 (none) or big
@@ -260,6 +262,19 @@ case "${1:-tests}" in
     tail -3 "$out/exact.txt"; grep -E "^FAILED|passed|failed" "$out/test_engine.log" | tail -4; tail -1 "$out/ck.txt"
     timeout 280 python3 bench/bench_sparse_attention.py --table --keys ${KEYS:-32768,65536,131072} --ms 1,64,2048 \
         --stream 16 --compiled 2>&1 | tee "$out/bench_sparse11.md" | tail -12
+    ;;
+  s11c)     # MoE prefill experts through dequantize + gather_mm (Experts.gather_dequantized): CUDA
+            # tests side by side with the checkpoint's writing, then one layer against gather_qmm
+    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "dequant or prefill_logits or chunked or layer_queue" > "$out/test_moe.log" 2>&1 &
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_prompt_cache.py -k "moe" > "$out/test_pc.log" 2>&1 &
+    wait
+    for f in test_moe test_pc; do echo "== $f"; grep -E "^FAILED|passed|failed" "$out/$f.log" | tail -4; done; tail -1 "$out/ck.txt"
+    timeout 120 python3 bench/bench_moe_prefill.py --tokens 16,64,128,512,2048 2>&1 | tee "$out/bench_moe_prefill.md" | tail -8
+    ;;
+  s11d)     # bench_moe with the dequantized prefill (the checkpoint from s11c)
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 450 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe11d.md" | tail -6
     ;;
   s11b)     # session 11, second call: the cp sweep's qkv / LM-head shapes, then MoE at 2k / 16k / 64k
             # with the reply's KV rows reserved, 128 decode tokens

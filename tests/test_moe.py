@@ -91,6 +91,79 @@ def test_bf16_float_experts_run_on_cpu(tmp_path):
     assert close > 0.8, close      # bf16 routing may flip a near-tie on some rows
 
 
+DEQUANT_CASES = [dict(bits=4, gs=64, dtype=mx.bfloat16), dict(bits=8, gs=32, dtype=mx.float16),
+                 dict(bits=4, gs=128, dtype=mx.float32)]
+
+
+@pytest.mark.parametrize("case", range(len(DEQUANT_CASES)))
+def test_dequantized_prefill_experts_close_to_fp32(case):
+    """The dequantized grouped-GEMM prefill path (Experts.gather_dequantized, the CUDA face's
+    default from DEQUANT_MIN_PAIRS routed pairs) computes the routed SwiGLU MLP of expert-sorted
+    rows within bf16 rounding of a float32 reference built from the same dequantized weights
+    (stated tolerance: 1% of the output's max magnitude), and no further from it than 1% + MLX's
+    own gather_qmm path is."""
+    from tensorfold.models.dense import swiglu
+    from tensorfold.models.moe import Experts, _gather_sort, _scatter_unsort
+
+    c = DEQUANT_CASES[case]
+    E, F, D, k, T = 8, 128, 256, 2, 48
+    mx.random.seed(case)
+
+    def experts(shape):
+        w = (mx.random.normal(shape) * 0.05).astype(c["dtype"])
+        wq, s, b = mx.quantize(w, group_size=c["gs"], bits=c["bits"])
+        return Experts(wq, s, b, c["gs"], c["bits"])
+
+    g, u, d = experts((E, F, D)), experts((E, F, D)), experts((E, D, F))
+    x = (mx.random.normal((1, T, D)) * 0.5).astype(c["dtype"])
+    inds = mx.argpartition(mx.random.normal((1, T, E)), kth=-k, axis=-1)[..., -k:]
+
+    def mlp(call, xin):
+        xe, idx, inv = _gather_sort(mx.expand_dims(xin, (-2, -3)), inds)
+        return _scatter_unsort(call(d, swiglu(call(g, xe, idx), call(u, xe, idx)), idx),
+                               inv, inds.shape).squeeze(-2).astype(mx.float32)
+
+    def fp32(e):
+        return Experts(mx.dequantize(e.weight, e.scales, e.biases, group_size=c["gs"], bits=c["bits"],
+                                     dtype=mx.float32))
+
+    G, U, Dn = fp32(g), fp32(u), fp32(d)
+    ref = mlp(lambda e, a, i: {id(g): G, id(u): U, id(d): Dn}[id(e)].gather(a, i, True), x.astype(mx.float32))
+    deq = mlp(lambda e, a, i: e.gather_dequantized(a, i), x)
+    qmm = mlp(lambda e, a, i: e.gather(a, i, True), x)
+    scale = mx.abs(ref).max().item()
+    err_d = mx.abs(deq - ref).max().item() / scale
+    err_q = mx.abs(qmm - ref).max().item() / scale
+    assert deq.dtype == mx.float32 and mlp(lambda e, a, i: e.gather_dequantized(a, i), x).shape == ref.shape
+    assert err_d <= 0.01 + (err_q if c["dtype"] != mx.float32 else 0.0), (err_d, err_q)
+
+
+def test_dequantized_prefill_rule_and_model_logits(checkpoints, monkeypatch):
+    """dequantized_prefill: forced either way by TENSORFOLD_MOE_PREFILL, else the CUDA face from
+    DEQUANT_MIN_PAIRS pairs (a function of the chunk's length: the grid fixes it by position).
+    Forced on, the model's prefill logits stay close to mlx-lm's path (same routing, products
+    within bf16 rounding) and are deterministic."""
+    from tensorfold.models import moe
+
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "gather_qmm")
+    assert not moe.dequantized_prefill(10**6)
+    m = load_model(checkpoints["qwen3_moe_mlx_4bit"])
+    x = _ids(m.cfg.vocab_size, 90, seed=7)
+    a = m.forward(x, m.new_cache(), exact=False, all_logits=True).astype(mx.float32)
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")
+    assert moe.dequantized_prefill(1)
+    b = m.forward(x, m.new_cache(), exact=False, all_logits=True).astype(mx.float32)
+    b2 = m.forward(x, m.new_cache(), exact=False, all_logits=True).astype(mx.float32)
+    assert mx.array_equal(b, b2).item()
+    assert not mx.array_equal(a, b).item()         # the other path did run
+    close = (mx.abs(a - b).max(axis=-1) < 0.05 * mx.abs(a).max()).astype(mx.float32).mean().item()
+    assert close > 0.9, close                      # a near-tie in routing may flip on a row
+    monkeypatch.delenv("TENSORFOLD_MOE_PREFILL")
+    want = moe.DEQUANT_MIN_PAIRS <= 10**6 and K.backend_face() == "cuda"
+    assert moe.dequantized_prefill(10**6) == want
+    assert not moe.dequantized_prefill(moe.DEQUANT_MIN_PAIRS - 1)
+
+
 def test_exact_decode_close_to_prefill(checkpoints):
     """float32 checkpoint: the row-exact decode path computes the same function (to fp32
     rounding; routing ties aside)."""

@@ -70,6 +70,20 @@ def test_three_turns_resumed_equals_fresh(checkpoints, name, first_len, thinking
     assert cached[1] > 0 and cached[2] >= cached[1]
 
 
+def test_moe_dequantized_prefill_resumed_equals_fresh(checkpoints, monkeypatch):
+    """The MoE family with its prefill experts through dequantize + gather_mm (the CUDA face's
+    path for long chunks, forced here): resumed == fresh as with mlx-lm's gather_qmm."""
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")
+    model_path = checkpoints["qwen3_moe_mlx_4bit"]
+    mode = PrefillMode(grid=GRID)
+    turns = _conversation(40, seed=40)
+    one = Engine(model_path, prefill_mode=mode, drafts=False)
+    resumed, cached = _chat(lambda: one, turns, False)
+    fresh, _ = _chat(lambda: Engine(model_path, prefill_mode=mode, drafts=False), turns, False)
+    assert resumed == fresh
+    assert cached[1] > 0 and cached[2] >= cached[1]
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_resume_at_every_grid_point_of_the_first_message(model_path, thinking):
     mode = PrefillMode(grid=GRID)

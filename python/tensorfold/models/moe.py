@@ -21,6 +21,8 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from ..errors import CheckpointError
@@ -62,9 +64,44 @@ class Experts:
                                 sorted_indices=sorted_indices).astype(x.dtype)
         return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
+    def gather_dequantized(self, x, indices):
+        """The product of gather(x, indices, sorted_indices=True) through MLX's grouped GEMM:
+        the stacked experts dequantized to x's dtype (one transient [E, out, in] copy per call),
+        then gather_mm over the expert-sorted rows. MLX's CUDA gather_qmm runs a sorted list of
+        one-row products as that many one-row GEMMs, each re-reading its expert's weights; its
+        gather_mm over sorted rows is one grouped GEMM (docs/benchmarks.md, "MoE prefill")."""
+        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                          bits=self.bits, mode="affine", dtype=x.dtype)
+        w = w.swapaxes(-1, -2)
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:    # CPU GatherMM: fp32 only
+            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
+                                sorted_indices=True).astype(x.dtype)
+        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=True)
+
     def weights(self) -> tuple:
         """(weight, scales, biases, group_size, bits): kernels/moe.py's expert weight set."""
         return (self.weight, self.scales, self.biases, self.group_size or 64, self.bits or 0)
+
+
+# Quantized experts in a prefill chunk of at least this many (token, expert) pairs go through
+# dequantize + gather_mm on the CUDA face (Experts.gather_dequantized). The choice depends on the
+# chunk's length only, which the 2,048 grid fixes by position: a resumed prompt and a fresh one
+# take the same path for the same chunk.
+DEQUANT_MIN_PAIRS = 512
+
+
+def dequantized_prefill(pairs: int) -> bool:
+    """Whether a prefill chunk with `pairs` routed (token, expert) pairs takes the dequantized
+    grouped GEMM. TENSORFOLD_MOE_PREFILL=dequant / gather_qmm forces one path (tests, bench);
+    by default: the CUDA face, from DEQUANT_MIN_PAIRS pairs up (elsewhere mlx-lm's gather_qmm,
+    bit for bit)."""
+    mode = os.environ.get("TENSORFOLD_MOE_PREFILL", "")
+    if mode == "dequant":
+        return True
+    if mode == "gather_qmm":
+        return False
+    from ..kernels import backend_face
+    return pairs >= DEQUANT_MIN_PAIRS and backend_face() == "cuda"
 
 
 def _stacked(cfg: ModelConfig, w: dict, layer: int, proj: str, suffix: str):
@@ -173,7 +210,10 @@ class MoEModel(BoundedPrefill, DenseModel):
         return y if residual is None else residual + y
 
     def _moe_prefill(self, m: MoEBlock, x):
-        """mlx-lm's Qwen3MoeSparseMoeBlock.__call__ + SwitchGLU.__call__, op for op."""
+        """mlx-lm's Qwen3MoeSparseMoeBlock.__call__ + SwitchGLU.__call__, op for op, except that
+        where `dequantized_prefill` says so the quantized experts' products go through
+        Experts.gather_dequantized (same routing, sort and combination; products equal within
+        bf16 rounding, not bit for bit)."""
         k = self.cfg.num_experts_per_tok
         gates = m.router(x)
         gates = mx.softmax(gates, axis=-1, precise=True)
@@ -186,9 +226,14 @@ class MoEModel(BoundedPrefill, DenseModel):
         idx, inv_order = inds, None
         if do_sort:
             xe, idx, inv_order = _gather_sort(xe, inds)
-        x_up = m.up.gather(xe, idx, do_sort)
-        x_gate = m.gate.gather(xe, idx, do_sort)
-        y = m.down.gather(swiglu(x_gate, x_up), idx, do_sort)
+        if do_sort and m.up.quantized and dequantized_prefill(inds.size):
+            x_up = m.up.gather_dequantized(xe, idx)
+            x_gate = m.gate.gather_dequantized(xe, idx)
+            y = m.down.gather_dequantized(swiglu(x_gate, x_up), idx)
+        else:
+            x_up = m.up.gather(xe, idx, do_sort)
+            x_gate = m.gate.gather(xe, idx, do_sort)
+            y = m.down.gather(swiglu(x_gate, x_up), idx, do_sort)
         if do_sort:
             y = _scatter_unsort(y, inv_order, inds.shape)
         y = y.squeeze(-2)
