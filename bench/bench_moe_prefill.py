@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
 
 from tensorfold.models.moe import Experts, _gather_sort, _scatter_unsort  # noqa: E402
 from tensorfold.models.dense import swiglu  # noqa: E402

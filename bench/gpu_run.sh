@@ -272,6 +272,13 @@ case "${1:-tests}" in
     for f in test_moe test_pc; do echo "== $f"; grep -E "^FAILED|passed|failed" "$out/$f.log" | tail -4; done; tail -1 "$out/ck.txt"
     timeout 120 python3 bench/bench_moe_prefill.py --tokens 16,64,128,512,2048 2>&1 | tee "$out/bench_moe_prefill.md" | tail -8
     ;;
+  s11e)     # the CUDA test fix and the 2,048-pair threshold, then bench_moe again
+    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "dequant or prefill_logits or chunked" > "$out/test_moe.log" 2>&1 &
+    wait
+    grep -E "^FAILED|passed|failed" "$out/test_moe.log" | tail -6; tail -1 "$out/ck.txt"
+    bash "$0" s11d
+    ;;
   s11d)     # bench_moe with the dequantized prefill (the checkpoint from s11c)
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     timeout 450 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe11d.md" | tail -6

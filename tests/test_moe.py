@@ -59,7 +59,13 @@ def test_prefill_logits_equal_mlx_lm(tmp_path, case):
         assert cache.offset == n
         assert mx.array_equal(rows, want).item(), (case, n)
         last = ours.forward(x, ours.new_cache(), exact=False)
-        assert mx.array_equal(last[0], want[-1]).item()
+        if mx.default_device() == mx.cpu:
+            assert mx.array_equal(last[0], want[-1]).item()
+        else:
+            # the last row alone goes through the LM head as a one-row matmul, mlx-lm's as row n-1
+            # of an n-row one: MLX's GPU matmul is not row-invariant (the kernel issue), so the
+            # two agree to its rounding only; the n-row call above is the bitwise comparison
+            assert mx.allclose(last[0], want[-1], rtol=1e-2, atol=1e-2 * mx.abs(want[-1]).max().item()).item()
 
 
 def test_chunked_prefill_matches_mlx_lm_cache(checkpoints):
