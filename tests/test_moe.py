@@ -509,8 +509,11 @@ def test_layer_queue_prefill_bounded_and_equal(checkpoints, monkeypatch):
     assert m.last_queue is before
 
 
-def test_prefill_peak_memory_flat(tmp_path):
-    """Peak memory of the engine's grid prefill, prompts of 1, 2 and 4 grid cells.
+@pytest.mark.parametrize("experts_path", ["gather_qmm", "dequant"])
+def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
+    """Peak memory of the engine's grid prefill, prompts of 1, 2 and 4 grid cells, with the
+    experts through mlx-lm's gather_qmm and through the dequantized grouped GEMM (the CUDA
+    face's path for long chunks: one transient dequantized copy per layer, not per chunk).
 
     On MLX's CPU backend scaled_dot_product_attention is the unfused fallback: it
     materialises the [H, L, offset+L] score matrix of the chunk, which grows with the prompt
@@ -523,8 +526,9 @@ def test_prefill_peak_memory_flat(tmp_path):
     down (the quadratic CPU attention dominates); the memory structure is the same."""
     from tensorfold.engine.prefill import PrefillMode, prefill
 
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", experts_path)
     grid = 1024
-    kw = dict(layout="hf", dtype="float32", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, seed=1)
+    kw = dict(layout="mlx", bits=4, dtype="float32", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, seed=1)
     moe = load_model(write_checkpoint(tmp_path / "moe", family="qwen3_moe", num_experts=8,
                                       experts_per_tok=2, moe_intermediate=64, **kw))
     dense = load_model(write_checkpoint(tmp_path / "dense", family="qwen3", intermediate=128, **kw))
