@@ -18,7 +18,7 @@
 #   bash bench/gpu_run.sh graphs | moe-graphs   # MLX's CUDA graphs: default, off, higher limits
 #   bash bench/gpu_run.sh checks | v10   # session 10: side-by-side CUDA test groups (JIT in parallel)
 #   bash bench/gpu_run.sh gemm10 | moe-long   # cp sweep + 8B decode; MoE at 2k / 16k / 64k
-#   bash bench/gpu_run.sh next      # what session 10 left unmeasured (~8 min; split across calls)
+#   bash bench/gpu_run.sh next | next2   # what session 11 left unconfirmed (two calls, ~9 + ~4 min)
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -242,55 +242,17 @@ case "${1:-tests}" in
     timeout 330 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} --decode 128 --repeat 2 \
         2>&1 | tee "$out/bench_decode.md" | tail -6
     ;;
-  next)     # session 10 left unmeasured: MoE at 2k / 16k / 64k with the reply's KV rows reserved
-            # (its runs paid a growth + retrace in the first decode step), the sparse op in a
-            # compiled stream, the sweep's qkv and LM-head shapes (did the LM head pass 2.5 TB/s?)
-    timeout 120 python3 bench/bench_sparse_attention.py --table --keys 65536,131072 --stream 16 --compiled 2>&1 | tee "$out/bench_sparse_compiled.md" | tail -6
-    SWEEP_SHAPES=${SWEEP_SHAPES:-6144x4096,151936x4096} SWEEP_BUDGET_S=90 timeout 200 ncu --clock-control none \
-        --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp \
-        > "$out/cp_sweep2.csv" 2> "$out/cp_sweep2.err"
-    tail -2 "$out/cp_sweep2.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep2.csv" | tee "$out/cp_sweep2.md"
-    bash "$0" moe-long
-    ;;
-  s11a)     # session 11, first call: the engine's reply reserve / silenced-proposer hand-over on CUDA
-            # (JIT-heavy, side by side, the MoE checkpoint written meanwhile), then the sparse op at the
-            # prefill's grid chunk (M = 2048) and in a compiled stream
+  next)     # session 11 left unconfirmed (first call): tests/test_moe.py on CUDA in full (MLX's own
+            # NVRTC builds of its gather_qmm variants take minutes: s11c / s11e ran out of time), with
+            # the MoE checkpoint written meanwhile; then the MoE bench with `bash bench/gpu_run.sh next2`
     ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
-    timeout 240 python3 bench/gpu_exact.py 16 > "$out/exact.txt" 2>&1 &
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k silenced tests/test_prefill_modes.py -k "silenced or reply" > "$out/test_engine.log" 2>&1 &
+    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py > "$out/test_moe.log" 2>&1 &
     wait
-    tail -3 "$out/exact.txt"; grep -E "^FAILED|passed|failed" "$out/test_engine.log" | tail -4; tail -1 "$out/ck.txt"
-    timeout 280 python3 bench/bench_sparse_attention.py --table --keys ${KEYS:-32768,65536,131072} --ms 1,64,2048 \
-        --stream 16 --compiled 2>&1 | tee "$out/bench_sparse11.md" | tail -12
+    grep -E "^FAILED|passed|failed" "$out/test_moe.log" | tail -8; tail -1 "$out/ck.txt"
     ;;
-  s11c)     # MoE prefill experts through dequantize + gather_mm (Experts.gather_dequantized): CUDA
-            # tests side by side with the checkpoint's writing, then one layer against gather_qmm
-    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "dequant or prefill_logits or chunked or layer_queue" > "$out/test_moe.log" 2>&1 &
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_prompt_cache.py -k "moe" > "$out/test_pc.log" 2>&1 &
-    wait
-    for f in test_moe test_pc; do echo "== $f"; grep -E "^FAILED|passed|failed" "$out/$f.log" | tail -4; done; tail -1 "$out/ck.txt"
-    timeout 120 python3 bench/bench_moe_prefill.py --tokens 16,64,128,512,2048 2>&1 | tee "$out/bench_moe_prefill.md" | tail -8
-    ;;
-  s11e)     # the CUDA test fix and the 2,048-pair threshold, then bench_moe again
-    ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "dequant or prefill_logits or chunked" > "$out/test_moe.log" 2>&1 &
-    wait
-    grep -E "^FAILED|passed|failed" "$out/test_moe.log" | tail -6; tail -1 "$out/ck.txt"
+  next2)    # MoE decode at 2k / 16k / 64k again (session 11: 2k median 1.95x over 3 runs) and the
+            # prefill's memory at 64k (1.5 GB more than at 2k, unexplained)
     bash "$0" s11d
-    ;;
-  s11d)     # bench_moe with the dequantized prefill (the checkpoint from s11c)
-    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    timeout 450 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe11d.md" | tail -6
-    ;;
-  s11b)     # session 11, second call: the cp sweep's qkv / LM-head shapes, then MoE at 2k / 16k / 64k
-            # with the reply's KV rows reserved, 128 decode tokens
-    SWEEP_SHAPES=${SWEEP_SHAPES:-151936x4096,6144x4096} SWEEP_BUDGET_S=80 timeout 170 ncu --clock-control none \
-        --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp \
-        > "$out/cp_sweep11.csv" 2> "$out/cp_sweep11.err"
-    tail -2 "$out/cp_sweep11.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep11.csv" | tee "$out/cp_sweep11.md"
-    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    timeout 400 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe11.md" | tail -6
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -8,7 +8,9 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
   ``mlp_only_layers`` (or off the ``decoder_sparse_step`` pattern) have the dense MLP.
 - Prefill (`exact=False`): mlx-lm's Qwen3MoeSparseMoeBlock / SwitchGLU op for op (softmax,
   argpartition top-k, gather_qmm / gather_mm with the same sort / unsort), so the logits equal
-  mlx-lm's bit for bit. Each layer's outputs (hidden state and its KV writes) go to a native
+  mlx-lm's bit for bit -- except on the CUDA face for chunks of >= DEQUANT_MIN_PAIRS routed
+  pairs, whose quantized experts go through dequantize + gather_mm (MLX's grouped GEMM; equal
+  within bf16 rounding, 4-7x faster than gather_qmm there). Each layer's outputs (hidden state and its KV writes) go to a native
   ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
   its intermediates stay bounded by two layers of one grid chunk.
 - Decode (`exact=True`): kernels/moe.py: the router's fp32 logits (``router_logits``, a
@@ -56,31 +58,31 @@ class Experts:
             return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
                                  transpose=True, group_size=self.group_size, bits=self.bits,
                                  mode="affine", sorted_indices=sorted_indices)
-        w = self.weight.swapaxes(-1, -2)
-        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
-            # MLX's CPU GatherMM is float32-only (mlx-lm itself raises there): same op in fp32,
-            # rounded once to x's dtype. GPU backends take mlx-lm's exact call below.
-            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
-                                sorted_indices=sorted_indices).astype(x.dtype)
-        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+        return _gather_mm(x, self.weight.swapaxes(-1, -2), indices, sorted_indices)
 
     def gather_dequantized(self, x, indices):
         """The product of gather(x, indices, sorted_indices=True) through MLX's grouped GEMM:
         the stacked experts dequantized to x's dtype (one transient [E, out, in] copy per call),
         then gather_mm over the expert-sorted rows. MLX's CUDA gather_qmm runs a sorted list of
         one-row products as that many one-row GEMMs, each re-reading its expert's weights; its
-        gather_mm over sorted rows is one grouped GEMM (docs/benchmarks.md, "MoE prefill")."""
+        gather_mm over sorted rows is one grouped GEMM (docs/benchmarks.md, "Session 11")."""
         w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
                           bits=self.bits, mode="affine", dtype=x.dtype)
-        w = w.swapaxes(-1, -2)
-        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:    # CPU GatherMM: fp32 only
-            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
-                                sorted_indices=True).astype(x.dtype)
-        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=True)
+        return _gather_mm(x, w.swapaxes(-1, -2), indices, True)
 
     def weights(self) -> tuple:
         """(weight, scales, biases, group_size, bits): kernels/moe.py's expert weight set."""
         return (self.weight, self.scales, self.biases, self.group_size or 64, self.bits or 0)
+
+
+def _gather_mm(x, w, indices, sorted_indices: bool):
+    """mx.gather_mm(x, w, rhs_indices=indices). MLX's CPU GatherMM is float32-only (mlx-lm itself
+    raises there): on the CPU the same op runs in fp32, rounded once to x's dtype; GPU backends
+    take mlx-lm's exact call."""
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
+                            sorted_indices=sorted_indices).astype(x.dtype)
+    return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
 
 # Quantized experts in a prefill chunk of at least this many (token, expert) pairs go through
