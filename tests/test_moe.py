@@ -98,7 +98,8 @@ def test_bf16_float_experts_run_on_cpu(tmp_path):
 
 
 DEQUANT_CASES = [dict(bits=4, gs=64, dtype=mx.bfloat16), dict(bits=8, gs=32, dtype=mx.float16),
-                 dict(bits=4, gs=128, dtype=mx.float32)]
+                 dict(bits=4, gs=128, dtype=mx.float32),
+                 dict(bits=4, gs=64, dtype=mx.float32, float_gate=True)]   # gate left unquantized
 
 
 @pytest.mark.parametrize("case", range(len(DEQUANT_CASES)))
@@ -115,12 +116,15 @@ def test_dequantized_prefill_experts_close_to_fp32(case):
     E, F, D, k, T = 8, 128, 256, 2, 48
     mx.random.seed(case)
 
-    def experts(shape):
+    def experts(shape, quantized=True):
         w = (mx.random.normal(shape) * 0.05).astype(c["dtype"])
+        if not quantized:
+            return Experts(w)
         wq, s, b = mx.quantize(w, group_size=c["gs"], bits=c["bits"])
         return Experts(wq, s, b, c["gs"], c["bits"])
 
-    g, u, d = experts((E, F, D)), experts((E, F, D)), experts((E, D, F))
+    g = experts((E, F, D), not c.get("float_gate"))
+    u, d = experts((E, F, D)), experts((E, D, F))
     x = (mx.random.normal((1, T, D)) * 0.5).astype(c["dtype"])
     inds = mx.argpartition(mx.random.normal((1, T, E)), kth=-k, axis=-1)[..., -k:]
 
@@ -130,6 +134,8 @@ def test_dequantized_prefill_experts_close_to_fp32(case):
                                inv, inds.shape).squeeze(-2).astype(mx.float32)
 
     def fp32(e):
+        if not e.quantized:
+            return Experts(e.weight.astype(mx.float32))
         return Experts(mx.dequantize(e.weight, e.scales, e.biases, group_size=c["gs"], bits=c["bits"],
                                      dtype=mx.float32))
 

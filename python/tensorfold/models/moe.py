@@ -10,8 +10,8 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
   argpartition top-k, gather_qmm / gather_mm with the same sort / unsort), so the logits equal
   mlx-lm's bit for bit -- except on the CUDA face for chunks of >= DEQUANT_MIN_PAIRS routed
   pairs, whose quantized experts go through dequantize + gather_mm (MLX's grouped GEMM; equal
-  within bf16 rounding, 4-7x faster than gather_qmm there). Each layer's outputs (hidden state and its KV writes) go to a native
-  ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
+  within bf16 rounding, 4-7x faster than gather_qmm there). Each layer's outputs (hidden state
+  and its KV writes) go to a native ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
   its intermediates stay bounded by two layers of one grid chunk.
 - Decode (`exact=True`): kernels/moe.py: the router's fp32 logits (``router_logits``, a
   row-exact matmul), softmax in fp32 per row and a deterministic top-k (score descending, ties
@@ -65,7 +65,10 @@ class Experts:
         the stacked experts dequantized to x's dtype (one transient [E, out, in] copy per call),
         then gather_mm over the expert-sorted rows. MLX's CUDA gather_qmm runs a sorted list of
         one-row products as that many one-row GEMMs, each re-reading its expert's weights; its
-        gather_mm over sorted rows is one grouped GEMM (docs/benchmarks.md, "Session 11")."""
+        gather_mm over sorted rows is one grouped GEMM (docs/benchmarks.md, "Session 11").
+        Unquantized experts: gather() itself (already gather_mm)."""
+        if not self.quantized:
+            return self.gather(x, indices, True)
         w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
                           bits=self.bits, mode="affine", dtype=x.dtype)
         return _gather_mm(x, w.swapaxes(-1, -2), indices, True)
@@ -88,9 +91,9 @@ def _gather_mm(x, w, indices, sorted_indices: bool):
 # Quantized experts in a prefill chunk of at least this many (token, expert) pairs go through
 # dequantize + gather_mm on the CUDA face (Experts.gather_dequantized). H200, one Qwen3-30B-A3B
 # layer (bench/bench_moe_prefill.py): gather_qmm 2.3 / 8.4 / 32.0 ms at 1,024 / 4,096 / 16,384
-# pairs, the dequantized path 3.4 / 3.6 / 4.4 ms (its dequantize alone ~2.8 ms). The choice depends on the
-# chunk's length only, which the 2,048 grid fixes by position: a resumed prompt and a fresh one
-# take the same path for the same chunk.
+# pairs, the dequantized path 3.4 / 3.6 / 4.4 ms (its dequantize alone ~2.8 ms). The choice
+# depends on the chunk's length only, which the 2,048 grid fixes by position: a resumed prompt
+# and a fresh one take the same path for the same chunk.
 DEQUANT_MIN_PAIRS = 2048
 
 
@@ -230,7 +233,8 @@ class MoEModel(BoundedPrefill, DenseModel):
         idx, inv_order = inds, None
         if do_sort:
             xe, idx, inv_order = _gather_sort(xe, inds)
-        if do_sort and m.up.quantized and dequantized_prefill(inds.size):
+        if do_sort and (m.gate.quantized or m.up.quantized or m.down.quantized) \
+                and dequantized_prefill(inds.size):
             x_up = m.up.gather_dequantized(xe, idx)
             x_gate = m.gate.gather_dequantized(xe, idx)
             y = m.down.gather_dequantized(swiglu(x_gate, x_up), idx)
