@@ -589,17 +589,18 @@ def expert_glu(x, gate, up, indices, group_size, bits, stream):
     """kernels.moe.expert_glu: x [R, K], indices [R, k] -> h [R, k, N] (row_expert_*_glu)."""
     E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "expert_glu")   # shapes: kernels.moe
     R, topk = indices.shape
-    idx = indices.reshape(-1)
     grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
+    # the row_expert kernels read no shapes: arrays go in and out in their callers' shapes (the
+    # same row-major memory as the flat [R * k, ...] the kernels index), with no reshape nodes
+    # in the decode step's graph (bench/step_graph.py)
     if quant:
-        name, inputs = "row_expert_qmm_glu", [x, *gate[:3], *up[:3], idx]
+        name, inputs = "row_expert_qmm_glu", [x, *gate[:3], *up[:3], indices]
     else:
-        name, inputs = "row_expert_mm_glu", [x, gate[0], up[0], idx]
-    h = _kernel(name, 0)(
+        name, inputs = "row_expert_mm_glu", [x, gate[0], up[0], indices]
+    return _kernel(name, 0)(
         inputs=inputs, template=_expert_template(x, gate[0], gate[1], K, N, E, topk, group_size, bits, quant),
         grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
-    return h.reshape(R, topk, N)
+        output_shapes=[(R, topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
 
 
 def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
@@ -608,13 +609,13 @@ def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
     R, topk = indices.shape
     res = (residual.reshape(R, N).astype(h.dtype) if residual is not None
            else _const_array((0.0,), h.dtype))
-    if quant:
-        name, inputs = "row_expert_qmm_sum", [h.reshape(R * topk, K), *down[:3]]
+    if quant:                  # h [R, k, K], indices / scores [R, k] as they are (see expert_glu)
+        name, inputs = "row_expert_qmm_sum", [h, *down[:3]]
     else:
-        name, inputs = "row_expert_mm_sum", [h.reshape(R * topk, K), down[0]]
+        name, inputs = "row_expert_mm_sum", [h, down[0]]
     tmpl = _expert_template(h, down[0], down[1], K, N, E, topk, group_size, bits, quant)
     return _kernel(name, 0)(
-        inputs=inputs + [indices.reshape(-1), scores.reshape(-1), res],
+        inputs=inputs + [indices, scores, res],
         template=tmpl + [("RES", residual is not None)],
         grid=(-(-N // 2) * 32 * topk, R, 1), threadgroup=(32 * topk, 1, 1),
         output_shapes=[(R, N)], output_dtypes=[h.dtype], stream=stream)[0]
@@ -634,9 +635,9 @@ def expert_glu_route(x, gate, up, logits, k, normalize, group_size, bits, stream
     h, inds, scores = _kernel(name, 0)(
         inputs=inputs, template=tmpl + [("NORM", bool(normalize))],
         grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(R * k, N), (R, k), (R, k)], output_dtypes=[x.dtype, mx.int32, mx.float32],
+        output_shapes=[(R, k, N), (R, k), (R, k)], output_dtypes=[x.dtype, mx.int32, mx.float32],
         stream=stream)
-    return h.reshape(R, k, N), inds, scores
+    return h, inds, scores
 
 
 def moe_route(logits, k, normalize, stream):

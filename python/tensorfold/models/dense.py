@@ -235,20 +235,24 @@ class DenseModel:
     def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool, residual=None):
         """The attention block's output, plus `residual` where given (the layer's residual add;
         the exact path hands it to the output projection's kernel, which fuses it on CUDA)."""
-        B, L, _ = x.shape
+        # x [B, L, D], or [L, D] (B = 1) inside the compiled exact step (_exact_body)
+        B, L = (1, x.shape[0]) if x.ndim == 2 else x.shape[:2]
+        lead = x.shape[:-1]
         lin = Linear.exact if exact else Linear.__call__
         H, Hk, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         off = cache.offset
         qk = None
         if exact and ly.qkv is not None:
             qkv = ly.qkv.exact(x)
+            if qkv.ndim == 2:                   # the fused norm + RoPE kernel takes [B, L, C]
+                qkv = qkv.reshape(1, L, -1)
             kv = cache.in_place(i)
             # norms + RoPE in one launch (CUDA), or None; with kv it also writes the KV rows
             qk = self._fused_qk(ly, qkv, off, kv)
             if qk is not None and kv is not None:
                 o = kernels_row_attention(qk, kv[0], kv[1], off, self.scale)
                 cache.fenced(i, o)
-                return _out(ly.o, o.transpose(0, 2, 1, 3).reshape(B, L, H * hd), exact, residual)
+                return _out(ly.o, o.transpose(0, 2, 1, 3).reshape(*lead, H * hd), exact, residual)
             if qk is None:
                 q, k = qkv[..., : H * hd], qkv[..., H * hd: (H + Hk) * hd]
             v = qkv[..., (H + Hk) * hd:]
@@ -271,7 +275,7 @@ class DenseModel:
             o = mx.fast.scaled_dot_product_attention(
                 q, kb[..., : off + L, :], vb[..., : off + L, :], scale=self.scale,
                 mask="causal" if L > 1 else None)
-        o = o.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+        o = o.transpose(0, 2, 1, 3).reshape(*lead, H * hd)
         return _out(ly.o, o, exact, residual)
 
     def _fused_qk(self, ly: Layer, qkv, off, kv=None):
@@ -336,9 +340,11 @@ class DenseModel:
         face can (StepCache.in_place) and the step also returns the next fences."""
         L = ids.shape[1]
         cache = StepCache(keys, values, offset[:1], L, fences)
-        h = self._layers(self.embed.embed(ids), cache, True)
+        # the hidden state is carried as [L, D]: the row kernels take [rows, K], so no reshape
+        # of it sits between two of them (bench/step_graph.py; the bits are the same)
+        h = self._layers(self.embed.embed(ids[0]), cache, True)
         h = mx.fast.rms_norm(h, self.norm, self.eps)
-        out = (self.lm_head.exact(h)[0], cache.keys, cache.values, offset + L)
+        out = (self.lm_head.exact(h), cache.keys, cache.values, offset + L)
         return out if fences is None else out + (cache.fences,)
 
     @staticmethod
