@@ -100,7 +100,7 @@ for T in (bf, f16):
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
-        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cp_blocks(N))
+        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cp_blocks(N, K, GS))
         for TWO in (False, True):
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                              RES=N == 4096, TWO=TWO),

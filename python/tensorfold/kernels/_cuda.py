@@ -187,20 +187,19 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
 CP_WIDE_N = 65536   # from this many output columns (LM heads) row_qmm_cp stages 8 blocks a chunk
 
 
-def cp_blocks(N: int) -> int:
+def cp_blocks(N: int, K: int, group_size: int) -> int:
     """CB of row_qmm_cp's default staging, a function of the weight shape only (it moves data,
-    never a row's bits: every staging == row_qmm_tc bitwise, bench/gpu_tc_sweep.py --cp). H200
-    sweep, session 11: 151936 x 4096 M = 1 CB 8 156.4 us against CB 4 178.7 (M = 16: 210.4 vs
-    216.0); 24576 x 4096 and smaller: CB 4 fastest (session 10)."""
-    return 8 if N >= CP_WIDE_N else 4
+    never a row's bits: every staging == row_qmm_tc bitwise, bench/gpu_tc_sweep.py --cp): 8 from
+    CP_WIDE_N columns where that staging fits, else 4. H200 sweep, session 11: 151936 x 4096
+    M = 1 CB 8 156.4 us against CB 4 178.7 (M = 16: 210.4 vs 216.0); 24576 x 4096 and smaller:
+    CB 4 fastest (session 10)."""
+    return 8 if N >= CP_WIDE_N and cp_plan(N, K, group_size, 4, 8) is not None else 4
 
 
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None):
     plan = cp_plan(N, K, gs, 4, cb, ns)
-    if plan is None and cb != 4 and ns is None:     # a wide staging that does not fit: CB 4
-        plan = cp_plan(N, K, gs, 4, 4)
     if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
@@ -252,7 +251,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
-                               *(plan[1:] if plan else (cp_blocks(N),)))
+                               *(plan[1:] if plan else (cp_blocks(N, K, group_size),)))
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
         inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))
