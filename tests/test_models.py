@@ -14,6 +14,8 @@ from tensorfold.errors import CheckpointError
 from tensorfold.models import load_model
 from tensorfold.models.info import describe
 
+from reference_helpers import mlx_lm_last_row_logits
+
 
 def _prompt(vocab, n, seed=0):
     return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
@@ -25,11 +27,9 @@ def _prompt(vocab, n, seed=0):
 def test_prefill_logits_equal_mlx_lm(checkpoints, name):
     """Same ops as mlx-lm's llama/qwen2/qwen3 -> bitwise equal logits (last row and all rows).
 
-    The last-row call sends one row through the LM head, as mlx-lm's generate does; it is
-    compared with mlx-lm's hidden state's last row through mlx-lm's own head (the same ops,
-    equal on every backend). Against the last row of mlx-lm's all-rows call it is equal only
-    where MLX's matmuls are row-invariant (its CPU backend; not its CUDA one, where the LM
-    head's bits depend on how many rows share the call)."""
+    The last-row call sends one row through the LM head, as mlx-lm's generate does: compared
+    with reference_helpers.mlx_lm_last_row_logits on every backend, and with the last row of
+    mlx-lm's all-rows call where MLX's matmuls are row-invariant (its CPU backend)."""
     import mlx_lm
 
     path = checkpoints[name]
@@ -40,10 +40,8 @@ def test_prefill_logits_equal_mlx_lm(checkpoints, name):
     cache = ours.new_cache()
     last = ours.forward(x, cache, exact=False)
     want = ref(x)[0]
-    h = ref.model(x)[:, -1:]
-    head = ref.model.embed_tokens.as_linear if ref.args.tie_word_embeddings else ref.lm_head
     assert cache.offset == len(ids)
-    assert mx.array_equal(last, head(h)[0]).item()
+    assert mx.array_equal(last, mlx_lm_last_row_logits(ref, x)).item()
     if mx.default_device().type == mx.cpu:
         assert mx.array_equal(last[0], want[-1]).item()
     cache = ours.new_cache()
