@@ -18,7 +18,9 @@
 #   bash bench/gpu_run.sh graphs | moe-graphs   # MLX's CUDA graphs: default, off, higher limits
 #   bash bench/gpu_run.sh checks | v10   # session 10: side-by-side CUDA test groups (JIT in parallel)
 #   bash bench/gpu_run.sh gemm10 | moe-long   # cp sweep + 8B decode; MoE at 2k / 16k / 64k
-#   bash bench/gpu_run.sh next | next2   # what session 11 left unconfirmed (two calls, ~9 + ~4 min)
+#   bash bench/gpu_run.sh s12a | s12b | s12c   # session 12: CUDA tests left unrun; MoE decode; 8B decode
+#   bash bench/gpu_run.sh s12d | s12e   # session 12: row_qmm_cp's x loads swept, its stall reasons;
+#                                       # two weight tiles per block (NT 2) swept + tested
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -242,17 +244,55 @@ case "${1:-tests}" in
     timeout 330 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} --decode 128 --repeat 2 \
         2>&1 | tee "$out/bench_decode.md" | tail -6
     ;;
-  next)     # session 11 left unconfirmed (first call): tests/test_moe.py on CUDA in full (MLX's own
-            # NVRTC builds of its gather_qmm variants take minutes: s11c / s11e ran out of time), with
-            # the MoE checkpoint written meanwhile; then the MoE bench with `bash bench/gpu_run.sh next2`
+  s12a)     # session 12, first call: what session 11 left unrun on CUDA -- test_moe's bitwise
+            # last-row prefill reference, the [L, D] compiled step, its launches; the MoE
+            # checkpoint is written meanwhile (for s12b)
     ( cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))" ) > "$out/ck.txt" 2>&1 &
-    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py > "$out/test_moe.log" 2>&1 &
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k "prefill_logits or chunked_prefill" \
+        > "$out/test_moe.log" 2>&1 &
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py \
+        > "$out/test_step.log" 2>&1 &
     wait
-    grep -E "^FAILED|passed|failed" "$out/test_moe.log" | tail -8; tail -1 "$out/ck.txt"
+    for f in test_moe test_step; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
+    tail -1 "$out/ck.txt"
     ;;
-  next2)    # MoE decode at 2k / 16k / 64k again (session 11: 2k median 1.95x over 3 runs) and the
-            # prefill's memory at 64k (1.5 GB more than at 2k, unexplained)
-    bash "$0" s11d
+  s12b)     # MoE decode at 2k / 16k / 64k after the [L, D] step (session 11: 2k median 1.95x)
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 540 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 128 2>&1 | tee "$out/bench_moe12.md" | tail -8
+    ;;
+  s12c)     # 8B-shaped decode after the [L, D] step
+    timeout 540 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,32768} --decode 128 --repeat 2 \
+        --no-drafted 2>&1 | tee "$out/bench_decode12.md" | tail -8
+    ;;
+  s12d)     # issue 3: row_qmm_cp's x loads (XE 0 / 1 / 2) across stagings, timed by ncu; then where
+            # the default's time goes at M = 1 and 16 (stall reasons, occupancy); test_moe's two
+            # 4-bit cases that failed on CUDA in s12a, with their tracebacks, meanwhile
+    timeout 450 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/test_moe.py -k "prefill_logits and 4bit" \
+        > "$out/test_moe4.log" 2>&1 &
+    SWEEP_SHAPES=${SWEEP_SHAPES:-24576x4096,151936x4096,4096x12288} SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 300 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep12.csv" 2> "$out/cp_sweep12.err"
+    tail -3 "$out/cp_sweep12.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep12.csv" | tee "$out/cp_sweep12.md"
+    SWEEP_SHAPES=24576x4096 CP_STAGINGS=4.2.0 timeout 150 ncu --clock-control none --kernel-name regex:row_qmm_cp \
+        --launch-skip 0 --launch-count 6 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sections.txt" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|DRAM Throughput|Stall|Issued Ipc|No Eligible|Warp Cycles Per Issued" "$out/cp_sections.txt" | head -80
+    wait
+    echo "== test_moe 4-bit"; grep -E "^E |Error|assert|passed|failed" "$out/test_moe4.log" | head -30
+    ;;
+  s12e)     # issue 3: row_qmm_cp with two weight tiles per block (NT 2: each x fragment and X mma
+            # serve both) and the x-load timings, swept; the cp == tc bitwise test over them
+    timeout 540 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline" \
+        > "$out/test_cp.log" 2>&1 &
+    timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe.py -k "prefill_logits and 4bit" \
+        > "$out/test_moe4.log" 2>&1 &
+    SWEEP_SHAPES=${SWEEP_SHAPES:-24576x4096,151936x4096,4096x12288,4096x4096} SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-230} timeout 330 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep12e.csv" 2> "$out/cp_sweep12e.err"
+    tail -5 "$out/cp_sweep12e.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep12e.csv" | tee "$out/cp_sweep12e.md"
+    wait
+    for f in test_cp test_moe4; do echo "== $f"; grep -E "^E |Error|assert|passed|failed" "$out/$f.log" | head -12; done
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -41,11 +41,17 @@ def plans(N, K):
 
 def cp_plans(N, K):
     from tensorfold.kernels._cuda import cp_plan, tc_plan
+    import os
     out = [tc_plan(N, K, 64, 4)]
-    for cb, ns in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (16, 2)):
-        p = cp_plan(N, K, 64, 4, cb, ns)
+    # stagings ("cp", CB, NS, XE, NT); CP_STAGINGS="4.2.0.1,4.2.1.2" overrides the list
+    st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("CP_STAGINGS", "").split(",") if t] or \
+        [(4, 2, 0, 1), (4, 2, 1, 1), (4, 3, 1, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 2),
+         (8, 2, 1, 2), (4, 2, 0, 2)]
+    for cb, ns, xe, *nt in st:
+        nt = nt[0] if nt else 1
+        p = cp_plan(N, K, 64, 4, cb, ns, nt)
         if p is not None and (p[0], p[1]) == (cb, ns):
-            out.append(("cp", cb, ns))
+            out.append(("cp", cb, ns, xe, nt))
     return out
 
 
@@ -119,7 +125,8 @@ def report(path):
         byts = N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
+            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "")
+             if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
             + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))
 

@@ -202,16 +202,19 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     x = rand(rng, (MAX_M, Kd), mx.bfloat16)
     st = mx.default_stream(mx.gpu)
     tc = _cuda.tc_plan(N, Kd, group_size, 4)
-    stagings = [(cb, ns) for cb in (4, 8) for ns in (2, 3)
-                if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns) or (0, 0))[:2] == (cb, ns)]
+    # (CB, NS, XE, NT): every staging the plan allows; x-load timings and two-tile blocks on
+    # two of the shapes (each variant is one more NVRTC build)
+    more = [(xe, nt) for xe in (0, 1, 2) for nt in (1, 2)] if N in (72, 1152) else [(None, 1)]
+    stagings = [(cb, ns, xe, nt) for cb in (4, 8) for ns in (2, 3) for xe, nt in more
+                if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns, nt) or (0, 0))[:2] == (cb, ns)]
     assert stagings and _cuda.cp_plan(N, Kd, group_size, 4) is not None
     for M in (1, 3, 9, 16):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)
-        for cb, ns in stagings:
+        for plan in stagings:
             got = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st,
-                           plan=("cp", cb, ns)))
-            assert np.array_equal(got, ref), (M, cb, ns)
+                           plan=("cp", *plan)))
+            assert np.array_equal(got, ref), (M, plan)
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's merge launch")

@@ -17,7 +17,7 @@ from tensorfold.errors import CheckpointError
 from tensorfold.models import MoEModel, load_model
 from tensorfold.models.info import describe
 from tensorfold.kernels.moe import topk_deterministic
-from tensorfold.testing import write_checkpoint
+from tensorfold.testing import widened, write_checkpoint
 
 from reference_helpers import mlx_lm_last_row_logits
 
@@ -49,7 +49,7 @@ def test_prefill_logits_equal_mlx_lm(tmp_path, case):
     for prompts below (no sort) and above (sort) SwitchGLU's 64-index threshold."""
     import mlx_lm
 
-    path = write_checkpoint(tmp_path / case, family="qwen3_moe", seed=len(case), **MLX_LM_CASES[case])
+    path = write_checkpoint(tmp_path / case, **widened(dict(family="qwen3_moe", seed=len(case), **MLX_LM_CASES[case])))
     ours = load_model(path)
     assert isinstance(ours, MoEModel)
     ref, _ = mlx_lm.load(str(path))

@@ -89,7 +89,7 @@ for T in (bf, f16, f32):    # the MoE router: x as it is, fp32 logits (8-bit rou
                   dict(x=T, wg=T, wu=T, logits=f32), dict(h=T, inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
-from tensorfold.kernels._cuda import cp_blocks, cp_plan, tc_plan  # noqa: E402
+from tensorfold.kernels._cuda import cp_plan, cp_staging, tc_plan  # noqa: E402
 
 for T in (bf, f16):
     for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
@@ -100,10 +100,12 @@ for T in (bf, f16):
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
-        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cp_blocks(N, K, GS))
-        for TWO in (False, True):
+        cb, ns, _, nt = cp_staging(N, K, GS)
+        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, nt)
+        for TWO, XE, NT in ((False, 0, 1), (True, 0, 1), (False, 1, 1), (True, 1, 1), (False, 2, 1),
+                            (True, 2, 1), (False, 1, 2), (True, 1, 2), (False, 2, 2), (True, 0, 2)):
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                             RES=N == 4096, TWO=TWO),
+                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

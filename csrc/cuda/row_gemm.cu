@@ -538,18 +538,22 @@ tf_chunks<CPW, DB, Chunk>(load, compute);
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 
 // @@body row_qmm_cp
-// The arithmetic of row_qmm_tc with NT = 1 and the same SPLIT (bit-identical output), with the
+// The arithmetic of row_qmm_tc with the same SPLIT (bit-identical output, whatever NT), with the
 // 4-bit weights brought in by a cp.async pipeline through shared memory instead of registers:
-// each warp streams its K slice (K / SPLIT) in stages of CB 32-element blocks for its block's 16
-// weight rows (16 x CB x 16 bytes), NS stages in flight, and reads a stage with ldmatrix, which
+// each warp streams its K slice (K / SPLIT) in stages of CB 32-element blocks for its block's
+// 16 NT weight rows (16 NT x CB x 16 bytes), NS stages in flight, and reads a stage with ldmatrix, which
 // hands lane 4g + t word t of a block of row g -- the register layout row_qmm_tc loads from
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, TWO (false: the launch has at most 8 rows, so the
-// second 8-row mma tile is compiled out; rows 0..7 run the same operations either way)
-// launch: grid (ceil(N / 16) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
-//         dynamic shared memory (SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)).
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, TWO (false: the launch has at most 8 rows, so the
+// second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
+// a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
+// 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
+// (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
+// row_qmm_tc; the same bits)
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -558,7 +562,7 @@ constexpr int KSL = K / SPLIT;
 constexpr int CPW = KSL / (32 * CB);
 constexpr int NGW = KSL / GS;
 constexpr int UPR = CB;
-constexpr int STAGE = 16 * UPR;
+constexpr int STAGE = 16 * NT * UPR;
 constexpr int CPL = STAGE / 32;
 static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0, "row_qmm_cp: plan");
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2, "row_qmm_cp: 4-byte scale copies");
@@ -569,13 +573,13 @@ const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int gq = lane >> 2, tq = lane & 3;
-const int nbase = blockIdx.x * 16;
+const int nbase = blockIdx.x * (16 * NT);
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
 const bool two = TWO && rows > 8;
-uint4* ring = smem_cp + (SPLIT - 1) * 64 + warp * NS * STAGE;
-S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 + SPLIT * NS * STAGE) + warp * 32 * NGW;
-S* sbi = ssc + 16 * NGW;
+uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
+S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
+S* sbi = ssc + 16 * NT * NGW;
 const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
 const unsigned int* wsrc[CPL];
@@ -592,9 +596,9 @@ auto issue = [&](int ci) {
 #pragma unroll
   for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
 };
-// scales and biases of the warp's slice: [16 rows][NGW] each, in 4-byte pairs
-for (int e = lane; e < 16 * NGW; e += 32) {
-  const int a = e / (8 * NGW), rem = e % (8 * NGW);
+// scales and biases of the warp's slice: [16 NT rows][NGW] each, in 4-byte pairs
+for (int e = lane; e < 16 * NT * NGW; e += 32) {
+  const int a = e / (8 * NT * NGW), rem = e % (8 * NT * NGW);
   const int r = rem / (NGW / 2), p = rem % (NGW / 2);
   const S* src = (a ? biases : scales) + (size_t)min(nbase + r, N - 1) * NG + warp * NGW + 2 * p;
   tf_cp_async4((a ? sbi : ssc) + r * NGW + 2 * p, src);
@@ -611,47 +615,65 @@ const T tag = tf_from_float<T>(0.0f);
 unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
-float acc[1][2][4];
+float acc[NT][2][4];
 #pragma unroll
-for (int mt = 0; mt < 2; ++mt) {
+for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[0][mt][i] = 0.0f;
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
+  }
 }
 // ldmatrix row of this lane: matrix l / 8 = (block pair member, row half)
 const int lm = lane >> 3;
 const int lrow = 8 * (lm & 1) + (lane & 7);
-#pragma unroll 1
-for (int ci = 0; ci < CPW; ++ci) {
-  tf_cp_async_wait<NS - 2>();
-  __syncwarp();
-  if (ci + NS - 1 < CPW) issue(ci + NS - 1);
-  tf_cp_async_commit();
-  const uint4* st = ring + (ci % NS) * STAGE;
-  const int blk0 = blkw + ci * CB;
-  unsigned int wq[CB][2];
-#pragma unroll
-  for (int b = 0; b < CB; b += 2) {
-    unsigned int d[4];
-    tf_ldmatrix4(st + tf_swz<UPR>(lrow, b + (lm >> 1)), d);
-    wq[b][0] = d[0]; wq[b][1] = d[1]; wq[b + 1][0] = d[2]; wq[b + 1][1] = d[3];
-  }
-  uint4 xv[CB][2];
+// x rows of chunk ci (this lane's 16-byte pieces of its two rows), zero where a row is missing
+auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      xv[b][mt] = make_uint4(0u, 0u, 0u, 0u);
+      dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
       if ((mt == 0 || two) && xok[mt]) {
-        xv[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blk0 + b) * 32));
+        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blkw + ci * CB + b) * 32));
       }
+    }
+  }
+};
+uint4 xv[CB][2], xn[CB][2];
+if constexpr (XE == 2) loadx(0, xn);
+#pragma unroll 1
+for (int ci = 0; ci < CPW; ++ci) {
+  if constexpr (XE == 1) loadx(ci, xv);
+  if constexpr (XE == 2) {
+#pragma unroll
+    for (int b = 0; b < CB; ++b) { xv[b][0] = xn[b][0]; xv[b][1] = xn[b][1]; }
+    if (ci + 1 < CPW) loadx(ci + 1, xn);
+  }
+  tf_cp_async_wait<NS - 2>();
+  __syncwarp();
+  if (ci + NS - 1 < CPW) issue(ci + NS - 1);
+  tf_cp_async_commit();
+  if constexpr (XE == 0) loadx(ci, xv);
+  const uint4* st = ring + (ci % NS) * STAGE;
+  unsigned int wq[CB][NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int b = 0; b < CB; b += 2) {
+      unsigned int d[4];
+      tf_ldmatrix4(st + tf_swz<UPR>(16 * nt + lrow, b + (lm >> 1)), d);
+      wq[b][nt][0] = d[0]; wq[b][nt][1] = d[1]; wq[b + 1][nt][0] = d[2]; wq[b + 1][nt][1] = d[3];
     }
   }
 #pragma unroll
   for (int gi = 0; gi < GPC; ++gi) {
-    float P[2][4], X[2][4];
+    float P[NT][2][4], X[2][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      X[0][i] = 0.0f; X[1][i] = 0.0f; P[0][i] = 0.0f; P[1][i] = 0.0f;
+      X[0][i] = 0.0f; X[1][i] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) { P[nt][0][i] = 0.0f; P[nt][1][i] = 0.0f; }
     }
 #pragma unroll
     for (int bb = 0; bb < BPG; ++bb) {
@@ -663,34 +685,40 @@ for (int ci = 0; ci < CPW; ++ci) {
       }
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
-        unsigned int a[4];
-        a[0] = tf_q4raw(wq[b][0], 2 * s, tag);
-        a[1] = tf_q4raw(wq[b][1], 2 * s, tag);
-        a[2] = tf_q4raw(wq[b][0], 2 * s + 1, tag);
-        a[3] = tf_q4raw(wq[b][1], 2 * s + 1, tag);
-        tf_mma(P[0], a, &xb[0][2 * s], tag);
-        if (two) tf_mma(P[1], a, &xb[1][2 * s], tag);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          unsigned int a[4];
+          a[0] = tf_q4raw(wq[b][nt][0], 2 * s, tag);
+          a[1] = tf_q4raw(wq[b][nt][1], 2 * s, tag);
+          a[2] = tf_q4raw(wq[b][nt][0], 2 * s + 1, tag);
+          a[3] = tf_q4raw(wq[b][nt][1], 2 * s + 1, tag);
+          tf_mma(P[nt][0], a, &xb[0][2 * s], tag);
+          if (two) tf_mma(P[nt][1], a, &xb[1][2 * s], tag);
+        }
         tf_mma(X[0], ones, &xb[0][2 * s], tag);
         if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
       }
     }
     const int g = ci * GPC + gi;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      if (mt == 0 || two) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1;
-          const float sc = tf_to_float(ssc[(8 * h + gq) * NGW + g]);
-          const float bi = tf_q4_bias(sc, tf_to_float(sbi[(8 * h + gq) * NGW + g]), tag);
-          acc[0][mt][i] = __fmaf_rn(sc, P[mt][i], acc[0][mt][i]);
-          acc[0][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[0][mt][i]);
+      for (int mt = 0; mt < 2; ++mt) {
+        if (mt == 0 || two) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = 16 * nt + 8 * (i >> 1) + gq;
+            const float sc = tf_to_float(ssc[r * NGW + g]);
+            const float bi = tf_q4_bias(sc, tf_to_float(sbi[r * NGW + g]), tag);
+            acc[nt][mt][i] = __fmaf_rn(sc, P[nt][mt][i], acc[nt][mt][i]);
+            acc[nt][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[nt][mt][i]);
+          }
         }
       }
     }
   }
 }
-tf_tc_finish<T, 1, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
+tf_tc_finish<T, NT, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).

@@ -798,11 +798,15 @@ def write_default_set(root: str | pathlib.Path) -> dict[str, pathlib.Path]:
     of 64: MLX 0.32.4's own CUDA quantized_matmul is wrong for K = 64 at M >= 2 (measured on an
     H200), so GPU runs of the suites need it; the CPU suite keeps the small default."""
     root = pathlib.Path(root)
+    return {name: write_checkpoint(root / name, **widened(kw)) for name, kw in DEFAULT_SET.items()}
+
+
+def widened(kw: dict[str, Any]) -> dict[str, Any]:
+    """write_checkpoint's arguments with $TF_TEST_HIDDEN applied (a copy): where it is set and the
+    checkpoint uses the default hidden size, hidden = TF_TEST_HIDDEN, intermediate twice that.
+    DeepSeek-V3.2 checkpoints keep their own shapes."""
+    kw = dict(kw)
     wide = int(os.environ.get("TF_TEST_HIDDEN", "0") or 0)
-    out = {}
-    for name, kw in DEFAULT_SET.items():
-        kw = dict(kw)
-        if wide and "hidden" not in kw and not name.startswith("deepseek"):
-            kw.update(hidden=wide, intermediate=2 * wide)
-        out[name] = write_checkpoint(root / name, **kw)
-    return out
+    if wide and "hidden" not in kw and kw.get("family") != "deepseek_v32":
+        kw.update(hidden=wide, intermediate=2 * wide)
+    return kw

@@ -159,24 +159,24 @@ def _qmm_tc_call(T, S, K: int, N: int, gs: int, bits: int, R: int, plan=None):
     return kern, template, grid, tg, [(R, N)], [T]
 
 
-def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None):
+def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
+            nt: int = 1):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
-    of row_qmm_tc; CB (blocks per stage) and NS (stages) only move data. A function of the
-    weight shape only. Default staging CB 4, NS 2: the H200 sweep's best (bench/gpu_tc_sweep.py
-    --cp; 24576x4096 M = 1: 30.1 us vs row_qmm_tc's 42.5)."""
+    of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
+    only move data. A function of the weight shape only; cp_staging picks the default."""
     if bits != 4:
         return None
     NT, _, SPLIT, _ = tc_plan(N, K, group_size, bits)
     bpg = group_size // 32
     ksl = K // SPLIT
     ng, ngw = K // group_size, ksl // group_size
-    if NT != 1 or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
+    if nt not in (1, 2) or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
         return None
     cpw = ksl // (32 * cb)
 
     def smem(n):
-        return (SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw)
+        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
         if n <= max(2, cpw) and smem(n) <= SMEM_LIMIT:
@@ -184,29 +184,37 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     return None
 
 
-CP_WIDE_N = 65536   # from this many output columns (LM heads) row_qmm_cp stages 8 blocks a chunk
+CP_WIDE_N = 16384   # from this many output columns row_qmm_cp takes two weight tiles per block
 
 
-def cp_blocks(N: int, K: int, group_size: int) -> int:
-    """CB of row_qmm_cp's default staging, a function of the weight shape only (it moves data,
-    never a row's bits: every staging == row_qmm_tc bitwise, bench/gpu_tc_sweep.py --cp): 8 from
-    CP_WIDE_N columns where that staging fits, else 4. H200 sweep, session 11: 151936 x 4096
-    M = 1 CB 8 156.4 us against CB 4 178.7 (M = 16: 210.4 vs 216.0); 24576 x 4096 and smaller:
-    CB 4 fastest (session 10)."""
-    return 8 if N >= CP_WIDE_N and cp_plan(N, K, group_size, 4, 8) is not None else 4
+def cp_staging(N: int, K: int, group_size: int) -> tuple[int, int, int, int]:
+    """row_qmm_cp's default staging (CB, NS, XE, NT), a function of the weight shape only. Each
+    one moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
+    (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep).
+
+    H200 sweep, session 12 (bench/gpu_tc_sweep.py --cp, ncu device time, M = 1 / 16):
+      - from CP_WIDE_N columns, where it fits: 8 blocks a stage, x loaded before the wait, two
+        weight tiles a block (CB 8, XE 1, NT 2): 151936 x 4096 127.3 / 171.8 us (was CB 8
+        NT 1 XE 0: 158.4 / 210.4), 24576 x 4096 22.0 / 30.8 (was 27.1 / 34.6);
+      - else CB 4 with x loaded one chunk ahead (XE 2): 4096 x 12288 14.4 / 21.7 (was 19.7 /
+        26.6), 4096 x 4096 6.9 / 9.7 (was 8.4 / 10.0)."""
+    if N >= CP_WIDE_N and cp_plan(N, K, group_size, 4, 8, 2, 2) is not None:
+        return 8, 2, 1, 2
+    return 4, 2, 2, 1
 
 
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
-                 ns: int | None = None):
-    plan = cp_plan(N, K, gs, 4, cb, ns)
+                 ns: int | None = None, xe: int = 0, nt: int = 1):
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt)
     if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
-                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8)]
-    grid = (-(-N // 16) * 32 * SPLIT, -(-R // 16), 1)
+                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
+                ("XE", xe), ("NT", nt)]
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
@@ -232,7 +240,7 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS) for row_qmm_cp,
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE]) for row_qmm_cp,
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
@@ -251,7 +259,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
-                               *(plan[1:] if plan else (cp_blocks(N, K, group_size),)))
+                               *(plan[1:] if plan else cp_staging(N, K, group_size)))
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
         inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))
