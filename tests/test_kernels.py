@@ -192,7 +192,7 @@ def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two 4-bit kernels")
 @pytest.mark.parametrize("N,Kd,group_size", [(72, 256, 32), (72, 256, 64), (1152, 384, 64),
-                                             (384, 1152, 64), (4096, 4096, 128)])
+                                             (384, 1152, 64), (4096, 4096, 128), (20000, 2048, 64)])
 def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
     arithmetic: the same bits for every M and every staging (CB, NS) the plan allows."""
@@ -203,7 +203,8 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     st = mx.default_stream(mx.gpu)
     tc = _cuda.tc_plan(N, Kd, group_size, 4)
     # (CB, NS, XE, NT): every staging the plan allows; x-load timings and two-tile blocks on
-    # two of the shapes (each variant is one more NVRTC build)
+    # two of the shapes (each variant is one more NVRTC build); 20000 x 2048 takes the wide
+    # default (CB 8, XE 1, NT 2)
     more = [(xe, nt) for xe in (0, 1, 2) for nt in (1, 2)] if N in (72, 1152) else [(None, 1)]
     stagings = [(cb, ns, xe, nt) for cb in (4, 8) for ns in (2, 3) for xe, nt in more
                 if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns, nt) or (0, 0))[:2] == (cb, ns)]
