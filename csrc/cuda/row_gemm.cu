@@ -218,6 +218,29 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
   }
 }
 
+// The group fold of the quantized tensor-core GEMMs (row_qmm_tc, row_qmm_cp), the one place it
+// is written: per output element acc = fma(scale, P, acc), then acc = fma(bias, X, acc), tiles
+// and elements in order. sb(nt, h) gives (scale, bias) as floats for weight row 16 nt + 8 h + gq
+// (for 4 bits the bias is already bias' = bias - MAGIC scale: P and bias' go together).
+template <int NT, typename SB>
+__device__ __forceinline__ void tf_tc_fold(float (&acc)[NT][2][4], const float (&P)[NT][2][4],
+                                           const float (&X)[2][4], bool two, SB sb) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt == 0 || two) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 v = sb(nt, i >> 1);
+          acc[nt][mt][i] = __fmaf_rn(v.x, P[nt][mt][i], acc[nt][mt][i]);
+          acc[nt][mt][i] = __fmaf_rn(v.y, X[mt][i & 1], acc[nt][mt][i]);
+        }
+      }
+    }
+  }
+}
+
 // Rows r0 + gq and r0 + 8 + gq of x (the two 8-row tiles' B fragments), from this lane's quad
 // column tq * 8; rows past `rows` repeat the last row and are marked not ok (never stored).
 template <typename T, int K>
@@ -514,24 +537,12 @@ auto compute = [&](int ci, const Chunk& c) {
         if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
       }
     }
-    // fold the group: acc = fma(scale, P, acc); acc = fma(bias, X, acc) (4 bits: P' and bias')
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if (mt == 0 || two) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int h = i >> 1;
-            const float sc = tf_to_float(c.sc[nt][h][gi]);
-            float bi = tf_to_float(c.bi[nt][h][gi]);
-            if constexpr (BITS == 4) bi = tf_q4_bias(sc, bi, tag);
-            acc[nt][mt][i] = __fmaf_rn(sc, P[nt][mt][i], acc[nt][mt][i]);
-            acc[nt][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[nt][mt][i]);
-          }
-        }
-      }
-    }
+    tf_tc_fold<NT>(acc, P, X, two, [&](int nt, int h) {
+      const float sc = tf_to_float(c.sc[nt][h][gi]);
+      float bi = tf_to_float(c.bi[nt][h][gi]);
+      if constexpr (BITS == 4) bi = tf_q4_bias(sc, bi, tag);
+      return make_float2(sc, bi);
+    });
   }
 };
 tf_chunks<CPW, DB, Chunk>(load, compute);
@@ -700,22 +711,11 @@ for (int ci = 0; ci < CPW; ++ci) {
       }
     }
     const int g = ci * GPC + gi;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if (mt == 0 || two) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = 16 * nt + 8 * (i >> 1) + gq;
-            const float sc = tf_to_float(ssc[r * NGW + g]);
-            const float bi = tf_q4_bias(sc, tf_to_float(sbi[r * NGW + g]), tag);
-            acc[nt][mt][i] = __fmaf_rn(sc, P[nt][mt][i], acc[nt][mt][i]);
-            acc[nt][mt][i] = __fmaf_rn(bi, X[mt][i & 1], acc[nt][mt][i]);
-          }
-        }
-      }
-    }
+    tf_tc_fold<NT>(acc, P, X, two, [&](int nt, int h) {
+      const int r = 16 * nt + 8 * h + gq;
+      const float sc = tf_to_float(ssc[r * NGW + g]);
+      return make_float2(sc, tf_q4_bias(sc, tf_to_float(sbi[r * NGW + g]), tag));
+    });
   }
 }
 tf_tc_finish<T, NT, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
