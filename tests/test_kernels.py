@@ -195,7 +195,7 @@ def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
                                              (384, 1152, 64), (4096, 4096, 128), (20000, 2048, 64)])
 def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
-    arithmetic: the same bits for every M and every staging (CB, NS) the plan allows."""
+    arithmetic: the same bits for every M and every staging (CB, NS, XE, NT) the plan allows."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)

@@ -192,12 +192,13 @@ def cp_staging(N: int, K: int, group_size: int) -> tuple[int, int, int, int]:
     one moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
     (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep).
 
-    H200 sweep, session 12 (bench/gpu_tc_sweep.py --cp, ncu device time, M = 1 / 16):
+    H200 sweep, session 12 (bench/gpu_tc_sweep.py --cp, ncu device time, M = 1 / 16; session
+    11's staging in docs/benchmarks.md):
       - from CP_WIDE_N columns, where it fits: 8 blocks a stage, x loaded before the wait, two
-        weight tiles a block (CB 8, XE 1, NT 2): 151936 x 4096 127.3 / 171.8 us (was CB 8
-        NT 1 XE 0: 158.4 / 210.4), 24576 x 4096 22.0 / 30.8 (was 27.1 / 34.6);
-      - else CB 4 with x loaded one chunk ahead (XE 2): 4096 x 12288 14.4 / 21.7 (was 19.7 /
-        26.6), 4096 x 4096 6.9 / 9.7 (was 8.4 / 10.0)."""
+        weight tiles a block (CB 8, XE 1, NT 2): 151936 x 4096 127.3 / 171.8 us, 24576 x 4096
+        22.0 / 30.8 us;
+      - else CB 4 with x loaded one chunk ahead (XE 2): 4096 x 12288 14.4 / 21.7 us, 4096 x
+        4096 6.9 / 9.7 us."""
     if N >= CP_WIDE_N and cp_plan(N, K, group_size, 4, 8, 2, 2) is not None:
         return 8, 2, 1, 2
     return 4, 2, 2, 1
@@ -240,7 +241,7 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE]) for row_qmm_cp,
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT]) for row_qmm_cp,
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
