@@ -21,7 +21,8 @@
 #   bash bench/gpu_run.sh s12a | s12b | s12c   # session 12: CUDA tests left unrun; MoE decode; 8B decode
 #   bash bench/gpu_run.sh s12d | s12e   # session 12: row_qmm_cp's x loads swept, its stall reasons;
 #                                       # two weight tiles per block (NT 2) swept + tested
-#   bash bench/gpu_run.sh next   # what session 12 left unrun: cp test at the wide default, GEMM at every M, MoE 2k x3
+#   bash bench/gpu_run.sh next | next2   # what session 12 left unrun: cp test at the wide default, GEMM
+#                                        # at every M, NT 2 past 48 KB; MoE decode at 2k three times
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -295,18 +296,25 @@ case "${1:-tests}" in
     wait
     for f in test_cp test_moe4; do echo "== $f"; grep -E "^E |Error|assert|passed|failed" "$out/$f.log" | head -12; done
     ;;
-  next)     # what session 12 left unrun (one call after the install, ~8 min): the cp == tc test on
-            # the wide default staging (20000 x 2048), the 4-bit GEMM at every M (1, 2, 4, 8, 16)
-            # with session 12's staging, ncu; then MoE decode at 2k three times (medians)
+  next)     # what session 12 left unrun (first call after the install, ~6 min): the cp == tc test on
+            # the wide default staging (20000 x 2048); the 4-bit GEMM at every M (1, 2, 4, 8, 16)
+            # with session 12's staging vs MLX's op, ncu; two weight tiles per block on the 4096-row
+            # shapes with up to 100 KB of shared memory (NT 2 does not fit 48 KB with split 8)
     timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline and 20000" \
         > "$out/test_cp20000.log" 2>&1 &
-    timeout 280 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py > "$out/gemm_all_m.csv" 2> "$out/gemm_all_m.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm_all_m.csv" | tee "$out/gemm_all_m.md" | tail -40
+    TF_CP_SMEM_KB=100 CP_STAGINGS=4.2.2.1,4.2.1.2,4.2.2.2,4.2.0.2,4.3.1.2 SWEEP_SHAPES=4096x12288,4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=90 timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep_smem.csv" 2> "$out/cp_sweep_smem.err"
+    tail -4 "$out/cp_sweep_smem.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep_smem.csv" | tee "$out/cp_sweep_smem.md"
     wait; tail -2 "$out/test_cp20000.log"
+    ;;
+  next2)    # MoE decode at 2k, three runs (medians; mlx-lm's own speed swings 2x between runs)
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     for r in 1 2 3; do
-      timeout 150 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 128 2>&1 | tail -1 | tee -a "$out/moe2k.md"
+      timeout 170 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 128 2>&1 | tail -1 | tee -a "$out/moe2k.md"
     done
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k

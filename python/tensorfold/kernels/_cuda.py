@@ -159,6 +159,12 @@ def _qmm_tc_call(T, S, K: int, N: int, gs: int, bits: int, R: int, plan=None):
     return kern, template, grid, tg, [(R, N)], [T]
 
 
+# row_qmm_cp's shared-memory ceiling. MLX raises a kernel's limit itself above 48,000 bytes
+# (cuFuncSetAttribute in its CustomKernel), so bench/gpu_tc_sweep.py may try more (TF_CP_SMEM_KB);
+# the defaults stay within 48 KB, where every staging of cp_staging was measured.
+CP_SMEM_LIMIT = SMEM_LIMIT
+
+
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
             nt: int = 1):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
@@ -179,7 +185,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
         return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
-        if n <= max(2, cpw) and smem(n) <= SMEM_LIMIT:
+        if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT:
             return cb, n, SPLIT, smem(n)
     return None
 
