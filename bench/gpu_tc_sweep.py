@@ -41,10 +41,7 @@ def plans(N, K):
 
 def cp_plans(N, K):
     import os
-    from tensorfold.kernels import _cuda
     from tensorfold.kernels._cuda import cp_plan, tc_plan
-    if os.environ.get("TF_CP_SMEM_KB"):     # stagings past 48 KB of shared memory (sweep only)
-        _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
     out = [tc_plan(N, K, 64, 4)]
     # stagings ("cp", CB, NS, XE, NT); CP_STAGINGS="4.2.0.1,4.2.1.2" overrides the list
     st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("CP_STAGINGS", "").split(",") if t] or \
@@ -62,6 +59,8 @@ def run(cp=False):
     import os
     import time
     from tensorfold.kernels import _cuda
+    if os.environ.get("TF_CP_SMEM_KB"):     # stagings past 48 KB of shared memory (sweep only)
+        _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
     t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
     from gpu_kernel_time import marker
     stream = mx.default_stream(mx.gpu)

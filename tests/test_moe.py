@@ -144,7 +144,7 @@ def test_dequantized_prefill_experts_close_to_fp32(case):
     scale = mx.abs(ref).max().item()
     err_d = mx.abs(deq - ref).max().item() / scale
     err_q = mx.abs(qmm - ref).max().item() / scale
-    assert deq.dtype == mx.float32 and mlp(lambda e, a, i: e.gather_dequantized(a, i), x).shape == ref.shape
+    assert deq.dtype == mx.float32 and deq.shape == ref.shape
     assert err_d <= 0.01 + (err_q if c["dtype"] != mx.float32 else 0.0), (err_d, err_q)
 
 

@@ -233,8 +233,7 @@ class MoEModel(BoundedPrefill, DenseModel):
         idx, inv_order = inds, None
         if do_sort:
             xe, idx, inv_order = _gather_sort(xe, inds)
-        if do_sort and (m.gate.quantized or m.up.quantized or m.down.quantized) \
-                and dequantized_prefill(inds.size):
+        if do_sort and dequantized_prefill(inds.size):     # (unquantized experts: gather itself)
             x_up = m.up.gather_dequantized(xe, idx)
             x_gate = m.gate.gather_dequantized(xe, idx)
             y = m.down.gather_dequantized(swiglu(x_gate, x_up), idx)
