@@ -35,9 +35,13 @@ def marker(tag: str):
 
 
 def run():
+    import os
     from tensorfold import kernels as K
-    for op in ("qmm", "mm"):
-        for (N, Kd) in SHAPES:
+    shapes = SHAPES     # GEMM_SHAPES=4096x4096,12288x4096 and GEMM_OPS=qmm narrow a run
+    if os.environ.get("GEMM_SHAPES"):
+        shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["GEMM_SHAPES"].split(",")]
+    for op in os.environ.get("GEMM_OPS", "qmm,mm").split(","):
+        for (N, Kd) in shapes:
             if op == "mm" and N not in (4096, 151936):
                 continue
             w = mx.random.normal((N, Kd)) * 0.02

@@ -23,6 +23,9 @@
 #                                       # two weight tiles per block (NT 2) swept + tested
 #   bash bench/gpu_run.sh next | next2   # what session 12 left unrun: cp test at the wide default, GEMM
 #                                        # at every M, NT 2 past 48 KB; MoE decode at 2k three times
+#   bash bench/gpu_run.sh s13       # session 13: cp test over the per-M default stagings, MLX attention
+#                                    # memory at long caches, 2-layer MoE 2k-64k; GEMM at every M
+#   bash bench/gpu_run.sh moe-mem   # issue 7: the MoE prefill's peak memory, layer by layer, 2k / 64k
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -305,8 +308,8 @@ case "${1:-tests}" in
     timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py > "$out/gemm_all_m.csv" 2> "$out/gemm_all_m.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm_all_m.csv" | tee "$out/gemm_all_m.md" | tail -40
-    TF_CP_SMEM_KB=100 CP_STAGINGS=4.2.2.1,4.2.1.2,4.2.2.2,4.2.0.2,4.3.1.2 SWEEP_SHAPES=4096x12288,4096x4096,6144x4096 \
-        SWEEP_BUDGET_S=90 timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    TF_CP_SMEM_KB=100 CP_STAGINGS=4.2.2.1,4.2.1.2,4.2.2.2,4.2.0.2,4.3.1.2,8.2.1.2 \
+        SWEEP_SHAPES=4096x12288,12288x4096,4096x4096,6144x4096 SWEEP_BUDGET_S=120 timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
         --kernel-name regex:"row_qmm|tfmark" python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep_smem.csv" 2> "$out/cp_sweep_smem.err"
     tail -4 "$out/cp_sweep_smem.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep_smem.csv" | tee "$out/cp_sweep_smem.md"
     wait; tail -2 "$out/test_cp20000.log"
@@ -316,6 +319,32 @@ case "${1:-tests}" in
     for r in 1 2 3; do
       timeout 170 python3 bench/bench_moe.py --model "$ck" --prompts 2048 --decode 128 2>&1 | tail -1 | tee -a "$out/moe2k.md"
     done
+    ;;
+  s13)      # session 13: the cp == tc test over the new default stagings (two weight tiles past 8
+            # rows, past 48 KB with split 8) and the 4-bit tests, MLX's attention's peak memory
+            # against a long cache and a 2-layer MoE at 2k / 16k / 64k (meanwhile); then the
+            # 4-bit GEMM at every M against MLX's op on the shapes whose staging changed (ncu)
+    timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline or quantized_matmul" \
+        > "$out/test_cp13.log" 2>&1 &
+    ( timeout 120 python3 bench/gpu_sdpa_mem.py > "$out/sdpa_mem.md" 2>&1
+      timeout 240 python3 bench/bench_moe.py --shape qwen3-30b-a3b --layers 2 --prompts 2048,16384,65536 \
+          --decode 8 > "$out/moe_l2.md" 2>&1 ) &
+    wait
+    echo "== test_cp13"; grep -E "^FAILED|^E |passed|failed" "$out/test_cp13.log" | head -12
+    cat "$out/sdpa_mem.md"; tail -6 "$out/moe_l2.md"
+    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,2048x4096} GEMM_OPS=qmm timeout 200 \
+        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
+        > "$out/gemm13.csv" 2> "$out/gemm13.err"
+    python3 bench/gpu_kernel_time.py --report "$out/gemm13.csv" > "$out/gemm13.md" 2>&1; cut -c1-90 "$out/gemm13.md"
+    ;;
+  moe-mem)  # issue 7's open memory item: where the dequantized-expert prefill's peak sits, layer by
+            # layer, at 2k and 64k (48 layers: +1.54 GB above weights + KV at 64k in session 13);
+            # MLX's default CUDA-graph batching, then smaller batches, then mlx-lm's gather_qmm
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace.md" | tail -3
+    MLX_MAX_MB_PER_BUFFER=200 timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_mb200.md" | tail -2
+    TENSORFOLD_MOE_PREFILL=gather_qmm timeout 200 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_gq.md" | tail -2
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -511,6 +511,14 @@ def test_layer_queue_prefill_bounded_and_equal(checkpoints, monkeypatch):
     before = m.last_queue
     m.forward(x[:, :3], m.new_cache(), exact=True)                 # decode: no queue
     assert m.last_queue is before
+    monkeypatch.undo()
+    monkeypatch.setenv("TENSORFOLD_QUEUE_DEPTH", "1")             # the bench's knob: same bits
+    c = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    assert m.last_queue.depth == 1 and m.last_queue.max_in_flight <= 1
+    assert mx.array_equal(a, c).item()
+    monkeypatch.setenv("TENSORFOLD_QUEUE_DEPTH", "0")
+    with pytest.raises(ValueError, match="positive integer"):
+        m.forward(x, m.new_cache(), exact=False)
 
 
 @pytest.mark.parametrize("experts_path", ["gather_qmm", "dequant"])

@@ -100,13 +100,13 @@ for T in (bf, f16):
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
-        cb, ns, xe, nt = cp_staging(N, K, GS)
-        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, nt)
-        # the default staging; every x-load timing x tile count on one shape (bf16)
-        combos = [(False, xe, nt), (True, xe, nt)]
+        # the default stagings (up to 8 rows, past 8); every x-load timing x tile count on one
+        # shape (bf16)
+        combos = [(two, *cp_staging(N, K, GS, two)) for two in (False, True)]
         if (N, K, GS) == (1152, 384, 64) and T == bf:
-            combos = [(two, x, t) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
-        for TWO, XE, NT in combos:
+            combos = [(two, 4, 2, x, t) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
+        for TWO, cb, ns, XE, NT in combos:
+            CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                              RES=N == 4096, TWO=TWO, XE=XE, NT=NT),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))

@@ -160,9 +160,10 @@ def _qmm_tc_call(T, S, K: int, N: int, gs: int, bits: int, R: int, plan=None):
 
 
 # row_qmm_cp's shared-memory ceiling. MLX raises a kernel's limit itself above 48,000 bytes
-# (cuFuncSetAttribute in its CustomKernel), so bench/gpu_tc_sweep.py may try more (TF_CP_SMEM_KB);
-# the defaults stay within 48 KB, where every staging of cp_staging was measured.
-CP_SMEM_LIMIT = SMEM_LIMIT
+# (cuFuncSetAttribute in its CustomKernel); an H200 SM has 227 KB. Two weight tiles per block on
+# the split-8 shapes need 55-72 KB (cp_staging; 72 KB is the most measured); bench/gpu_tc_sweep.py
+# may try more (TF_CP_SMEM_KB).
+CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
@@ -190,23 +191,36 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     return None
 
 
-CP_WIDE_N = 16384   # from this many output columns row_qmm_cp takes two weight tiles per block
+CP_WIDE_N = 16384   # from this many output columns: 8 blocks a stage, two weight tiles a block
+CP_MID_N = 8192     # from this many: two weight tiles a block (past 48 KB with split 8)
+CP_LONG_K = 8192    # past 8 rows, from this many input columns: two weight tiles a block
 
 
-def cp_staging(N: int, K: int, group_size: int) -> tuple[int, int, int, int]:
-    """row_qmm_cp's default staging (CB, NS, XE, NT), a function of the weight shape only. Each
-    one moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
-    (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep).
+def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, int, int, int]:
+    """row_qmm_cp's default staging (CB, NS, XE, NT), a function of the weight shape and of
+    `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
+    staging moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
+    (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep), so
+    rows 0..7 of a 16-row call keep the bits of the 1-row call whichever staging each takes.
 
-    H200 sweep, session 12 (bench/gpu_tc_sweep.py --cp, ncu device time, M = 1 / 16; session
-    11's staging in docs/benchmarks.md):
-      - from CP_WIDE_N columns, where it fits: 8 blocks a stage, x loaded before the wait, two
-        weight tiles a block (CB 8, XE 1, NT 2): 151936 x 4096 127.3 / 171.8 us, 24576 x 4096
-        22.0 / 30.8 us;
-      - else CB 4 with x loaded one chunk ahead (XE 2): 4096 x 12288 14.4 / 21.7 us, 4096 x
-        4096 6.9 / 9.7 us."""
-    if N >= CP_WIDE_N and cp_plan(N, K, group_size, 4, 8, 2, 2) is not None:
+    H200 sweeps (bench/gpu_tc_sweep.py --cp, ncu device time, cold caches, M = 1 / 16;
+    docs/benchmarks.md, sessions 12-13):
+      - from CP_WIDE_N columns, where it fits: CB 8, x loaded before the wait (XE 1), two weight
+        tiles a block (NT 2): 151936 x 4096 127.3 / 171.8 us, 24576 x 4096 22.0 / 30.8 us;
+      - from CP_MID_N columns: CB 4, XE 1, NT 2 (55 KB with split 8): 12288 x 4096 14.2 -> 12.8
+        / 22.8 -> 19.2 us against the narrow staging;
+      - narrower: CB 4, x loaded one chunk ahead (XE 2), one tile a block (4096 x 12288 14.4
+        us, 4096 x 4096 6.8 us at M = 1); past 8 rows with K >= CP_LONG_K two tiles (72 KB with
+        split 8): 4096 x 12288 at M = 16 22.1 -> 19.2 us. Not with K = 4096: 4096 x 4096 9.9 ->
+        9.5 us but 6144 x 4096 13.9 -> 15.7 (192 blocks on 132 SMs)."""
+    def fits(cb, nt):
+        return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
+    if N >= CP_WIDE_N and fits(8, 2):
         return 8, 2, 1, 2
+    if N >= CP_MID_N and fits(4, 2):
+        return 4, 2, 1, 2
+    if two and K >= CP_LONG_K and fits(4, 2):
+        return 4, 2, 2, 2
     return 4, 2, 2, 1
 
 
@@ -266,7 +280,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
-                               *(plan[1:] if plan else cp_staging(N, K, group_size)))
+                               *(plan[1:] if plan else cp_staging(N, K, group_size, R > 8)))
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
         inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))

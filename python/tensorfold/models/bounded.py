@@ -5,6 +5,7 @@ device and peak memory does not grow with the prompt. Decode (exact=True) is not
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from .. import _ext
@@ -15,6 +16,17 @@ class QueueStats(NamedTuple):
     depth: int
     max_in_flight: int
     pushed: int
+
+
+def queue_depth(default: int) -> int:
+    """The LayerQueue's depth: `default`, or TENSORFOLD_QUEUE_DEPTH (a positive integer; the
+    bench's knob for where a prefill's peak memory comes from)."""
+    v = os.environ.get("TENSORFOLD_QUEUE_DEPTH", "")
+    if not v:
+        return default
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"TENSORFOLD_QUEUE_DEPTH must be a positive integer, got {v!r}")
+    return int(v)
 
 
 class BoundedPrefill:
@@ -29,7 +41,7 @@ class BoundedPrefill:
             self._queue.push([h, cache.keys[i], cache.values[i]])
 
     def forward(self, ids, cache, *, exact: bool, all_logits: bool = False, logits: bool = True):
-        self._queue = None if exact else _ext.LayerQueue(self.queue_depth)
+        self._queue = None if exact else _ext.LayerQueue(queue_depth(self.queue_depth))
         try:
             return super().forward(ids, cache, exact=exact, all_logits=all_logits, logits=logits)
         finally:
