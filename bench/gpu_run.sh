@@ -25,6 +25,7 @@
 #                                        # at every M, NT 2 past 48 KB; MoE decode at 2k three times
 #   bash bench/gpu_run.sh s13       # session 13: cp test over the per-M default stagings, MLX attention
 #                                    # memory at long caches, 2-layer MoE 2k-64k; GEMM at every M
+#   bash bench/gpu_run.sh split     # issue 3: other K splits for the split-8 shapes (M = 1 bandwidth)
 #   bash bench/gpu_run.sh moe-mem   # issue 7: the MoE prefill's peak memory, layer by layer, 2k / 64k
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
@@ -337,6 +338,15 @@ case "${1:-tests}" in
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
         > "$out/gemm13.csv" 2> "$out/gemm13.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm13.csv" > "$out/gemm13.md" 2>&1; cut -c1-90 "$out/gemm13.md"
+    ;;
+  split)    # issue 3's M = 1 bandwidth: other K splits (another reduction order per shape, so other
+            # bits; each cp plan asserted == row_qmm_tc with its split) for the split-8 shapes,
+            # next to session 13's defaults (ncu, M = 1 and 16)
+    TF_CP_SMEM_KB=100 CP_STAGINGS=${CP_STAGINGS:-4.2.2.1,4.2.1.2,4.2.2.2,4.2.1.1.4,8.2.1.1.4,8.2.1.2.4,4.2.1.2.4,4.2.2.1.16,4.2.1.2.16} \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096} SWEEP_BUDGET_S=200 timeout 300 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_split.csv" 2> "$out/cp_split.err"
+    tail -5 "$out/cp_split.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_split.csv" | tee "$out/cp_split.md"
     ;;
   moe-mem)  # issue 7's open memory item: where the dequantized-expert prefill's peak sits, layer by
             # layer, at 2k and 64k (48 layers: +1.54 GB above weights + KV at 64k in session 13);

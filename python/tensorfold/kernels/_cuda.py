@@ -167,14 +167,16 @@ CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
-            nt: int = 1):
+            nt: int = 1, split: int | None = None):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
     of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
-    only move data. A function of the weight shape only; cp_staging picks the default."""
+    only move data. A function of the weight shape only; cp_staging picks the default.
+    `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
+    reduction order, the bits of row_qmm_tc with that split)."""
     if bits != 4:
         return None
-    NT, _, SPLIT, _ = tc_plan(N, K, group_size, bits)
+    SPLIT = split or tc_plan(N, K, group_size, bits)[2]
     bpg = group_size // 32
     ksl = K // SPLIT
     ng, ngw = K // group_size, ksl // group_size
@@ -226,8 +228,8 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
 
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
-                 ns: int | None = None, xe: int = 0, nt: int = 1):
-    plan = cp_plan(N, K, gs, 4, cb, ns, nt)
+                 ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None):
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split)
     if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
