@@ -26,6 +26,7 @@
 #   bash bench/gpu_run.sh s13       # session 13: cp test over the per-M default stagings, MLX attention
 #                                    # memory at long caches, 2-layer MoE 2k-64k; GEMM at every M
 #   bash bench/gpu_run.sh split     # issue 3: other K splits for the split-8 shapes (M = 1 bandwidth)
+#   bash bench/gpu_run.sh two-prof  # issue 3: ncu sections of the 4-bit GEMM at 8 vs 16 rows
 #   bash bench/gpu_run.sh moe-mem   # issue 7: the MoE prefill's peak memory, layer by layer, 2k / 64k
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
@@ -347,6 +348,17 @@ case "${1:-tests}" in
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_split.csv" 2> "$out/cp_split.err"
     tail -5 "$out/cp_split.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_split.csv" | tee "$out/cp_split.md"
+    ;;
+  two-prof) # issue 3's M = 16: where the 16-row call's extra time goes (the TWO variant), Nsight
+            # Compute sections of the default staging at 8 and 16 rows on two K = 4096 shapes
+    for NK in ${SHAPES:-6144x4096 4096x4096}; do
+      for M in 8 16; do
+        timeout 90 ncu --kernel-name regex:row_qmm_cp --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+            --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+            --section SchedulerStats --section InstructionStats python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} \
+            --rows $M 2>&1 | tee "$out/two_prof_${NK}_M$M.txt" | grep -E "Duration|Registers Per|Achieved Occ|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Through|Stall|Issued Ipc|No Eligible|Executed Instructions  " | head -30
+      done
+    done
     ;;
   moe-mem)  # issue 7's open memory item: where the dequantized-expert prefill's peak sits, layer by
             # layer, at 2k and 64k (48 layers: +1.54 GB above weights + KV at 64k in session 13);
