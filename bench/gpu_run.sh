@@ -361,11 +361,14 @@ case "${1:-tests}" in
     done
     ;;
   moe-mem)  # issue 7's open memory item: where the dequantized-expert prefill's peak sits, layer by
-            # layer, at 2k and 64k (48 layers: +1.54 GB above weights + KV at 64k in session 13);
-            # MLX's default CUDA-graph batching, then smaller batches, then mlx-lm's gather_qmm
+            # layer, at 2k / 64k / 128k (48 layers: +1.54 GB above weights + KV at 64k in session
+            # 13). MLX keeps every input of an evaluated op alive until its CUDA graph completes and
+            # cuts graphs every 1,000 MB of inputs (at 64k each layer's K / V slices add ~270 MB):
+            # the default, smaller and (nearly) unbounded graphs, then mlx-lm's gather_qmm
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
-    timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace.md" | tail -3
+    timeout 200 python3 bench/gpu_moe_mem_trace.py --model "$ck" --prompts 2048,65536,131072 2>&1 | tee "$out/mem_trace.md" | tail -4
     MLX_MAX_MB_PER_BUFFER=200 timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_mb200.md" | tail -2
+    MLX_MAX_MB_PER_BUFFER=100000 timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_mbbig.md" | tail -2
     TENSORFOLD_MOE_PREFILL=gather_qmm timeout 200 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_gq.md" | tail -2
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
