@@ -81,6 +81,7 @@ def run(cp=False):
     from tensorfold.kernels import _cuda
     if os.environ.get("TF_CP_SMEM_KB"):     # stagings past 48 KB of shared memory (sweep only)
         _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
+        _cuda.cp_staging.cache_clear()
     t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
     from gpu_kernel_time import marker
     stream = mx.default_stream(mx.gpu)
@@ -99,8 +100,7 @@ def run(cp=False):
         x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
         mx.eval(x16)
         ones = {}
-        from tensorfold.kernels._cuda import tc_plan
-        split0 = tc_plan(N, K, 64, 4)[2]
+        split0 = _cuda.tc_plan(N, K, 64, 4)[2]
         for M in (1, 16):
             x = x16[:M]
             ref, refs = None, {}
@@ -115,19 +115,14 @@ def run(cp=False):
                     ones[plan] = y
                 else:
                     assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
-                # every plan computes the same product (to the rounding of its own order)
-                if ref is None:
-                    ref = y.astype(mx.float32)
+                yf = y.astype(mx.float32)
                 if cp:        # same SPLIT, same arithmetic: the same bits as row_qmm_tc
-                    sp = plan_split(plan, split0)
-                    if sp not in refs:
-                        refs[sp] = y.astype(mx.float32)
-                    assert mx.array_equal(y.astype(mx.float32), refs[sp]).item(), ("cp != tc", plan)
-                    err = mx.abs(y.astype(mx.float32) - ref).max().item()
-                    assert err < 0.05 * (mx.abs(ref).max().item() + 1e-6), (plan, err)
-                else:
-                    err = mx.abs(y.astype(mx.float32) - ref).max().item()
-                    assert err < 0.05 * (mx.abs(ref).max().item() + 1e-6), (plan, err)
+                    sp = refs.setdefault(plan_split(plan, split0), yf)
+                    assert mx.array_equal(yf, sp).item(), ("cp != tc", plan)
+                # every plan computes the same product (to the rounding of its own order)
+                ref = yf if ref is None else ref
+                err = mx.abs(yf - ref).max().item()
+                assert err < 0.05 * (mx.abs(ref).max().item() + 1e-6), (plan, err)
         print(N, K, "row-exact for", len(cp_plans(N, K) if cp else plans(N, K)), "plans",
               "(cp == tc bitwise)" if cp else "", file=sys.stderr, flush=True)
     marker("end")

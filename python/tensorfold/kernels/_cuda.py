@@ -198,6 +198,7 @@ CP_MID_N = 8192     # from this many: two weight tiles a block (past 48 KB with 
 CP_LONG_K = 8192    # past 8 rows, from this many input columns: two weight tiles a block
 
 
+@functools.lru_cache(maxsize=4096)
 def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, int, int, int]:
     """row_qmm_cp's default staging (CB, NS, XE, NT), a function of the weight shape and of
     `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
