@@ -521,6 +521,64 @@ def test_layer_queue_prefill_bounded_and_equal(checkpoints, monkeypatch):
         m.forward(x, m.new_cache(), exact=False)
 
 
+def test_dequantized_prefill_queues_each_projection(checkpoints, monkeypatch):
+    """The dequantized path pushes each expert projection's product to the LayerQueue (one
+    piece each, so at most two projections' dequantized copies are queued ahead of the device);
+    the bits are those of the same path evaluated as one graph."""
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")
+    m = load_model(checkpoints["qwen3_moe_mlx_4bit"])
+    x = _ids(m.cfg.vocab_size, 90, seed=6)
+    a = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    q = m.last_queue
+    n_moe = sum(m.cfg.moe_layer(i) for i in range(m.cfg.num_layers))
+    assert n_moe > 0
+    assert q.pushed == m.cfg.num_layers + 3 * n_moe and q.max_in_flight <= 2
+    monkeypatch.setattr(m, "_layer_done", lambda *a: None)
+    monkeypatch.setattr(m, "_piece_done", lambda *a: None)        # one graph, nothing queued
+    b = m.forward(x, m.new_cache(), exact=False, all_logits=True)
+    assert mx.array_equal(a, b).item()
+    monkeypatch.undo()
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "gather_qmm")     # mlx-lm's op: no pieces
+    m.forward(x, m.new_cache(), exact=False)
+    assert m.last_queue.pushed == m.cfg.num_layers
+
+
+def test_dequantized_prefill_peak_one_projection_at_a_time(tmp_path, monkeypatch):
+    """Pushing each projection's product (test above) lowers the dequantized path's peak: the
+    host waits for the piece two pushes back before it dequantizes the next projection, instead
+    of building up to two whole layers' copies ahead. Measured here on 8 layers, E = 32, one
+    256-token chunk: 118.5 MiB above weights + KV with the pieces, 149.0 without (the same
+    on every run); each projection's
+    transient is ~24 MiB (bf16 copy + the fp32 copy MLX's CPU gather_mm needs). The H200 figure
+    (0.4 GB a projection): docs/benchmarks.md, "Session 14"."""
+    from tensorfold.engine.prefill import PrefillMode, prefill
+
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")
+    E, F, D = 32, 512, 256
+    m = load_model(write_checkpoint(tmp_path / "moe", family="qwen3_moe", layout="mlx", bits=4,
+                                    dtype="bfloat16", layers=8, hidden=D, heads=4, kv_heads=1,
+                                    head_dim=64, seed=1, num_experts=E, experts_per_tok=4,
+                                    moe_intermediate=F))
+    mx.eval(m.parameters())
+    ids = np.random.default_rng(1).integers(3, m.cfg.vocab_size, 256).tolist()
+
+    def peak():
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        c = m.new_cache()
+        logits = prefill(m, c, ids, PrefillMode(grid=256))
+        mx.eval(logits)
+        return mx.get_peak_memory() - base - sum(a.nbytes for a in c.arrays()), logits
+
+    with_pieces, a = peak()
+    monkeypatch.setattr(m, "_piece_done", lambda *a: None)
+    without, b = peak()
+    assert mx.array_equal(a, b).item()
+    projection = E * F * D * (2 + 4)
+    assert with_pieces <= without - projection, (with_pieces / 2**20, without / 2**20)
+
+
 @pytest.mark.parametrize("experts_path", ["gather_qmm", "dequant"])
 def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
     """Peak memory of the engine's grid prefill, prompts of 1, 2 and 4 grid cells, with the

@@ -40,6 +40,16 @@ class BoundedPrefill:
         if self._queue is not None:
             self._queue.push([h, cache.keys[i], cache.values[i]])
 
+    def _piece_done(self, arrays: list) -> None:
+        """A heavy transient inside a layer is done (the MoE prefill's dequantized experts,
+        0.4 GB a projection on Qwen3-30B-A3B): its product goes to the same queue, so the host
+        waits on the piece `depth` pushes back before it allocates the next one, and at most
+        `depth` such copies are queued ahead of the device instead of `depth` layers' worth.
+        H200 (docs/benchmarks.md "Session 14"): 1.64 GB above weights + KV in every chunk, at
+        most 2.11 GB at 64k and at 128k; 4.61 / 6.14 GB with whole layers."""
+        if self._queue is not None:
+            self._queue.push(arrays)
+
     def forward(self, ids, cache, *, exact: bool, all_logits: bool = False, logits: bool = True):
         self._queue = None if exact else _ext.LayerQueue(queue_depth(self.queue_depth))
         try:

@@ -11,8 +11,10 @@ LM head and the two-path structure are DenseModel's (dense.py); only the MLP dif
   mlx-lm's bit for bit -- except on the CUDA face for chunks of >= DEQUANT_MIN_PAIRS routed
   pairs, whose quantized experts go through dequantize + gather_mm (MLX's grouped GEMM; equal
   within bf16 rounding, 4-7x faster than gather_qmm there). Each layer's outputs (hidden state
-  and its KV writes) go to a native ``LayerQueue(2)``: at most two layers are queued ahead of the device, so the live graph and
-  its intermediates stay bounded by two layers of one grid chunk.
+  and its KV writes) go to a native ``LayerQueue(2)``: at most two layers are queued ahead of
+  the device, so the live graph and its intermediates stay bounded by two layers of one grid
+  chunk. On the dequantized path each expert projection's product is pushed too (a piece of
+  the layer: at most two projections' dequantized copies are queued ahead).
 - Decode (`exact=True`): kernels/moe.py: the router's fp32 logits (``router_logits``, a
   row-exact matmul), softmax in fp32 per row and a deterministic top-k (score descending, ties
   to the lower expert id) followed by the routed experts' gate/up and SwiGLU (``route_glu``),
@@ -235,8 +237,11 @@ class MoEModel(BoundedPrefill, DenseModel):
             xe, idx, inv_order = _gather_sort(xe, inds)
         if do_sort and dequantized_prefill(inds.size):     # (unquantized experts: gather itself)
             x_up = m.up.gather_dequantized(xe, idx)
+            self._piece_done([x_up])        # each projection a piece of the LayerQueue
             x_gate = m.gate.gather_dequantized(xe, idx)
+            self._piece_done([x_gate])
             y = m.down.gather_dequantized(swiglu(x_gate, x_up), idx)
+            self._piece_done([y])
         else:
             x_up = m.up.gather(xe, idx, do_sort)
             x_gate = m.gate.gather(xe, idx, do_sort)
