@@ -28,6 +28,11 @@
 #   bash bench/gpu_run.sh split     # issue 3: other K splits for the split-8 shapes (M = 1 bandwidth)
 #   bash bench/gpu_run.sh two-prof  # issue 3: ncu sections of the 4-bit GEMM at 8 vs 16 rows
 #   bash bench/gpu_run.sh moe-mem   # issue 7: the MoE prefill's peak memory, layer by layer, 2k / 64k
+#   bash bench/gpu_run.sh s14a      # session 14 (first call, after the install): the MoE prefill's
+#                                   # peak with each expert projection queued (2k / 64k / 128k), then
+#                                   # bench_moe vs mlx-lm at 2k / 64k
+#   bash bench/gpu_run.sh s14b      # session 14: split 4 on 12288 x 4096 / split 2 on 24576 x 4096:
+#                                   # sweep (5 reps), cp == tc test on 12288 x 4096, GEMM at every M
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -370,6 +375,29 @@ case "${1:-tests}" in
     MLX_MAX_MB_PER_BUFFER=200 timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_mb200.md" | tail -2
     MLX_MAX_MB_PER_BUFFER=100000 timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_mbbig.md" | tail -2
     TENSORFOLD_MOE_PREFILL=gather_qmm timeout 200 python3 bench/gpu_moe_mem_trace.py --model "$ck" 2>&1 | tee "$out/mem_trace_gq.md" | tail -2
+    ;;
+  s14a)     # issue 7: the dequantized path with each projection's product queued (one piece
+            # each): peak layer by layer at 2k / 64k / 128k, then ours vs mlx-lm at 2k / 64k
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 150 python3 bench/gpu_moe_mem_trace.py --model "$ck" --prompts 2048,65536,131072 2>&1 | tee "$out/mem_trace14.md" | tail -4
+    timeout 250 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,65536} --decode 32 2>&1 | tee "$out/bench_moe14.md" | tail -5
+    ;;
+  s14b)     # issue 3: 4-bit split 4 on 12288 x 4096 and split 2 on 24576 x 4096 (3,072 warps)
+            # against the old splits (sweep, 5 reps each), the cp == tc test on the new default
+            # (meanwhile), then the GEMM at every M against MLX's op on both shapes
+    timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline and (12288 or 20000)" \
+        > "$out/test_cp14.log" 2>&1 &
+    SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,4.2.1.2,4.2.1.2.8,8.2.1.2.4,4.2.1.2.4} \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096} SWEEP_BUDGET_S=150 timeout 220 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_split14.csv" 2> "$out/cp_split14.err"
+    tail -3 "$out/cp_split14.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_split14.csv" | tee "$out/cp_split14.md"
+    wait; echo "== test_cp14"; grep -E "^FAILED|^E |passed|failed" "$out/test_cp14.log" | head -8
+    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,24576x4096} GEMM_OPS=qmm timeout 150 \
+        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
+        > "$out/gemm14.csv" 2> "$out/gemm14.err"
+    python3 bench/gpu_kernel_time.py --report "$out/gemm14.csv" > "$out/gemm14.md" 2>&1; cut -c1-110 "$out/gemm14.md"
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

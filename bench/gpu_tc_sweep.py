@@ -22,7 +22,7 @@ import mlx.core as mx
 
 SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
 CP_SHAPES = [(24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096), (151936, 4096)]
-REPS = 3
+REPS = int(__import__("os").environ.get("SWEEP_REPS", "3"))
 
 
 def plans(N, K):

@@ -110,6 +110,11 @@ def _gemm_launch(R: int, N: int, dtype):
 # ---- tensor-core plan (row_qmm_tc / row_mm_tc): a function of the weight shape only ----
 TC_TYPES = (mx.bfloat16, mx.float16)
 TC_TARGET_WARPS = 132 * 32   # enough warps in flight to cover HBM latency on an H200
+# 4-bit weights (row_qmm_cp): 3,072 warps are enough. H200 (bench/gpu_tc_sweep.py, ncu, medians;
+# docs/benchmarks.md "Session 14"), M = 1 / 16: 12288 x 4096 split 4 12.85 / 16.69 us against
+# split 8's 12.64 / 20.67; 24576 x 4096 split 2 20.51 / 29.12 against split 4's 21.89 / 30.05.
+# The other 8B / MoE shapes keep their splits (6144 and 4096 rows: split 8 gives 3,072 or fewer).
+TC_TARGET_WARPS_Q4 = 3072
 TC_MAX_SPLIT = 8          # <= 256 threads per block: launchable at any register count
 WORDS_IN_FLIGHT = 8          # weight words per lane per chunk (H200 sweep: NT 1, CB 4 best)
 
@@ -136,7 +141,8 @@ def tc_plan(N: int, K: int, group_size: int | None = None, bits: int | None = No
     nchunk = nblk // CB
     nblocks = -(-N // (16 * NT))
     divs = [d for d in range(1, TC_MAX_SPLIT + 1) if nchunk % d == 0]
-    enough = [d for d in divs if nblocks * d >= TC_TARGET_WARPS]
+    target = TC_TARGET_WARPS_Q4 if bits == 4 else TC_TARGET_WARPS
+    enough = [d for d in divs if nblocks * d >= target]
     SPLIT = min(enough) if enough else max(divs)
     return NT, CB, SPLIT, False   # DB: no gain on the H200 sweep (bench/gpu_tc_sweep.py)
 
@@ -207,11 +213,12 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
     rows 0..7 of a 16-row call keep the bits of the 1-row call whichever staging each takes.
 
     H200 sweeps (bench/gpu_tc_sweep.py --cp, ncu device time, cold caches, M = 1 / 16;
-    docs/benchmarks.md, sessions 12-13):
+    docs/benchmarks.md, sessions 12-14):
       - from CP_WIDE_N columns, where it fits: CB 8, x loaded before the wait (XE 1), two weight
-        tiles a block (NT 2): 151936 x 4096 127.3 / 171.8 us, 24576 x 4096 22.0 / 30.8 us;
-      - from CP_MID_N columns: CB 4, XE 1, NT 2 (55 KB with split 8): 12288 x 4096 14.2 -> 12.8
-        / 22.8 -> 19.2 us against the narrow staging;
+        tiles a block (NT 2): 151936 x 4096 127.3 / 171.8 us, 24576 x 4096 (split 2) 20.5 /
+        29.1 us;
+      - from CP_MID_N columns: CB 8 up to 8 rows, CB 4 past them (XE 1, NT 2): 12288 x 4096
+        (split 4) 12.85 / 16.69 us (session 14; CB 4 at M = 1 13.26, CB 8 at M = 16 17.78);
       - narrower: CB 4, x loaded one chunk ahead (XE 2), one tile a block (4096 x 12288 14.4
         us, 4096 x 4096 6.8 us at M = 1); past 8 rows with K >= CP_LONG_K two tiles (72 KB with
         split 8): 4096 x 12288 at M = 16 22.1 -> 19.2 us. Not with K = 4096: 4096 x 4096 9.9 ->
@@ -219,6 +226,8 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if N >= CP_WIDE_N and fits(8, 2):
+        return 8, 2, 1, 2
+    if N >= CP_MID_N and not two and fits(8, 2):
         return 8, 2, 1, 2
     if N >= CP_MID_N and fits(4, 2):
         return 4, 2, 1, 2
