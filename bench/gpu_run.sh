@@ -33,6 +33,10 @@
 #                                   # bench_moe vs mlx-lm at 2k / 64k
 #   bash bench/gpu_run.sh s14b      # session 14: split 4 on 12288 x 4096 / split 2 on 24576 x 4096:
 #                                   # sweep (5 reps), cp == tc test on 12288 x 4096, GEMM at every M
+#   bash bench/gpu_run.sh s15a      # next: issue 7's closing table, ours vs mlx-lm at 2k / 16k / 64k
+#                                   # with the per-projection queue (first call after the install)
+#   bash bench/gpu_run.sh s15b      # next: the 4-bit CUDA tests on session 14's splits, then 8B decode
+#                                   # vs mlx-lm at 2k (gate + up now split 2)
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -398,6 +402,17 @@ case "${1:-tests}" in
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
         > "$out/gemm14.csv" 2> "$out/gemm14.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm14.csv" > "$out/gemm14.md" 2>&1; cut -c1-110 "$out/gemm14.md"
+    ;;
+  s15a)     # issue 7: the MoE table at 2k / 16k / 64k after session 14's per-projection queue
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
+    timeout 420 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 64 2>&1 | tee "$out/bench_moe15.md" | tail -6
+    ;;
+  s15b)     # issue 3: every 4-bit test on CUDA with session 14's splits (12288 x 4096: 4, 24576 x
+            # 4096: 2), then the 8B-shaped decode against mlx-lm at 2k
+    timeout 330 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline or quantized_matmul" \
+        > "$out/test_cp15.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_cp15.log" | head -8
+    timeout 240 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 2 \
+        --no-drafted 2>&1 | tee "$out/bench_decode15.md" | tail -6
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
