@@ -10,7 +10,9 @@ the reserved KV cache. Prints per prompt: the highest peak, the chunk and layer 
 reached, and the active memory there. H200 session 13: with the dequantized expert path, peak
 above weights + KV was 4.63 GB at 2k and 6.17 GB at 64k on 48 layers, flat (3.08 GB) on 2
 layers, and flat with gather_qmm (1.31 / 1.34 GB) or queue depth 1 (3.10 / 4.64 GB, the same
-+1.54 GB) -- this trace says at which layer of which chunk the extra appears."""
++1.54 GB) -- this trace says at which layer of which chunk the extra appears. Session 14: every
+chunk's median was 4.61 GB; the extra was a spike at one (chunk, layer) a run. With each
+dequantized projection queued on its own: 1.64 GB, spikes to 2.11 GB at 64k and 128k alike."""
 
 from __future__ import annotations
 
