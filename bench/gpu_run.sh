@@ -37,6 +37,8 @@
 #                                   # with the per-projection queue (first call after the install)
 #   bash bench/gpu_run.sh s15b      # next: the 4-bit CUDA tests on session 14's splits, then 8B decode
 #                                   # vs mlx-lm at 2k (gate + up now split 2)
+#   bash bench/gpu_run.sh s15c      # next: the 16-row stagings by register count (XE 3: rows 8..15's x
+#                                   # at their use; XE 1 with one tile), swept at M = 1 / 16
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -413,6 +415,16 @@ case "${1:-tests}" in
         > "$out/test_cp15.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_cp15.log" | head -8
     timeout 240 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 2 \
         --no-drafted 2>&1 | tee "$out/bench_decode15.md" | tail -6
+    ;;
+  s15c)     # issue 3's M = 16: past 8 rows the default stagings need 130-187 registers (nvcc -v;
+            # XE 2 doubles the x fragments). XE 3 loads rows 8..15's x at their use (105 instead of
+            # 127 registers on 24576 x 4096 CB 4 and 4096 x 4096 NT 2); XE 1 with one tile needs 74.
+            # Each plan asserted == row_qmm_tc bitwise at M = 1 and 16 by the sweep.
+    SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-4.2.2.1,4.2.1.1,4.2.3.1,4.2.1.2,4.2.3.2,8.2.1.2,8.2.3.2,4.2.2.2} \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,4096x4096,6144x4096,4096x12288} SWEEP_BUDGET_S=250 timeout 330 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_two15.csv" 2> "$out/cp_two15.err"
+    tail -3 "$out/cp_two15.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_two15.csv" | tee "$out/cp_two15.md"
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

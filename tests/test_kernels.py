@@ -206,7 +206,7 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # (CB, NS, XE, NT): every staging the plan allows; every x-load timing and tile count on
     # two of the shapes, the defaults' (up to 8 rows and past 8) on the others (each variant is
     # one more NVRTC build); 20000 x 2048 takes the wide default (CB 8, XE 1, NT 2)
-    more = [(xe, nt) for xe in (0, 1, 2) for nt in (1, 2)] if N in (72, 1152) else \
+    more = [(xe, nt) for xe in (0, 1, 2, 3) for nt in (1, 2)] if N in (72, 1152) else \
         sorted({_cuda.cp_staging(N, Kd, group_size, two)[2:] for two in (False, True)})
     stagings = [(cb, ns, xe, nt) for cb in (4, 8) for ns in (2, 3) for xe, nt in more
                 if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns, nt) or (0, 0))[:2] == (cb, ns)]

@@ -105,7 +105,7 @@ for T in (bf, f16):
         # shape (bf16)
         combos = [(two, *cp_staging(N, K, GS, two)) for two in (False, True)]
         if (N, K, GS) == (1152, 384, 64) and T == bf:
-            combos = [(two, 4, 2, x, t) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
+            combos = [(two, 4, 2, x, t) for two in (False, True) for x in (0, 1, 2, 3) for t in (1, 2)]
         for TWO, cb, ns, XE, NT in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,

@@ -560,7 +560,8 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
-// 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
+// 2 one chunk ahead, during the previous chunk's mmas; 3 as 1 for rows 0..7, rows 8..15 at their
+// use: the 16-row launch's registers, not a default; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
 // row_qmm_tc; the same bits)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
@@ -645,7 +646,7 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
-      if ((mt == 0 || two) && xok[mt]) {
+      if ((mt == 0 || (two && XE != 3)) && xok[mt]) {
         dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blkw + ci * CB + b) * 32));
       }
     }
@@ -655,7 +656,7 @@ uint4 xv[CB][2], xn[CB][2];
 if constexpr (XE == 2) loadx(0, xn);
 #pragma unroll 1
 for (int ci = 0; ci < CPW; ++ci) {
-  if constexpr (XE == 1) loadx(ci, xv);
+  if constexpr (XE == 1 || XE == 3) loadx(ci, xv);
   if constexpr (XE == 2) {
 #pragma unroll
     for (int b = 0; b < CB; ++b) { xv[b][0] = xn[b][0]; xv[b][1] = xn[b][1]; }
@@ -692,6 +693,16 @@ for (int ci = 0; ci < CPW; ++ci) {
       unsigned int xb[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
+        if constexpr (XE == 3) {
+          if (mt == 1) {         // the second tile's x at its use (L1 / L2): fewer registers
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (two && xok[1]) {
+              v = __ldg(reinterpret_cast<const uint4*>(xrow[1] + (size_t)(blkw + ci * CB + b) * 32));
+            }
+            tf_xpairs(v, xb[1]);
+            continue;
+          }
+        }
         tf_xpairs(xv[b][mt], xb[mt]);
       }
 #pragma unroll
