@@ -15,6 +15,7 @@ bit-identical to row_qmm_tc's (same SPLIT, same arithmetic).
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import sys
 
@@ -22,7 +23,7 @@ import mlx.core as mx
 
 SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
 CP_SHAPES = [(24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096), (151936, 4096)]
-REPS = int(__import__("os").environ.get("SWEEP_REPS", "3"))
+REPS = int(os.environ.get("SWEEP_REPS", "3"))
 
 
 def plans(N, K):
@@ -40,7 +41,6 @@ def plans(N, K):
 
 
 def cp_plans(N, K):
-    import os
     from tensorfold.kernels._cuda import cp_plan, tc_plan
     tc = tc_plan(N, K, 64, 4)
     out = [tc]
@@ -76,7 +76,6 @@ def plan_split(plan, default):
 
 
 def run(cp=False):
-    import os
     import time
     from tensorfold.kernels import _cuda
     if os.environ.get("TF_CP_SMEM_KB"):     # stagings past 48 KB of shared memory (sweep only)

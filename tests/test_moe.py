@@ -541,6 +541,10 @@ def test_dequantized_prefill_queues_each_projection(checkpoints, monkeypatch):
     monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "gather_qmm")     # mlx-lm's op: no pieces
     m.forward(x, m.new_cache(), exact=False)
     assert m.last_queue.pushed == m.cfg.num_layers
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")        # unquantized experts: no copy,
+    f = load_model(checkpoints["qwen3_moe_hf_f32"])                # so no pieces either
+    f.forward(x % f.cfg.vocab_size, f.new_cache(), exact=False)
+    assert f.last_queue.pushed == f.cfg.num_layers
 
 
 def test_dequantized_prefill_peak_one_projection_at_a_time(tmp_path, monkeypatch):
@@ -548,9 +552,8 @@ def test_dequantized_prefill_peak_one_projection_at_a_time(tmp_path, monkeypatch
     host waits for the piece two pushes back before it dequantizes the next projection, instead
     of building up to two whole layers' copies ahead. Measured here on 8 layers, E = 32, one
     256-token chunk: 118.5 MiB above weights + KV with the pieces, 149.0 without (the same
-    on every run); each projection's
-    transient is ~24 MiB (bf16 copy + the fp32 copy MLX's CPU gather_mm needs). The H200 figure
-    (0.4 GB a projection): docs/benchmarks.md, "Session 14"."""
+    on every run); each projection's transient is ~24 MiB (bf16 copy + the fp32 copy MLX's CPU
+    gather_mm needs). The H200 figure (0.4 GB a projection): docs/benchmarks.md, "Session 14"."""
     from tensorfold.engine.prefill import PrefillMode, prefill
 
     monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")

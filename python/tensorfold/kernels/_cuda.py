@@ -225,9 +225,7 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         9.5 us but 6144 x 4096 13.9 -> 15.7 (192 blocks on 132 SMs)."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
-    if N >= CP_WIDE_N and fits(8, 2):
-        return 8, 2, 1, 2
-    if N >= CP_MID_N and not two and fits(8, 2):
+    if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
         return 8, 2, 1, 2
     if N >= CP_MID_N and fits(4, 2):
         return 4, 2, 1, 2

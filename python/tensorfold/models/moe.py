@@ -166,6 +166,8 @@ class MoEBlock:
     def __init__(self, cfg: ModelConfig, w: dict, i: int):
         self.router = take_linear(cfg, w, f"model.layers.{i}.mlp.gate")
         self.gate, self.up, self.down = (take_experts(cfg, w, i, p) for p in PROJS)
+        # whether the dequantized prefill path applies (it makes a transient bf16 copy per projection)
+        self.quantized = self.gate.quantized or self.up.quantized or self.down.quantized
 
 
 # ---- mlx-lm's SwitchGLU helpers (switch_layers.py), same ops ---------------------------------
@@ -235,7 +237,7 @@ class MoEModel(BoundedPrefill, DenseModel):
         idx, inv_order = inds, None
         if do_sort:
             xe, idx, inv_order = _gather_sort(xe, inds)
-        if do_sort and dequantized_prefill(inds.size):     # (unquantized experts: gather itself)
+        if do_sort and m.quantized and dequantized_prefill(inds.size):
             x_up = m.up.gather_dequantized(xe, idx)
             self._piece_done([x_up])        # each projection a piece of the LayerQueue
             x_gate = m.gate.gather_dequantized(xe, idx)
