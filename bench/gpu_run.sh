@@ -39,6 +39,7 @@
 #                                   # vs mlx-lm at 2k (gate + up now split 2)
 #   bash bench/gpu_run.sh s15c      # next: the 16-row stagings by register count (XE 3: rows 8..15's x
 #                                   # at their use; XE 1 with one tile), swept at M = 1 / 16
+#   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -425,6 +426,17 @@ case "${1:-tests}" in
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_two15.csv" 2> "$out/cp_two15.err"
     tail -3 "$out/cp_two15.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_two15.csv" | tee "$out/cp_two15.md"
+    ;;
+  s15d)     # issue 3: session 15's stagings (6144 x 4096 past 8 rows: XE 1, one tile; 4096 x
+            # 12288 up to 8 rows: CB 8, XE 1): the cp == tc test on both, then the GEMM at every M
+            # against MLX's op on the 8B shapes
+    timeout 200 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline and (6144 or 4096-12288)" \
+        > "$out/test_cp15d.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_cp15d.log" | head -8
+    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096} GEMM_OPS=qmm timeout 180 \
+        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
+        > "$out/gemm15.csv" 2> "$out/gemm15.err"
+    python3 bench/gpu_kernel_time.py --report "$out/gemm15.csv" > "$out/gemm15.md" 2>&1; cut -c1-110 "$out/gemm15.md"
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -193,7 +193,7 @@ def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two 4-bit kernels")
 @pytest.mark.parametrize("N,Kd,group_size", [(72, 256, 32), (72, 256, 64), (1152, 384, 64),
                                              (384, 1152, 64), (4096, 4096, 128), (20000, 2048, 64),
-                                             (12288, 4096, 64)])
+                                             (12288, 4096, 64), (6144, 4096, 64), (4096, 12288, 64)])
 def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
     arithmetic: the same bits for every M and every staging (CB, NS, XE, NT) the plan allows."""

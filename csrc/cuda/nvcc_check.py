@@ -99,7 +99,7 @@ for T in (bf, f16):
                                          SPLIT=SPLIT, DB=DB),
                       dict(x=T, w=u32, scales=T, biases=T), dict(out=T)))
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
-                     (12288, 4096, 64), (24576, 4096, 64),
+                     (12288, 4096, 64), (24576, 4096, 64), (6144, 4096, 64),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
         # the default stagings (up to 8 rows, past 8); every x-load timing x tile count on one
         # shape (bf16)

@@ -201,7 +201,8 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
 
 CP_WIDE_N = 16384   # from this many output columns: 8 blocks a stage, two weight tiles a block
 CP_MID_N = 8192     # from this many: two weight tiles a block (past 48 KB with split 8)
-CP_LONG_K = 8192    # past 8 rows, from this many input columns: two weight tiles a block
+CP_LONG_K = 8192    # from this many input columns: CB 8 up to 8 rows, two weight tiles past them
+CP_TWO_XE1_N = 6144  # past 8 rows, from this many columns: x loaded before the wait (XE 1), one tile
 
 
 @functools.lru_cache(maxsize=4096)
@@ -222,7 +223,11 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
       - narrower: CB 4, x loaded one chunk ahead (XE 2), one tile a block (4096 x 12288 14.4
         us, 4096 x 4096 6.8 us at M = 1); past 8 rows with K >= CP_LONG_K two tiles (72 KB with
         split 8): 4096 x 12288 at M = 16 22.1 -> 19.2 us. Not with K = 4096: 4096 x 4096 9.9 ->
-        9.5 us but 6144 x 4096 13.9 -> 15.7 (192 blocks on 132 SMs)."""
+        9.5 us but 6144 x 4096 13.9 -> 15.7 (192 blocks on 132 SMs);
+      - session 15: up to 8 rows with K >= CP_LONG_K, CB 8 and XE 1: 4096 x 12288 14.4 -> 13.7
+        us; past 8 rows from CP_TWO_XE1_N columns, XE 1 (about 74 registers against XE 2's 130,
+        so more blocks an SM): 6144 x 4096 13.2 / 13.4 -> 11.0 / 11.1 us in two sweeps, while
+        4096 x 4096 stays with XE 2 (9.8 / 9.8 against 9.9 / 10.4)."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
@@ -231,6 +236,10 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         return 4, 2, 1, 2
     if two and K >= CP_LONG_K and fits(4, 2):
         return 4, 2, 2, 2
+    if not two and K >= CP_LONG_K and N >= 4096 and fits(8, 1):     # (measured at N = 4096)
+        return 8, 2, 1, 1
+    if two and N >= CP_TWO_XE1_N:
+        return 4, 2, 1, 1
     return 4, 2, 2, 1
 
 
