@@ -40,6 +40,7 @@
 #   bash bench/gpu_run.sh s15c      # next: the 16-row stagings by register count (XE 3: rows 8..15's x
 #                                   # at their use; XE 1 with one tile), swept at M = 1 / 16
 #   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
+#   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -437,6 +438,18 @@ case "${1:-tests}" in
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
         > "$out/gemm15.csv" 2> "$out/gemm15.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm15.csv" > "$out/gemm15.md" 2>&1; cut -c1-110 "$out/gemm15.md"
+    ;;
+  ceiling)  # issue 3's M = 1 target against the machine: a read-only kernel streaming each 4-bit
+            # shape's bytes (9 launch shapes, best kept) and the one-thread kernel's device time,
+            # then ours vs MLX's op on 12288 x 4096 / 4096 x 4096 in the same run
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfread|tfmark" \
+        python3 bench/gpu_read_ceiling.py > "$out/read15.csv" 2> "$out/read15.err"
+    tail -2 "$out/read15.err"; python3 bench/gpu_read_ceiling.py --report "$out/read15.csv" | tee "$out/read15.md"
+    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x4096} GEMM_OPS=qmm timeout 100 \
+        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
+        > "$out/gemm15c.csv" 2> "$out/gemm15c.err"
+    python3 bench/gpu_kernel_time.py --report "$out/gemm15c.csv" > "$out/gemm15c.md" 2>&1; cut -c1-110 "$out/gemm15c.md"
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
