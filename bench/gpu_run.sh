@@ -41,6 +41,7 @@
 #                                   # at their use; XE 1 with one tile), swept at M = 1 / 16
 #   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
+#   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -450,6 +451,16 @@ case "${1:-tests}" in
         --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
         > "$out/gemm15c.csv" 2> "$out/gemm15c.err"
     python3 bench/gpu_kernel_time.py --report "$out/gemm15c.csv" > "$out/gemm15c.md" 2>&1; cut -c1-110 "$out/gemm15c.md"
+    ;;
+  s16a)     # issue 3's M = 1: longer row segments per stage (CB 16: 256 bytes of each weight row a
+            # stage instead of 128; nvcc -v: 137 registers with one tile on 12288 x 4096, 184 with
+            # two on 24576 x 4096) against the defaults; ours is 66-73% of a read-only kernel
+            # (`ceiling`). Each plan asserted == row_qmm_tc bitwise by the sweep.
+    SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,16.2.1.1,16.2.1.2,8.2.1.1,4.2.1.2} \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,6144x4096} SWEEP_BUDGET_S=200 timeout 280 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_cb16.csv" 2> "$out/cp_cb16.err"
+    tail -3 "$out/cp_cb16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_cb16.csv" | tee "$out/cp_cb16.md"
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
