@@ -20,6 +20,7 @@ import statistics
 import sys
 
 import mlx.core as mx
+from gpu_kernel_time import marker   # the one-thread kernel that names each case (bench/ on the path)
 
 # bytes a 4-bit (group 64, bf16 scales + biases) N x K weight moves at M = 1
 SHAPES = [(4096, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (151936, 4096)]
@@ -56,13 +57,6 @@ SOURCE = """
 
 def source(n4: int, u: int) -> str:
     return f"    constexpr unsigned int N4 = {n4}u;\n    constexpr int U = {u};\n" + SOURCE
-
-
-def marker(tag: str):
-    k = mx.fast.cuda_kernel(name=f"tfmark_{tag}", input_names=["a"], output_names=["o"],
-                            source="o[0] = a[0];")
-    mx.eval(k(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-              output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
 
 
 def run():
