@@ -16,6 +16,7 @@ tiny marker kernel named after the case, which is how --report groups the kernel
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import sys
 
@@ -36,7 +37,6 @@ def marker(tag: str):
 
 
 def run():
-    import os
     from tensorfold import kernels as K
     shapes = SHAPES     # GEMM_SHAPES=4096x4096,12288x4096 and GEMM_OPS=qmm narrow a run
     if os.environ.get("GEMM_SHAPES"):
