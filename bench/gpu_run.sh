@@ -42,7 +42,6 @@
 #   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
-#   bash bench/gpu_run.sh s16b      # session 16: 8-row blocks past 8 rows against the TWO variant
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -462,19 +461,6 @@ case "${1:-tests}" in
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_cb16.csv" 2> "$out/cp_cb16.err"
     tail -3 "$out/cp_cb16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_cb16.csv" | tee "$out/cp_cb16.md"
-    ;;
-  s16b)     # issue 3's M = 16: 8-row blocks (the up-to-8-rows kernel, ceil(M / 8) blocks a weight
-            # tile, side by side; a sixth staging value 8) against the 16-row TWO variant; each plan
-            # asserted == row_qmm_tc bitwise at M = 1 and 16 by the sweep; then the cp == tc test
-            # (every staging at M = 9 / 16 also with 8-row blocks) on four shapes
-    SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-4.2.2.1,4.2.1.1,4.2.1.2,8.2.1.2,4.2.2.2,4.2.2.1.0.8,4.2.1.1.0.8,8.2.1.1.0.8,4.2.1.2.0.8,8.2.1.2.0.8} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-4096x4096,4096x12288,24576x4096,12288x4096,6144x4096} SWEEP_BUDGET_S=260 timeout 330 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_rb16.csv" 2> "$out/cp_rb16.err"
-    tail -3 "$out/cp_rb16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_rb16.csv" | tee "$out/cp_rb16.md"
-    timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py \
-        -k "cp_pipeline and (72-256-32 or 1152 or 4096-4096 or 12288-4096)" > "$out/test_rb16.log" 2>&1
-    grep -E "^FAILED|^E |passed|failed" "$out/test_rb16.log" | head -8
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -50,20 +50,13 @@ def cp_plans(N, K):
     st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("CP_STAGINGS", "").split(",") if t] or \
         [(4, 2, 0, 1), (4, 2, 1, 1), (4, 3, 1, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 2),
          (8, 2, 1, 2), (4, 2, 0, 2)]
-    # a sixth value: rows per block past 8 rows (8: the up-to-8-rows kernel, ceil(M / 8) blocks a
-    # weight tile; split 0 = the default), e.g. 4.2.1.1.0.8
     for cb, ns, xe, *rest in st:
         nt = rest[0] if rest else 1
-        split = (rest[1] or None) if len(rest) > 1 else None
-        rb = rest[2] if len(rest) > 2 else 16
+        split = rest[1] if len(rest) > 1 else None
         p = cp_plan(N, K, 64, 4, cb, ns, nt, split)
         if p is None or (p[0], p[1]) != (cb, ns):
             continue
-        if rb != 16:
-            out.append(("cp", cb, ns, xe, nt, split or 0, rb))
-            if split is not None and split != tc[2] and (tc[0], tc[1], split, tc[3]) not in out:
-                out.insert(-1, (tc[0], tc[1], split, tc[3]))
-        elif split is not None and split != tc[2]:
+        if split is not None and split != tc[2]:
             ref = (tc[0], tc[1], split, tc[3])
             if (K // 32 // tc[1]) % split:
                 continue
@@ -78,7 +71,7 @@ def cp_plans(N, K):
 def plan_split(plan, default):
     """The split (reduction order) a sweep plan runs with."""
     if plan[0] == "cp":
-        return (plan[5] or default) if len(plan) > 5 else default
+        return plan[5] if len(plan) > 5 else default
     return plan[2]
 
 
@@ -155,7 +148,7 @@ def report(path):
         byts = N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" RB{p[6]}" if len(p) > 6 else "")
+            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 else "")
              if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
             + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))

@@ -557,15 +557,14 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, TWO (false: blocks of 8 rows, the second 8-row mma
-// tile compiled out; true: blocks of 16 rows. Rows 0..7 of a block run the same operations either
-// way, and the second tile the same per row, so a row's bits do not depend on TWO), XE (when
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, TWO (false: the launch has at most 8 rows, so the
+// second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; 3 as 1 for rows 0..7, rows 8..15 at their
 // use: the 16-row launch's registers, not a default; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
 // row_qmm_tc; the same bits)
-// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / (TWO ? 16 : 8)), 1), threadgroup (32 SPLIT, 1, 1),
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
@@ -586,14 +585,9 @@ const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int gq = lane >> 2, tq = lane & 3;
-// rows per block: 16 with TWO, else 8 (a launch of more than 8 rows without TWO runs 8-row
-// blocks: every row through the first tile's operations). Block b of the launch takes row tile
-// b % gridDim.y of weight tile b / gridDim.y, so the row tiles of one weight tile run side by side.
-constexpr int RB = TWO ? 16 : 8;
-const int bid = blockIdx.y * gridDim.x + blockIdx.x;
-const int nbase = (bid / gridDim.y) * (16 * NT);
-const int r0 = (bid % gridDim.y) * RB;
-const int rows = min(RB, R - r0);
+const int nbase = blockIdx.x * (16 * NT);
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
 const bool two = TWO && rows > 8;
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;

@@ -243,33 +243,18 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
     return 4, 2, 2, 1
 
 
-CP_ROW_BLOCK_8: tuple = ()   # (N, K) shapes whose launches past 8 rows run 8-row blocks (sweep)
-
-
-@functools.lru_cache(maxsize=4096)
-def cp_row_block(N: int, K: int, group_size: int) -> int:
-    """Rows per block of row_qmm_cp's launches past 8 rows, a function of the weight shape:
-    16 (the TWO variant: two 8-row mma tiles share each weight stage) or 8 (the up-to-8-rows kernel,
-    ceil(M / 8) blocks per weight tile, side by side in launch order: each reads the weights again,
-    from L2, with fewer registers a thread). Either way a row runs the same operations (the second
-    tile's per row are the first's), so its bits do not depend on this choice."""
-    return 8 if (N, K) in CP_ROW_BLOCK_8 else 16
-
-
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
-                 ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 rb: int = 16):
-    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
-    if plan is None or rb not in (8, 16):
+                 ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None):
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split)
+    if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
-    two = R > 8 and rb == 16
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
-                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", two),
+                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
                 ("XE", xe), ("NT", nt)]
-    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // (16 if two else 8)), 1)
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
@@ -295,8 +280,7 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, RB]) for
-    row_qmm_cp (SPLIT None: tc_plan's; RB: rows per block past 8 rows, cp_row_block),
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT]) for row_qmm_cp,
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
@@ -314,12 +298,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     cp_call = None
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
-        if plan:
-            staging = plan[1:]
-        else:
-            rb = cp_row_block(N, K, group_size) if R > 8 else 16
-            staging = (*cp_staging(N, K, group_size, R > 8 and rb == 16), None, rb)
-        cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *staging)
+        cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
+                               *(plan[1:] if plan else cp_staging(N, K, group_size, R > 8)))
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
         inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))
