@@ -38,6 +38,10 @@ def marker(tag: str):
 
 def run():
     from tensorfold import kernels as K
+    if os.environ.get("MM_STAGING"):   # e.g. MM_STAGING=2.3.1.1: row_mm_cp with that staging
+        from tensorfold.kernels import _cuda
+        staging = tuple(int(v) for v in os.environ["MM_STAGING"].split("."))
+        _cuda.mm_cp_staging = lambda N, K: staging
     shapes = SHAPES     # GEMM_SHAPES=4096x4096,12288x4096 and GEMM_OPS=qmm narrow a run
     if os.environ.get("GEMM_SHAPES"):
         shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["GEMM_SHAPES"].split(",")]
@@ -82,7 +86,7 @@ def report(path):
             continue
         impl = cur.rsplit("_", 1)[1]
         ours = "custom_kernel_tf_row" in name
-        mlx_gemm = any(t in name for t in ("qmv", "qmm", "gemv", "nvjet", "splitK", "gemm"))
+        mlx_gemm = any(t in name for t in ("qmv", "qmm", "gemv", "nvjet", "splitK", "gemm", "cutlass"))
         if (impl == "ours" and not ours) or (impl == "mlx" and not mlx_gemm):
             continue  # the marker's input fill and the next case's setup kernels
         d = data.setdefault(cur, {})

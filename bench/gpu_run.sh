@@ -42,6 +42,8 @@
 #   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
+#   bash bench/gpu_run.sh s16c      # session 16: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
+#   bash bench/gpu_run.sh s16d      # next: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -461,6 +463,40 @@ case "${1:-tests}" in
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_cb16.csv" 2> "$out/cp_cb16.err"
     tail -3 "$out/cp_cb16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_cb16.csv" | tee "$out/cp_cb16.md"
+    ;;
+  s16c)     # issue 3's M = 1 bandwidth: where the default staging's time goes at 1 and 16 rows on
+            # the two 28 MB shapes (Nsight Compute sections and every stall reason per issued
+            # instruction; clocks unlocked as in the timing runs)
+    for NK in ${SHAPES:-12288x4096 4096x12288}; do
+      for M in ${ROWS:-1 16}; do
+        timeout 100 ncu --clock-control none --kernel-name regex:row_qmm_cp --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum" \
+            python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} --rows $M > "$out/prof16_${NK}_M$M.txt" 2>&1
+        grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|No Eligible|Issued Warp|inst_executed.sum|dram__bytes" "$out/prof16_${NK}_M$M.txt" | head -12
+        grep -E "stalled_.*ratio" "$out/prof16_${NK}_M$M.txt" | sort -k3 -n -r | head -6
+      done
+    done
+    ;;
+  s16d)     # issue 3's dense face (row_matmul, bf16 weights): row_mm_cp (weights through a cp.async
+            # pipeline, written in session 16 and never run) == row_mm_tc bitwise, then every
+            # register plan and cp staging swept (ncu, each asserted == row_mm_tc), then the dense
+            # GEMM at every M against MLX's op with the default and with MM_STAGING (if given)
+    timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "mm_cp_pipeline" \
+        > "$out/test_mmcp.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_mmcp.log" | head -8
+    SWEEP_REPS=3 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 280 \
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_mm|tfmark" \
+        python3 bench/gpu_tc_sweep.py --dense > "$out/mm16.csv" 2> "$out/mm16.err"
+    tail -3 "$out/mm16.err"; python3 bench/gpu_tc_sweep.py --report "$out/mm16.csv" --dense | tee "$out/mm16.md"
+    for stg in "" ${MM_STAGING:-}; do
+      GEMM_SHAPES=4096x4096,4096x12288,151936x4096 GEMM_OPS=mm MM_STAGING=$stg timeout 150 \
+          ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+          --kernel-name regex:"custom_kernel_tf|gemv|gemm|nvjet|splitK|cutlass" python3 bench/gpu_kernel_time.py \
+          > "$out/gemm_mm16$stg.csv" 2> "$out/gemm_mm16$stg.err"
+      python3 bench/gpu_kernel_time.py --report "$out/gemm_mm16$stg.csv" > "$out/gemm_mm16$stg.md" 2>&1
+      cut -c1-110 "$out/gemm_mm16$stg.md"
+    done
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

@@ -9,7 +9,9 @@ On the H200:
 Used to choose kernels._cuda.tc_plan / cp_plan (functions of the weight shape only); the rows
 of one shape never change the plan. 4-bit, group 64, bf16 activations, M = 1 and 16. With
 --cp: the default row_qmm_tc plan and the row_qmm_cp stagings, each cp output checked
-bit-identical to row_qmm_tc's (same SPLIT, same arithmetic).
+bit-identical to row_qmm_tc's (same SPLIT, same arithmetic). With --dense (bf16 weights,
+`--kernel-name regex:"row_mm|tfmark"`, and `--report FILE --dense`): row_mm_tc's register
+plans and row_mm_cp's stagings, each checked bit-identical to the default row_mm_tc plan.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import mlx.core as mx
 SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
 CP_SHAPES = [(24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096), (151936, 4096)]
 REPS = int(os.environ.get("SWEEP_REPS", "3"))
+DENSE = False
 
 
 def plans(N, K):
@@ -68,11 +71,73 @@ def cp_plans(N, K):
     return out
 
 
+DENSE_SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (151936, 4096)]
+
+
+def dense_plans(N, K):
+    """row_mm_tc's register plans with its default SPLIT (the same bits) and row_mm_cp's
+    stagings ("cp", CB, NS, XE, NT); MM_STAGINGS="2.3.1.1,4.2.1.2" overrides the stagings."""
+    from tensorfold.kernels._cuda import mm_cp_plan, tc_plan
+    tc = tc_plan(N, K)
+    out = [tc]
+    nblk = K // 32
+    for NT in (1, 2):
+        for CB in (1, 2, 4):
+            for DB in (False, True):
+                p = (NT, CB, tc[2], DB)
+                if nblk % CB == 0 and (nblk // CB) % tc[2] == 0 and p not in out:
+                    out.append(p)
+    st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("MM_STAGINGS", "").split(",") if t] or \
+        [(cb, ns, 1, nt) for cb in (1, 2, 4) for ns in (2, 3, 4) for nt in (1, 2)] + [(2, 3, 0, 1), (1, 3, 0, 2)]
+    out += [("cp", *p) for p in st if mm_cp_plan(N, K, p[0], p[1], p[3]) is not None]
+    return out
+
+
 def plan_split(plan, default):
     """The split (reduction order) a sweep plan runs with."""
     if plan[0] == "cp":
         return plan[5] if len(plan) > 5 else default
     return plan[2]
+
+
+def run_dense():
+    """Dense bf16 weights: every plan == the default row_mm_tc plan bitwise (same SPLIT), row 0
+    of the 16-row call == the 1-row call."""
+    import time
+    from tensorfold.kernels import _cuda
+    from gpu_kernel_time import marker
+    if os.environ.get("TF_CP_SMEM_KB"):
+        _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
+    t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
+    stream = mx.default_stream(mx.gpu)
+    shapes = DENSE_SHAPES
+    if os.environ.get("SWEEP_SHAPES"):
+        shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["SWEEP_SHAPES"].split(",")]
+    for N, K in shapes:
+        if time.perf_counter() > t_end:
+            print("sweep budget spent before", N, K, file=sys.stderr)
+            break
+        w = (mx.random.normal((N, K)) * 0.02).astype(mx.bfloat16)
+        x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
+        mx.eval(w, x16)
+        ones = {}
+        for M in (1, 16):
+            x = x16[:M]
+            ref = None
+            for plan in dense_plans(N, K):
+                marker(f"{N}x{K}_M{M}_" + "_".join(str(v if isinstance(v, str) else int(v)) for v in plan))
+                for _ in range(REPS):
+                    y = _cuda.matmul(x, w, stream, plan=plan)
+                    mx.eval(y)
+                if M == 1:
+                    ones[plan] = y
+                else:
+                    assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
+                ref = y if ref is None else ref
+                assert mx.array_equal(y, ref).item(), ("differs from row_mm_tc", plan)
+        print(N, K, "row-exact for", len(dense_plans(N, K)), "plans (== row_mm_tc bitwise)",
+              file=sys.stderr, flush=True)
+    marker("end")
 
 
 def run(cp=False):
@@ -135,7 +200,7 @@ def report(path):
         if "tfmark_" in n:
             cur = n.split("tfmark_")[1].split("(")[0]
             continue
-        if cur is None or "row_qmm" not in n or r["Metric Name"] != "gpu__time_duration.sum":
+        if cur is None or ("row_qmm" not in n and "row_mm" not in n) or r["Metric Name"] != "gpu__time_duration.sum":
             continue
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
         t.setdefault(cur, []).append(float(r["Metric Value"].replace(",", "")) * scale)
@@ -145,7 +210,7 @@ def report(path):
         by_shape.setdefault((shape, m), []).append((statistics.median(v), plan))
     for (shape, m), lst in sorted(by_shape.items()):
         N, K = map(int, shape.split("x"))
-        byts = N * K / 2 + N * K / 64 * 4
+        byts = N * K * 2 if DENSE else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
             (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 else "")
@@ -155,8 +220,9 @@ def report(path):
 
 
 if __name__ == "__main__":
+    DENSE = "--dense" in sys.argv   # bf16 weights: the report's TB/s counts 2 bytes a weight
     if len(sys.argv) > 2 and sys.argv[1] == "--report":
         report(sys.argv[2])
     else:
         sys.path.insert(0, "bench")
-        run(cp="--cp" in sys.argv)
+        run_dense() if DENSE else run(cp="--cp" in sys.argv)

@@ -220,6 +220,33 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
             assert np.array_equal(got, ref), (M, plan)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two dense kernels")
+@pytest.mark.parametrize("N,Kd,dtype", [(72, 256, mx.bfloat16), (1152, 384, mx.bfloat16),
+                                        (1152, 384, mx.float16), (4096, 4096, mx.bfloat16),
+                                        (20000, 2048, mx.bfloat16), (4096, 12288, mx.bfloat16)])
+def test_cuda_mm_cp_pipeline_equals_register_kernel(N, Kd, dtype):
+    """row_mm_cp (dense weights through a cp.async pipeline) computes row_mm_tc's arithmetic:
+    the same bits for every M and every staging (CB, NS, XE, NT) that fits (on the small shapes;
+    on the large ones, the stagings bench/gpu_run.sh s16d sweeps first)."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("mm-cp", N, Kd, str(dtype))
+    w = rand(rng, (N, Kd), dtype, 0.05)
+    x = rand(rng, (MAX_M, Kd), dtype)
+    st = mx.default_stream(mx.gpu)
+    every = [(cb, ns, xe, nt) for cb in (1, 2, 4) for ns in (2, 3, 4) for xe in (0, 1) for nt in (1, 2)]
+    if N > 2000:
+        every = [(2, 3, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (1, 3, 0, 2), (4, 4, 1, 2)]
+    stagings = [p for p in every if _cuda.mm_cp_plan(N, Kd, p[0], p[1], p[3]) is not None]
+    assert stagings
+    tc = _cuda.tc_plan(N, Kd)
+    for M in (1, 3, 9, 16):
+        ref = bits(run(_cuda.matmul, x[:M], w, st, plan=tc))
+        assert np.array_equal(bits(run(_cuda.matmul, x[:M], w, st)), ref)
+        for plan in stagings:
+            got = bits(run(_cuda.matmul, x[:M], w, st, plan=("cp", *plan)))
+            assert np.array_equal(got, ref), (M, plan)
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's merge launch")
 @pytest.mark.parametrize("D,dtype", [(128, mx.bfloat16), (80, mx.float16), (64, mx.float32),
                                      (256, mx.bfloat16)])

@@ -89,7 +89,7 @@ for T in (bf, f16, f32):    # the MoE router: x as it is, fp32 logits (8-bit rou
                   dict(x=T, wg=T, wu=T, logits=f32), dict(h=T, inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
-from tensorfold.kernels._cuda import cp_plan, cp_staging, tc_plan  # noqa: E402
+from tensorfold.kernels._cuda import cp_plan, cp_staging, mm_cp_plan, tc_plan  # noqa: E402
 
 for T in (bf, f16):
     for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
@@ -115,6 +115,14 @@ for T in (bf, f16):
         NT, CB, SPLIT, DB = tc_plan(N, K)
         CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT, DB=DB),
                       dict(x=T, w=T), dict(out=T)))
+    # row_mm_cp: the stagings the s16d sweep starts from (bf16), one on fp16
+    for N, K, cb, ns, xe, nt in (((4096, 4096, 2, 3, 1, 1), (4096, 4096, 1, 3, 0, 2),
+                                  (151936, 4096, 4, 4, 1, 2), (4096, 12288, 2, 4, 1, 1),
+                                  (72, 256, 1, 2, 1, 1)) if T == bf else ((4096, 4096, 2, 3, 1, 1),)):
+        CB, NS, SPLIT, _ = mm_cp_plan(N, K, cb, ns, nt)
+        for TWO in (False, True):
+            CASES.append(("row_mm_cp", dict(T=T, K=K, N=N, SPLIT=SPLIT, CB=CB, NS=NS, XE=xe, NT=nt,
+                                            TWO=TWO), dict(x=T, w=T), dict(out=T)))
 
 # sparse_attention: D 64..256 (K staged in shared memory where it fits 48 KB) and the MLA
 # latent widths 512 / 576 with one KV head (K read from global memory).

@@ -811,3 +811,123 @@ auto compute = [&](int ci, const Chunk& c) {
 };
 tf_chunks<CPW, DB, Chunk>(load, compute);
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
+
+// @@body row_mm_cp
+// The arithmetic of row_mm_tc with the same SPLIT (bit-identical output, whatever CB, NS, XE,
+// NT), with the weights brought in by a cp.async pipeline through shared memory instead of
+// registers: each warp streams its K slice (K / SPLIT) in stages of CB 32-element blocks of its
+// block's 16 NT weight rows (16 NT x CB x 64 bytes), NS stages in flight. A stage is laid out
+// [block][row][64 bytes]; lane 4g + t reads the 16 bytes (elements 8t..8t+7 of a block) of rows g
+// and g + 8 of each tile -- the registers row_mm_tc loads from global memory -- and the 32 lanes'
+// reads of one (block, 8 rows) cover 512 contiguous bytes (no bank conflict). Every
+// accumulator takes its mmas in row_mm_tc's order (block by block, k halves s = 0, 1).
+// inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).
+// template: T, K, N, SPLIT, CB, NS, XE (0: a block's x rows loaded at their use, as row_mm_tc;
+// 1: a chunk's x rows loaded before waiting for its stage), NT (16-row weight tiles per block),
+// TWO (false: at most 8 rows, the second 8-row mma tile compiled out; rows 0..7 run the same
+// operations either way).
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory NT * 1024 * ((SPLIT - 1) + SPLIT * NS * CB).
+constexpr int KSL = K / SPLIT;
+constexpr int CPW = KSL / (32 * CB);
+constexpr int ROWS = 16 * NT;
+constexpr int STAGE = ROWS * CB * 4;
+constexpr int CPL = STAGE / 32;
+static_assert(KSL % (32 * CB) == 0 && CPW >= 1 && STAGE % 32 == 0 && NS >= 2, "row_mm_cp: plan");
+extern __shared__ uint4 smem_mm[];
+float* red = reinterpret_cast<float*>(smem_mm);
+const int R = x_shape[0];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int gq = lane >> 2, tq = lane & 3;
+const int nbase = blockIdx.x * ROWS;
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
+const bool two = TWO && rows > 8;
+uint4* ring = smem_mm + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
+const int blkw = warp * (KSL / 32);
+// this lane's copies of every stage: unit e = lane + 32 i -> row e / (4 CB), block (e / 4) % CB,
+// 16-byte piece e % 4 (a row's CB * 64 contiguous bytes from consecutive lanes)
+const T* wsrc[CPL];
+int wdst[CPL];
+#pragma unroll
+for (int i = 0; i < CPL; ++i) {
+  const int e = lane + 32 * i;
+  const int r = e / (4 * CB), b = (e / 4) % CB, c = e % 4;
+  wsrc[i] = w + (size_t)min(nbase + r, N - 1) * K + (size_t)(blkw + b) * 32 + c * 8;
+  wdst[i] = (b * ROWS + r) * 4 + c;
+}
+auto issue = [&](int ci) {
+  uint4* st = ring + (ci % NS) * STAGE;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 32);
+};
+#pragma unroll
+for (int st = 0; st < NS - 1; ++st) {
+  if (st < CPW) issue(st);
+  tf_cp_async_commit();
+}
+const T* xrow[2];
+bool xok[2];
+tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
+const T tag = tf_from_float<T>(0.0f);
+float acc[NT][2][4];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
+  }
+}
+auto loadx = [&](int blk, int mt) {
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if ((mt == 0 || two) && xok[mt]) u = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)blk * 32));
+  return u;
+};
+uint4 xv[CB][2];
+#pragma unroll 1
+for (int ci = 0; ci < CPW; ++ci) {
+  if constexpr (XE == 1) {
+#pragma unroll
+    for (int b = 0; b < CB; ++b) {
+      xv[b][0] = loadx(blkw + ci * CB + b, 0);
+      if constexpr (TWO) xv[b][1] = loadx(blkw + ci * CB + b, 1);
+    }
+  }
+  tf_cp_async_wait<NS - 2>();
+  __syncwarp();
+  if (ci + NS - 1 < CPW) issue(ci + NS - 1);
+  tf_cp_async_commit();
+  const uint4* st = ring + (ci % NS) * STAGE;
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+    unsigned int xb[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (mt == 0 || TWO) {
+        if constexpr (XE == 1) u = xv[b][mt]; else u = loadx(blkw + ci * CB + b, mt);
+      }
+      xb[mt][0] = u.x; xb[mt][1] = u.y; xb[mt][2] = u.z; xb[mt][3] = u.w;
+    }
+    uint4 wv[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wv[nt][h] = st[(b * ROWS + 16 * nt + 8 * h + gq) * 4 + tq];
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[nt][0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[nt][1]);
+        const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
+        tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
+        if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
+      }
+    }
+  }
+}
+tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);

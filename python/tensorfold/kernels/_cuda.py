@@ -40,6 +40,7 @@ _KERNELS = {
     "row_qmm_tc": (["x", "w", "scales", "biases"], ["out"], "row_gemm.cu"),
     "row_mm_tc": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_qmm_cp": (["x", "w", "scales", "biases", "res"], ["out"], "row_gemm.cu"),
+    "row_mm_cp": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
@@ -258,6 +259,43 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
+def mm_cp_plan(N: int, K: int, cb: int = 2, ns: int = 3, nt: int = 1, split: int | None = None):
+    """(CB, NS, SPLIT, dynamic shared memory) of row_mm_cp (dense bf16 / fp16 weights through a
+    cp.async pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has
+    the bits of row_mm_tc; CB (32-element blocks a stage), NS (stages) and NT (16-row weight tiles
+    a block) only move data. `split` overrides SPLIT (sweeps only: another reduction order)."""
+    SPLIT = split or tc_plan(N, K)[2]
+    if K % SPLIT or nt not in (1, 2) or ns < 2:
+        return None
+    ksl = K // SPLIT
+    if ksl % (32 * cb):
+        return None
+    smem = nt * 1024 * ((SPLIT - 1) + SPLIT * ns * cb)
+    return (cb, ns, SPLIT, smem) if smem <= CP_SMEM_LIMIT else None
+
+
+# row_mm_cp's default staging (CB, NS, XE, NT) per weight shape, or None: row_mm_tc (registers).
+# None everywhere until an H200 sweep has measured row_mm_cp (`bash bench/gpu_run.sh s16d`:
+# written in session 16, which had no device time left; the cp == tc test comes first there).
+@functools.lru_cache(maxsize=4096)
+def mm_cp_staging(N: int, K: int):
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _mm_cp_call(T, K: int, N: int, R: int, cb: int = 2, ns: int = 3, xe: int = 1, nt: int = 1,
+                split: int | None = None):
+    plan = mm_cp_plan(N, K, cb, ns, nt, split)
+    if plan is None:
+        return None
+    CB, NS, SPLIT, smem = plan
+    kern = _kernel("row_mm_cp", smem)
+    template = [("T", T), ("K", K), ("N", N), ("SPLIT", SPLIT), ("CB", CB), ("NS", NS),
+                ("XE", xe), ("NT", nt), ("TWO", R > 8)]
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
+    return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
+
+
 @functools.lru_cache(maxsize=4096)
 def _mm_tc_call(T, K: int, N: int, R: int, plan=None):
     NT, CB, SPLIT, DB = plan or tc_plan(N, K)
@@ -321,7 +359,9 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
 
 
 def matmul(x, w, stream, plan=None, out_float=False):
-    """out_float: as quantized_matmul's (row_mm on x as it is, a float32 result)."""
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS, XE, NT[, SPLIT]) for
+    row_mm_cp, (NT, CB, SPLIT, DB) for row_mm_tc (the default, or row_mm_cp where mm_cp_staging
+    names a staging). out_float: as quantized_matmul's (row_mm on x as it is, a float32 result)."""
     N, K = w.shape
     if K % 32 != 0:
         raise ValueError("row_matmul (cuda): K must be a multiple of 32")
@@ -329,7 +369,13 @@ def matmul(x, w, stream, plan=None, out_float=False):
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
     if matmul_tc_ok(x.dtype, w.dtype, K) and not out_float:
-        kern, template, grid, tg, oshape, odtype = _mm_tc_call(x.dtype, K, N, R, plan)
+        staging = plan[1:] if plan and plan[0] == "cp" else (mm_cp_staging(N, K) if plan is None else None)
+        call = _mm_cp_call(x.dtype, K, N, R, *staging) if staging else None
+        if call is None and plan and plan[0] == "cp":
+            raise ValueError(f"row_mm_cp: staging {plan} does not apply to {N} x {K}")
+        if call is None:
+            call = _mm_tc_call(x.dtype, K, N, R, None if plan and plan[0] == "cp" else plan)
+        kern, template, grid, tg, oshape, odtype = call
         out = kern(inputs=[x2, w], template=template, grid=grid, threadgroup=tg,
                    output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
         return out if x.ndim == 2 else out.reshape(*lead, N)
