@@ -43,7 +43,7 @@
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
 #   bash bench/gpu_run.sh s16c      # session 16: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
-#   bash bench/gpu_run.sh s16e      # next: deeper cp.async pipelines (NS 3-6, up to 200 KB) at M = 1 / 16
+#   bash bench/gpu_run.sh s16e      # next: deeper cp.async pipelines (NS 3-6, up to 200 KB), L2 prefetch ahead
 #   bash bench/gpu_run.sh s16d      # next: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
@@ -499,13 +499,15 @@ case "${1:-tests}" in
       cut -c1-110 "$out/gemm_mm16$stg.md"
     done
     ;;
-  s16e)     # issue 3's M = 1 bandwidth: deeper pipelines. The default keeps one stage in flight
+  s16e)     # issue 3's M = 1 bandwidth: more in flight. The default keeps one stage in flight
             # per warp (NS 2: ~46 KB a SM on 12288 x 4096, ~4 rounds of HBM latency a launch); a
             # read-only kernel reaching 3.1 TB/s there keeps far more in flight. NS 3-6 with one or
             # two tiles, shared memory allowed to 200 KB (TF_CP_SMEM_KB; the library's limit is
-            # 72 KB), at M = 1 / 16; each plan asserted == row_qmm_tc bitwise by the sweep
+            # 72 KB); and the defaults with each stage's lines asked of L2 1 / 2 / 4 stages ahead
+            # (PF, the sixth value: no shared memory, no registers). M = 1 / 16; each plan
+            # asserted == row_qmm_tc bitwise by the sweep
     TF_CP_SMEM_KB=200 SWEEP_REPS=5 \
-        CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,8.2.1.1,4.2.2.1,8.3.1.1,8.4.1.1,4.4.1.1,4.6.1.1,8.3.1.2,8.4.1.2,4.4.1.2,4.3.1.2} \
+        CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,8.2.1.1,4.2.2.1,8.3.1.1,8.4.1.1,4.4.1.1,4.6.1.1,8.3.1.2,8.4.1.2,4.4.1.2,4.3.1.2,8.2.1.2.0.1,8.2.1.2.0.2,8.2.1.2.0.4,8.2.1.1.0.2,8.2.1.1.0.4,4.2.2.1.0.2,4.2.2.1.0.4} \
         SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=250 timeout 330 \
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_deep16.csv" 2> "$out/cp_deep16.err"

@@ -53,13 +53,20 @@ def cp_plans(N, K):
     st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("CP_STAGINGS", "").split(",") if t] or \
         [(4, 2, 0, 1), (4, 2, 1, 1), (4, 3, 1, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 2),
          (8, 2, 1, 2), (4, 2, 0, 2)]
+    # a sixth value: stages pulled into L2 ahead of the ring (PF; split 0 = the default), e.g.
+    # 8.2.1.2.0.2
     for cb, ns, xe, *rest in st:
         nt = rest[0] if rest else 1
-        split = rest[1] if len(rest) > 1 else None
+        split = (rest[1] or None) if len(rest) > 1 else None
+        pf = rest[2] if len(rest) > 2 else 0
         p = cp_plan(N, K, 64, 4, cb, ns, nt, split)
         if p is None or (p[0], p[1]) != (cb, ns):
             continue
-        if split is not None and split != tc[2]:
+        if pf:
+            if split is not None and split != tc[2] and (tc[0], tc[1], split, tc[3]) not in out:
+                out.append((tc[0], tc[1], split, tc[3]))
+            out.append(("cp", cb, ns, xe, nt, split or 0, pf))
+        elif split is not None and split != tc[2]:
             ref = (tc[0], tc[1], split, tc[3])
             if (K // 32 // tc[1]) % split:
                 continue
@@ -96,7 +103,7 @@ def dense_plans(N, K):
 def plan_split(plan, default):
     """The split (reduction order) a sweep plan runs with."""
     if plan[0] == "cp":
-        return plan[5] if len(plan) > 5 else default
+        return (plan[5] or default) if len(plan) > 5 else default
     return plan[2]
 
 
@@ -213,7 +220,7 @@ def report(path):
         byts = N * K * 2 if DENSE else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 else "")
+            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" PF{p[6]}" if len(p) > 6 else "")
              if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
             + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))

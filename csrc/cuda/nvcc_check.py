@@ -109,8 +109,15 @@ for T in (bf, f16):
         for TWO, cb, ns, XE, NT in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT),
+                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT, PF=0),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
+    # L2 prefetch ahead of the ring (PF; s16e sweeps it)
+    for N, K, cb, ns, XE, NT, PF in ((12288, 4096, 8, 2, 1, 2, 2), (4096, 12288, 8, 2, 1, 1, 4),
+                                     (4096, 4096, 4, 2, 2, 1, 2)):
+        CB, NS, SPLIT, _ = cp_plan(N, K, 64, 4, cb, ns, NT)
+        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=64, SPLIT=SPLIT, CB=CB, NS=NS,
+                                         RES=False, TWO=False, XE=XE, NT=NT, PF=PF),
+                      dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)
         CASES.append(("row_mm_tc", dict(T=T, K=K, N=N, NT=NT, CB=CB, SPLIT=SPLIT, DB=DB),

@@ -557,13 +557,14 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, PF, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; 3 as 1 for rows 0..7, rows 8..15 at their
 // use: the 16-row launch's registers, not a default; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
-// row_qmm_tc; the same bits)
+// row_qmm_tc; the same bits), PF (0, or how many stages ahead each stage's lines are asked of L2
+// with a prefetch: data movement only)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
@@ -608,6 +609,19 @@ auto issue = [&](int ci) {
 #pragma unroll
   for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
 };
+// PF > 0: stage ci's lines are asked of L2 PF stages before its copies are issued (lane r < 16 NT
+// takes row r): more of the slice in flight from HBM than the ring holds
+auto pull = [&](int ci) {
+  if (ci < CPW && lane < 16 * NT) {
+    const unsigned int* p = w + (size_t)min(nbase + lane, N - 1) * KW + (size_t)(blkw + ci * CB) * 4;
+#pragma unroll
+    for (int l = 0; l < CB * 4; l += 32) tf_prefetch_l2(p + l);
+  }
+};
+if constexpr (PF > 0) {
+#pragma unroll
+  for (int st = NS - 1; st < NS - 1 + PF; ++st) pull(st);
+}
 // scales and biases of the warp's slice: [16 NT rows][NGW] each, in 4-byte pairs
 for (int e = lane; e < 16 * NT * NGW; e += 32) {
   const int a = e / (8 * NT * NGW), rem = e % (8 * NT * NGW);
@@ -666,6 +680,7 @@ for (int ci = 0; ci < CPW; ++ci) {
   __syncwarp();
   if (ci + NS - 1 < CPW) issue(ci + NS - 1);
   tf_cp_async_commit();
+  if constexpr (PF > 0) pull(ci + NS - 1 + PF);
   if constexpr (XE == 0) loadx(ci, xv);
   const uint4* st = ring + (ci % NS) * STAGE;
   unsigned int wq[CB][NT][2];

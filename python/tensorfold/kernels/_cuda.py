@@ -246,15 +246,16 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
 
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
-                 ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None):
-    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split)
+                 ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
+                 pf: int = 0):
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt)]
+                ("XE", xe), ("NT", nt), ("PF", pf)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -318,7 +319,8 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT]) for row_qmm_cp,
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, PF]) for
+    row_qmm_cp (SPLIT 0 or None: tc_plan's; PF: stages pulled into L2 ahead, 0 = none),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
