@@ -9,6 +9,7 @@ the ratios. Every timed result is evaluated (MLX is lazy); each figure is a medi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -78,6 +79,10 @@ def main(argv=None):
 
     import mlx_lm
     from tensorfold.engine import Engine, PrefillMode
+    if os.environ.get("MM_STAGING"):   # e.g. MM_STAGING=2.3.1.1: dense GEMMs through row_mm_cp
+        from tensorfold.kernels import _cuda
+        staging = tuple(int(v) for v in os.environ["MM_STAGING"].split("."))
+        _cuda.mm_cp_staging = lambda N, K: staging
 
     path = args.model
     if args.shape:

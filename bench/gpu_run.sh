@@ -44,6 +44,7 @@
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
 #   bash bench/gpu_run.sh s16c      # session 16: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
 #   bash bench/gpu_run.sh s16e      # next: deeper cp.async pipelines (NS 3-6, up to 200 KB), L2 prefetch ahead
+#   bash bench/gpu_run.sh s16f      # next: bf16 8B-shaped decode vs mlx-lm (row_mm_tc; MM_STAGING: row_mm_cp)
 #   bash bench/gpu_run.sh s16d      # next: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
@@ -512,6 +513,14 @@ case "${1:-tests}" in
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_deep16.csv" 2> "$out/cp_deep16.err"
     tail -3 "$out/cp_deep16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_deep16.csv" | tee "$out/cp_deep16.md"
+    ;;
+  s16f)     # issue 3's dense face end to end: Qwen3-8B-shaped bf16 (16 GB) decode at 2k, ours vs
+            # mlx-lm, with row_mm_tc (the default) and, if MM_STAGING is given (s16d's best), row_mm_cp
+    ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-8b-bf16'))")
+    for stg in "" ${MM_STAGING:-}; do
+      MM_STAGING=$stg timeout 280 python3 bench/bench_engine.py --model "$ck" --prompts 2048 --decode 64 \
+          --repeat 2 --no-drafted 2>&1 | tee "$out/bench_bf16_8b$stg.md" | tail -3
+    done
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
