@@ -107,6 +107,21 @@ def plan_split(plan, default):
     return plan[2]
 
 
+def timed(case, plan, ones, call):
+    """REPS evaluated calls after a marker naming (case, plan); row-exact: row 0 of the 16-row
+    call has the bits of the 1-row call (`ones` keeps each plan's 1-row result)."""
+    from gpu_kernel_time import marker
+    marker(f"{case}_" + "_".join(str(v if isinstance(v, str) else int(v)) for v in plan))
+    for _ in range(REPS):
+        y = call()
+        mx.eval(y)
+    if y.shape[0] == 1:
+        ones[plan] = y
+    else:
+        assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
+    return y
+
+
 def run_dense():
     """Dense bf16 weights: every plan == the default row_mm_tc plan bitwise (same SPLIT), row 0
     of the 16-row call == the 1-row call."""
@@ -132,14 +147,7 @@ def run_dense():
             x = x16[:M]
             ref = None
             for plan in dense_plans(N, K):
-                marker(f"{N}x{K}_M{M}_" + "_".join(str(v if isinstance(v, str) else int(v)) for v in plan))
-                for _ in range(REPS):
-                    y = _cuda.matmul(x, w, stream, plan=plan)
-                    mx.eval(y)
-                if M == 1:
-                    ones[plan] = y
-                else:
-                    assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
+                y = timed(f"{N}x{K}_M{M}", plan, ones, lambda: _cuda.matmul(x, w, stream, plan=plan))
                 ref = y if ref is None else ref
                 assert mx.array_equal(y, ref).item(), ("differs from row_mm_tc", plan)
         print(N, K, "row-exact for", len(dense_plans(N, K)), "plans (== row_mm_tc bitwise)",
@@ -176,16 +184,8 @@ def run(cp=False):
             x = x16[:M]
             ref, refs = None, {}
             for plan in (cp_plans(N, K) if cp else plans(N, K)):
-                marker(f"{N}x{K}_M{M}_" + "_".join(str(v if isinstance(v, str) else int(v))
-                                                    for v in plan))
-                for _ in range(REPS):
-                    y = _cuda.quantized_matmul(x, wq, s, b, 64, 4, stream, plan=plan)
-                    mx.eval(y)
-                # row-exact: row 0 of the 16-row call has the bits of the 1-row call
-                if M == 1:
-                    ones[plan] = y
-                else:
-                    assert mx.array_equal(y[:1], ones[plan]).item(), ("row 0 differs", plan)
+                y = timed(f"{N}x{K}_M{M}", plan, ones,
+                          lambda: _cuda.quantized_matmul(x, wq, s, b, 64, 4, stream, plan=plan))
                 yf = y.astype(mx.float32)
                 if cp:        # same SPLIT, same arithmetic: the same bits as row_qmm_tc
                     sp = refs.setdefault(plan_split(plan, split0), yf)

@@ -218,6 +218,39 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
   }
 }
 
+// The accumulators of the tensor-core GEMMs, zeroed.
+template <int NT>
+__device__ __forceinline__ void tf_tc_zero(float (&acc)[NT][2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
+    }
+  }
+}
+
+// One 32-element block of the dense tensor-core GEMMs (row_mm_tc, row_mm_cp), the one place
+// their arithmetic order is written: wv[nt][h] holds elements 8t..8t+7 of the block for weight
+// row 16 nt + 8 h + g, xb[mt] the same elements of x row 8 mt + g (tf_tc_xrows); each
+// accumulator takes the k half s = 0, then s = 1.
+template <typename T, int NT>
+__device__ __forceinline__ void tf_mm_block(float (&acc)[NT][2][4], const uint4 (&wv)[NT][2],
+                                            const unsigned int (&xb)[2][4], bool two, T tag) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[nt][0]);
+      const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[nt][1]);
+      const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
+      tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
+      if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
+    }
+  }
+}
+
 // The group fold of the quantized tensor-core GEMMs (row_qmm_tc, row_qmm_cp), the one place it
 // is written: per output element acc = fma(scale, P, acc), then acc = fma(bias, X, acc), tiles
 // and elements in order. sb(nt, h) gives (scale, bias) as floats for weight row 16 nt + 8 h + gq
@@ -444,14 +477,7 @@ unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
 float acc[NT][2][4];
-#pragma unroll
-for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
-  }
-}
+tf_tc_zero<NT>(acc);
 // one chunk's weight words and scales / biases, loaded before any of them is used
 struct Chunk {
   unsigned int wq[CB][NT][2][WPB];
@@ -642,14 +668,7 @@ unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
 float acc[NT][2][4];
-#pragma unroll
-for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
-  }
-}
+tf_tc_zero<NT>(acc);
 // ldmatrix row of this lane: matrix l / 8 = (block pair member, row half)
 const int lm = lane >> 3;
 const int lrow = 8 * (lm & 1) + (lane & 7);
@@ -774,14 +793,7 @@ bool xok[2];
 tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 float acc[NT][2][4];
-#pragma unroll
-for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
-  }
-}
+tf_tc_zero<NT>(acc);
 struct Chunk {
   uint4 wv[CB][NT][2];
 };
@@ -811,17 +823,7 @@ auto compute = [&](int ci, const Chunk& c) {
       }
       xb[mt][0] = u.x; xb[mt][1] = u.y; xb[mt][2] = u.z; xb[mt][3] = u.w;
     }
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&c.wv[b][nt][0]);
-        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&c.wv[b][nt][1]);
-        const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
-        tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
-        if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
-      }
-    }
+    tf_mm_block<T, NT>(acc, c.wv[b], xb, two, tag);
   }
 };
 tf_chunks<CPW, DB, Chunk>(load, compute);
@@ -887,14 +889,7 @@ bool xok[2];
 tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 float acc[NT][2][4];
-#pragma unroll
-for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][mt][i] = 0.0f;
-  }
-}
+tf_tc_zero<NT>(acc);
 auto loadx = [&](int blk, int mt) {
   uint4 u = make_uint4(0u, 0u, 0u, 0u);
   if ((mt == 0 || two) && xok[mt]) u = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)blk * 32));
@@ -932,17 +927,7 @@ for (int ci = 0; ci < CPW; ++ci) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) wv[nt][h] = st[(b * ROWS + 16 * nt + 8 * h + gq) * 4 + tq];
     }
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[nt][0]);
-        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[nt][1]);
-        const unsigned int a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
-        tf_mma(acc[nt][0], a, &xb[0][2 * s], tag);
-        if (two) tf_mma(acc[nt][1], a, &xb[1][2 * s], tag);
-      }
-    }
+    tf_mm_block<T, NT>(acc, wv, xb, two, tag);
   }
 }
 tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
