@@ -485,9 +485,9 @@ case "${1:-tests}" in
             # pipeline, written in session 16 and never run) == row_mm_tc bitwise, then every
             # register plan and cp staging swept (ncu, each asserted == row_mm_tc), then the dense
             # GEMM at every M against MLX's op with the default and with MM_STAGING (if given)
-    timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "mm_cp_pipeline" \
+    timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "mm_cp_pipeline" \
         > "$out/test_mmcp.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_mmcp.log" | head -8
-    SWEEP_REPS=3 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 280 \
+    SWEEP_REPS=3 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-180} timeout 250 \
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_mm|tfmark" \
         python3 bench/gpu_tc_sweep.py --dense > "$out/mm16.csv" 2> "$out/mm16.err"
     tail -3 "$out/mm16.err"; python3 bench/gpu_tc_sweep.py --report "$out/mm16.csv" --dense | tee "$out/mm16.md"
@@ -509,7 +509,7 @@ case "${1:-tests}" in
             # asserted == row_qmm_tc bitwise by the sweep
     TF_CP_SMEM_KB=200 SWEEP_REPS=5 \
         CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,8.2.1.1,4.2.2.1,8.3.1.1,8.4.1.1,4.4.1.1,4.6.1.1,8.3.1.2,8.4.1.2,4.4.1.2,4.3.1.2,8.2.1.2.0.1,8.2.1.2.0.2,8.2.1.2.0.4,8.2.1.1.0.2,8.2.1.1.0.4,4.2.2.1.0.2,4.2.2.1.0.4} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=250 timeout 330 \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=220 timeout 290 \
         ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
         python3 bench/gpu_tc_sweep.py --cp > "$out/cp_deep16.csv" 2> "$out/cp_deep16.err"
     tail -3 "$out/cp_deep16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_deep16.csv" | tee "$out/cp_deep16.md"
