@@ -222,6 +222,43 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
             assert np.array_equal(got, ref), (M, plan)
 
 
+# weight shapes (N, K) of real checkpoints: Qwen3-8B (q+k+v, o, gate+up, down, LM head),
+# Qwen3-30B-A3B (attention, experts' gate+up / down, router), Qwen3-0.6B, and the tests' own
+REAL_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (12288, 4096), (4096, 12288),
+               (151936, 4096), (5120, 2048), (2048, 4096), (1536, 2048), (2048, 768), (128, 2048),
+               (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
+               (1152, 384), (384, 1152), (72, 256)]
+
+
+def test_cuda_default_plans_apply_to_real_shapes():
+    """The CUDA face's default plans are valid for real weight shapes (pure Python, runs in CI):
+    a 4-bit default staging that did not fit would silently fall back to row_qmm_tc on a GPU.
+    row_qmm_cp applies to every shape at group 64 (mlx-lm's default); at other group sizes
+    where a K slice holds an odd number of groups (group 128 from K <= 3072 here) it does not
+    (4-byte scale copies), and row_qmm_tc runs, by design."""
+    from tensorfold.kernels import _cuda
+    for N, Kd in REAL_SHAPES:
+        NT, CB, SPLIT, DB = _cuda.tc_plan(N, Kd)
+        assert 1 <= SPLIT <= _cuda.TC_MAX_SPLIT and (Kd // 32 // CB) % SPLIT == 0, (N, Kd)
+        for gs in (32, 64, 128):
+            if Kd % gs or (Kd // gs) % 2:
+                continue
+            q = _cuda.tc_plan(N, Kd, gs, 4)
+            assert (Kd // 32 // q[1]) % q[2] == 0, (N, Kd, gs)
+            if _cuda.cp_plan(N, Kd, gs, 4) is None:
+                assert gs != 64, (N, Kd)
+                continue
+            for two in (False, True):
+                cb, ns, xe, nt = _cuda.cp_staging(N, Kd, gs, two)
+                plan = _cuda.cp_plan(N, Kd, gs, 4, cb, ns, nt)
+                assert plan is not None and plan[:2] == (cb, ns), (N, Kd, gs, two)
+                assert plan[2] == q[2] and plan[3] <= _cuda.CP_SMEM_LIMIT, (N, Kd, gs, two)
+                assert xe in (0, 1, 2) and nt in (1, 2)
+        staging = _cuda.mm_cp_staging(N, Kd)
+        if staging is not None:
+            assert _cuda.mm_cp_plan(N, Kd, staging[0], staging[1], staging[3]) is not None
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two dense kernels")
 @pytest.mark.parametrize("N,Kd,dtype", [(72, 256, mx.bfloat16), (1152, 384, mx.bfloat16),
                                         (1152, 384, mx.float16), (4096, 4096, mx.bfloat16),
