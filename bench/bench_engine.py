@@ -9,7 +9,6 @@ the ratios. Every timed result is evaluated (MLX is lazy); each figure is a medi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -79,10 +78,8 @@ def main(argv=None):
 
     import mlx_lm
     from tensorfold.engine import Engine, PrefillMode
-    if os.environ.get("MM_STAGING"):   # e.g. MM_STAGING=2.3.1.1: dense GEMMs through row_mm_cp
-        from tensorfold.kernels import _cuda
-        staging = tuple(int(v) for v in os.environ["MM_STAGING"].split("."))
-        _cuda.mm_cp_staging = lambda N, K: staging
+    from gpu_kernel_time import use_mm_staging_env
+    use_mm_staging_env()            # MM_STAGING: dense GEMMs through row_mm_cp (bench only)
 
     path = args.model
     if args.shape:

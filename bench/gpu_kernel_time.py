@@ -36,12 +36,18 @@ def marker(tag: str):
               output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
 
 
-def run():
-    from tensorfold import kernels as K
-    if os.environ.get("MM_STAGING"):   # e.g. MM_STAGING=2.3.1.1: row_mm_cp with that staging
+def use_mm_staging_env():
+    """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging
+    (benchmarks only; call before the first dense call, whose launch is then cached)."""
+    if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
         staging = tuple(int(v) for v in os.environ["MM_STAGING"].split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
+
+
+def run():
+    from tensorfold import kernels as K
+    use_mm_staging_env()
     shapes = SHAPES     # GEMM_SHAPES=4096x4096,12288x4096 and GEMM_OPS=qmm narrow a run
     if os.environ.get("GEMM_SHAPES"):
         shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["GEMM_SHAPES"].split(",")]

@@ -26,7 +26,6 @@ import mlx.core as mx
 SHAPES = [(12288, 4096), (4096, 4096), (151936, 4096), (4096, 12288)]  # (N, K)
 CP_SHAPES = [(24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096), (151936, 4096)]
 REPS = int(os.environ.get("SWEEP_REPS", "3"))
-DENSE = False
 
 
 def plans(N, K):
@@ -62,19 +61,18 @@ def cp_plans(N, K):
         p = cp_plan(N, K, 64, 4, cb, ns, nt, split)
         if p is None or (p[0], p[1]) != (cb, ns):
             continue
-        if pf:
-            if split is not None and split != tc[2] and (tc[0], tc[1], split, tc[3]) not in out:
-                out.append((tc[0], tc[1], split, tc[3]))
-            out.append(("cp", cb, ns, xe, nt, split or 0, pf))
-        elif split is not None and split != tc[2]:
-            ref = (tc[0], tc[1], split, tc[3])
+        if split == tc[2]:
+            split = None
+        if split is not None:
             if (K // 32 // tc[1]) % split:
                 continue
+            ref = (tc[0], tc[1], split, tc[3])
             if ref not in out:
                 out.append(ref)
-            out.append(("cp", cb, ns, xe, nt, split))
-        else:
-            out.append(("cp", cb, ns, xe, nt))
+        plan = ("cp", cb, ns, xe, nt)
+        if split or pf:
+            plan += (split or 0,)
+        out.append(plan + ((pf,) if pf else ()))
     return out
 
 
@@ -125,20 +123,10 @@ def timed(case, plan, ones, call):
 def run_dense():
     """Dense bf16 weights: every plan == the default row_mm_tc plan bitwise (same SPLIT), row 0
     of the 16-row call == the 1-row call."""
-    import time
     from tensorfold.kernels import _cuda
     from gpu_kernel_time import marker
-    if os.environ.get("TF_CP_SMEM_KB"):
-        _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
-    t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
     stream = mx.default_stream(mx.gpu)
-    shapes = DENSE_SHAPES
-    if os.environ.get("SWEEP_SHAPES"):
-        shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["SWEEP_SHAPES"].split(",")]
-    for N, K in shapes:
-        if time.perf_counter() > t_end:
-            print("sweep budget spent before", N, K, file=sys.stderr)
-            break
+    for N, K in sweep_shapes(DENSE_SHAPES):
         w = (mx.random.normal((N, K)) * 0.02).astype(mx.bfloat16)
         x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
         mx.eval(w, x16)
@@ -155,22 +143,31 @@ def run_dense():
     marker("end")
 
 
-def run(cp=False):
+def sweep_shapes(default):
+    """SWEEP_SHAPES (e.g. 6144x4096,151936x4096) or `default`, one by one until SWEEP_BUDGET_S is
+    spent (the sweep then stops cleanly, so that ncu still writes its report). TF_CP_SMEM_KB
+    raises the cp kernels' shared-memory ceiling first (sweep only)."""
     import time
     from tensorfold.kernels import _cuda
-    if os.environ.get("TF_CP_SMEM_KB"):     # stagings past 48 KB of shared memory (sweep only)
+    if os.environ.get("TF_CP_SMEM_KB"):
         _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
         _cuda.cp_staging.cache_clear()
     t_end = time.perf_counter() + float(os.environ.get("SWEEP_BUDGET_S", "1e9"))
-    from gpu_kernel_time import marker
-    stream = mx.default_stream(mx.gpu)
-    shapes = CP_SHAPES if cp else SHAPES
-    if os.environ.get("SWEEP_SHAPES"):    # e.g. SWEEP_SHAPES=6144x4096,151936x4096
+    shapes = default
+    if os.environ.get("SWEEP_SHAPES"):
         shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["SWEEP_SHAPES"].split(",")]
     for N, K in shapes:
-        if time.perf_counter() > t_end:  # stop cleanly so that ncu still writes its report
+        if time.perf_counter() > t_end:
             print("sweep budget spent before", N, K, file=sys.stderr)
-            break
+            return
+        yield N, K
+
+
+def run(cp=False):
+    from tensorfold.kernels import _cuda
+    from gpu_kernel_time import marker
+    stream = mx.default_stream(mx.gpu)
+    for N, K in sweep_shapes(CP_SHAPES if cp else SHAPES):
         w = mx.random.normal((N, K)) * 0.02
         wq, s, b = mx.quantize(w, group_size=64, bits=4)
         s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
@@ -199,7 +196,7 @@ def run(cp=False):
     marker("end")
 
 
-def report(path):
+def report(path, dense=False):
     rows = list(csv.DictReader(l for l in open(path) if l.startswith('"')))
     cur, t = None, {}
     for r in rows:
@@ -217,7 +214,7 @@ def report(path):
         by_shape.setdefault((shape, m), []).append((statistics.median(v), plan))
     for (shape, m), lst in sorted(by_shape.items()):
         N, K = map(int, shape.split("x"))
-        byts = N * K * 2 if DENSE else N * K / 2 + N * K / 64 * 4
+        byts = N * K * 2 if dense else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
             (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" PF{p[6]}" if len(p) > 6 else "")
@@ -227,9 +224,9 @@ def report(path):
 
 
 if __name__ == "__main__":
-    DENSE = "--dense" in sys.argv   # bf16 weights: the report's TB/s counts 2 bytes a weight
+    dense = "--dense" in sys.argv   # bf16 weights (the report's TB/s: 2 bytes a weight)
     if len(sys.argv) > 2 and sys.argv[1] == "--report":
-        report(sys.argv[2])
+        report(sys.argv[2], dense)
     else:
         sys.path.insert(0, "bench")
-        run_dense() if DENSE else run(cp="--cp" in sys.argv)
+        run_dense() if dense else run(cp="--cp" in sys.argv)

@@ -278,7 +278,7 @@ def mm_cp_plan(N: int, K: int, cb: int = 2, ns: int = 3, nt: int = 1, split: int
 # row_mm_cp's default staging (CB, NS, XE, NT) per weight shape, or None: row_mm_tc (registers).
 # None everywhere until an H200 sweep has measured row_mm_cp (`bash bench/gpu_run.sh s16d`:
 # written in session 16, which had no device time left; the cp == tc test comes first there).
-@functools.lru_cache(maxsize=4096)
+# Read once per (dtype, shape, rows) by _mm_default_call.
 def mm_cp_staging(N: int, K: int):
     return None
 
@@ -295,6 +295,14 @@ def _mm_cp_call(T, K: int, N: int, R: int, cb: int = 2, ns: int = 3, xe: int = 1
                 ("XE", xe), ("NT", nt), ("TWO", R > 8)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
+
+
+@functools.lru_cache(maxsize=4096)
+def _mm_default_call(T, K: int, N: int, R: int):
+    """The default dense call (row_mm_cp where mm_cp_staging names a staging, else row_mm_tc),
+    resolved once per (dtype, shape, rows): one cache lookup per call on the decode path."""
+    staging = mm_cp_staging(N, K)
+    return (staging and _mm_cp_call(T, K, N, R, *staging)) or _mm_tc_call(T, K, N, R)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -371,12 +379,14 @@ def matmul(x, w, stream, plan=None, out_float=False):
     x2 = x if x.ndim == 2 else x.reshape(-1, K)
     R = x2.shape[0]
     if matmul_tc_ok(x.dtype, w.dtype, K) and not out_float:
-        staging = plan[1:] if plan and plan[0] == "cp" else (mm_cp_staging(N, K) if plan is None else None)
-        call = _mm_cp_call(x.dtype, K, N, R, *staging) if staging else None
-        if call is None and plan and plan[0] == "cp":
-            raise ValueError(f"row_mm_cp: staging {plan} does not apply to {N} x {K}")
-        if call is None:
-            call = _mm_tc_call(x.dtype, K, N, R, None if plan and plan[0] == "cp" else plan)
+        if plan is None:
+            call = _mm_default_call(x.dtype, K, N, R)
+        elif plan[0] == "cp":
+            call = _mm_cp_call(x.dtype, K, N, R, *plan[1:])
+            if call is None:
+                raise ValueError(f"row_mm_cp: staging {plan} does not apply to {N} x {K}")
+        else:
+            call = _mm_tc_call(x.dtype, K, N, R, plan)
         kern, template, grid, tg, oshape, odtype = call
         out = kern(inputs=[x2, w], template=template, grid=grid, threadgroup=tg,
                    output_shapes=oshape, output_dtypes=odtype, stream=stream)[0]
