@@ -60,6 +60,22 @@ genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (defa
   esac
 }
 out=${OUT:-/tmp/tf-out}; mkdir -p "$out"
+sweep() {   # sweep TAG TIMEOUT --cp|--dense: bench/gpu_tc_sweep.py under ncu (device time; env:
+            # CP_STAGINGS, MM_STAGINGS, SWEEP_SHAPES, SWEEP_BUDGET_S, SWEEP_REPS), then its report
+  local tag=$1 limit=$2 kind=$3
+  timeout "$limit" ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_q?mm|tfmark" \
+      python3 bench/gpu_tc_sweep.py "$kind" > "$out/$tag.csv" 2> "$out/$tag.err"
+  tail -3 "$out/$tag.err"; python3 bench/gpu_tc_sweep.py --report "$out/$tag.csv" "$kind" | tee "$out/$tag.md"
+}
+gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, ours vs MLX's op at every M
+                 # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
+  local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
+  [[ ,${GEMM_OPS:-qmm,mm}, == *,mm,* ]] && names="$names|gemm|cutlass"   # MLX's dense GEMM kernels
+  timeout "$limit" ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+      --kernel-name regex:"$names" python3 bench/gpu_kernel_time.py \
+      > "$out/$tag.csv" 2> "$out/$tag.err"
+  python3 bench/gpu_kernel_time.py --report "$out/$tag.csv" > "$out/$tag.md" 2>&1; cut -c1-110 "$out/$tag.md"
+}
 export PYTHONUNBUFFERED=1
 # MLX 0.32.4's CUDA quantized_matmul is wrong for K = 64 at M >= 2: widen the test checkpoints
 export TF_TEST_HIDDEN=${TF_TEST_HIDDEN:-128}
@@ -294,10 +310,7 @@ case "${1:-tests}" in
             # 4-bit cases that failed on CUDA in s12a, with their tracebacks, meanwhile
     timeout 450 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/test_moe.py -k "prefill_logits and 4bit" \
         > "$out/test_moe4.log" 2>&1 &
-    SWEEP_SHAPES=${SWEEP_SHAPES:-24576x4096,151936x4096,4096x12288} SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 300 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_sweep12.csv" 2> "$out/cp_sweep12.err"
-    tail -3 "$out/cp_sweep12.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_sweep12.csv" | tee "$out/cp_sweep12.md"
+    SWEEP_SHAPES=${SWEEP_SHAPES:-24576x4096,151936x4096,4096x12288} SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} sweep cp_sweep12 300 --cp
     SWEEP_SHAPES=24576x4096 CP_STAGINGS=4.2.0 timeout 150 ncu --clock-control none --kernel-name regex:row_qmm_cp \
         --launch-skip 0 --launch-count 6 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
@@ -401,16 +414,9 @@ case "${1:-tests}" in
     timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline and (12288 or 20000)" \
         > "$out/test_cp14.log" 2>&1 &
     SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,4.2.1.2,4.2.1.2.8,8.2.1.2.4,4.2.1.2.4} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096} SWEEP_BUDGET_S=150 timeout 220 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_split14.csv" 2> "$out/cp_split14.err"
-    tail -3 "$out/cp_split14.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_split14.csv" | tee "$out/cp_split14.md"
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096} SWEEP_BUDGET_S=150 sweep cp_split14 220 --cp
     wait; echo "== test_cp14"; grep -E "^FAILED|^E |passed|failed" "$out/test_cp14.log" | head -8
-    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,24576x4096} GEMM_OPS=qmm timeout 150 \
-        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
-        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
-        > "$out/gemm14.csv" 2> "$out/gemm14.err"
-    python3 bench/gpu_kernel_time.py --report "$out/gemm14.csv" > "$out/gemm14.md" 2>&1; cut -c1-110 "$out/gemm14.md"
+    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,24576x4096} GEMM_OPS=qmm gemm_table gemm14 150
     ;;
   s15a)     # issue 7: the MoE table at 2k / 16k / 64k after session 14's per-projection queue
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
@@ -428,21 +434,14 @@ case "${1:-tests}" in
             # 127 registers on 24576 x 4096 CB 4 and 4096 x 4096 NT 2); XE 1 with one tile needs 74.
             # Each plan asserted == row_qmm_tc bitwise at M = 1 and 16 by the sweep.
     SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-4.2.2.1,4.2.1.1,4.2.3.1,4.2.1.2,4.2.3.2,8.2.1.2,8.2.3.2,4.2.2.2} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,4096x4096,6144x4096,4096x12288} SWEEP_BUDGET_S=250 timeout 330 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_two15.csv" 2> "$out/cp_two15.err"
-    tail -3 "$out/cp_two15.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_two15.csv" | tee "$out/cp_two15.md"
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,4096x4096,6144x4096,4096x12288} SWEEP_BUDGET_S=250 sweep cp_two15 330 --cp
     ;;
   s15d)     # issue 3: session 15's stagings (6144 x 4096 past 8 rows: XE 1, one tile; 4096 x
             # 12288 up to 8 rows: CB 8, XE 1): the cp == tc test on both, then the GEMM at every M
             # against MLX's op on the 8B shapes
     timeout 200 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline and (6144 or 4096-12288)" \
         > "$out/test_cp15d.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_cp15d.log" | head -8
-    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096} GEMM_OPS=qmm timeout 180 \
-        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
-        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
-        > "$out/gemm15.csv" 2> "$out/gemm15.err"
-    python3 bench/gpu_kernel_time.py --report "$out/gemm15.csv" > "$out/gemm15.md" 2>&1; cut -c1-110 "$out/gemm15.md"
+    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096} GEMM_OPS=qmm gemm_table gemm15 180
     ;;
   ceiling)  # issue 3's M = 1 target against the machine: a read-only kernel streaming each 4-bit
             # shape's bytes (9 launch shapes, best kept) and the one-thread kernel's device time,
@@ -450,21 +449,14 @@ case "${1:-tests}" in
     timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfread|tfmark" \
         python3 bench/gpu_read_ceiling.py > "$out/read15.csv" 2> "$out/read15.err"
     tail -2 "$out/read15.err"; python3 bench/gpu_read_ceiling.py --report "$out/read15.csv" | tee "$out/read15.md"
-    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x4096} GEMM_OPS=qmm timeout 100 \
-        ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
-        --kernel-name regex:"custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK" python3 bench/gpu_kernel_time.py \
-        > "$out/gemm15c.csv" 2> "$out/gemm15c.err"
-    python3 bench/gpu_kernel_time.py --report "$out/gemm15c.csv" > "$out/gemm15c.md" 2>&1; cut -c1-110 "$out/gemm15c.md"
+    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x4096} GEMM_OPS=qmm gemm_table gemm15c 100
     ;;
   s16a)     # issue 3's M = 1: longer row segments per stage (CB 16: 256 bytes of each weight row a
             # stage instead of 128; nvcc -v: 137 registers with one tile on 12288 x 4096, 184 with
             # two on 24576 x 4096) against the defaults; ours is 66-73% of a read-only kernel
             # (`ceiling`). Each plan asserted == row_qmm_tc bitwise by the sweep.
     SWEEP_REPS=5 CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,16.2.1.1,16.2.1.2,8.2.1.1,4.2.1.2} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,6144x4096} SWEEP_BUDGET_S=200 timeout 280 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_cb16.csv" 2> "$out/cp_cb16.err"
-    tail -3 "$out/cp_cb16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_cb16.csv" | tee "$out/cp_cb16.md"
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,24576x4096,6144x4096} SWEEP_BUDGET_S=200 sweep cp_cb16 280 --cp
     ;;
   s16c)     # issue 3's M = 1 bandwidth: where the default staging's time goes at 1 and 16 rows on
             # the two 28 MB shapes (Nsight Compute sections and every stall reason per issued
@@ -487,17 +479,9 @@ case "${1:-tests}" in
             # GEMM at every M against MLX's op with the default and with MM_STAGING (if given)
     timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels.py -k "mm_cp_pipeline" \
         > "$out/test_mmcp.log" 2>&1; grep -E "^FAILED|^E |passed|failed" "$out/test_mmcp.log" | head -8
-    SWEEP_REPS=3 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-180} timeout 250 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_mm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --dense > "$out/mm16.csv" 2> "$out/mm16.err"
-    tail -3 "$out/mm16.err"; python3 bench/gpu_tc_sweep.py --report "$out/mm16.csv" --dense | tee "$out/mm16.md"
+    SWEEP_REPS=3 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-180} sweep mm16 250 --dense
     for stg in "" ${MM_STAGING:-}; do
-      GEMM_SHAPES=4096x4096,4096x12288,151936x4096 GEMM_OPS=mm MM_STAGING=$stg timeout 150 \
-          ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
-          --kernel-name regex:"custom_kernel_tf|gemv|gemm|nvjet|splitK|cutlass" python3 bench/gpu_kernel_time.py \
-          > "$out/gemm_mm16$stg.csv" 2> "$out/gemm_mm16$stg.err"
-      python3 bench/gpu_kernel_time.py --report "$out/gemm_mm16$stg.csv" > "$out/gemm_mm16$stg.md" 2>&1
-      cut -c1-110 "$out/gemm_mm16$stg.md"
+      GEMM_SHAPES=4096x4096,4096x12288,151936x4096 GEMM_OPS=mm MM_STAGING=$stg gemm_table gemm_mm16$stg 150
     done
     ;;
   s16e)     # issue 3's M = 1 bandwidth: more in flight. The default keeps one stage in flight
@@ -509,10 +493,7 @@ case "${1:-tests}" in
             # asserted == row_qmm_tc bitwise by the sweep
     TF_CP_SMEM_KB=200 SWEEP_REPS=5 \
         CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,8.2.1.1,4.2.2.1,8.3.1.1,8.4.1.1,4.4.1.1,4.6.1.1,8.3.1.2,8.4.1.2,4.4.1.2,4.3.1.2,8.2.1.2.0.1,8.2.1.2.0.2,8.2.1.2.0.4,8.2.1.1.0.2,8.2.1.1.0.4,4.2.2.1.0.2,4.2.2.1.0.4} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=220 timeout 290 \
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_qmm|tfmark" \
-        python3 bench/gpu_tc_sweep.py --cp > "$out/cp_deep16.csv" 2> "$out/cp_deep16.err"
-    tail -3 "$out/cp_deep16.err"; python3 bench/gpu_tc_sweep.py --report "$out/cp_deep16.csv" | tee "$out/cp_deep16.md"
+        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=220 sweep cp_deep16 290 --cp
     ;;
   s16f)     # issue 3's dense face end to end: Qwen3-8B-shaped bf16 (16 GB) decode at 2k, ours vs
             # mlx-lm, with row_mm_tc (the default) and, if MM_STAGING is given (s16d's best), row_mm_cp
