@@ -254,9 +254,9 @@ def test_cuda_default_plans_apply_to_real_shapes():
                 assert plan is not None and plan[:2] == (cb, ns), (N, Kd, gs, two)
                 assert plan[2] == q[2] and plan[3] <= _cuda.CP_SMEM_LIMIT, (N, Kd, gs, two)
                 assert xe in (0, 1, 2) and nt in (1, 2)
+        # the dense default: row_mm_cp applies to every real shape (else row_mm_tc, slower)
         staging = _cuda.mm_cp_staging(N, Kd)
-        if staging is not None:
-            assert _cuda.mm_cp_plan(N, Kd, staging[0], staging[1], staging[3]) is not None
+        assert _cuda.mm_cp_plan(N, Kd, staging[0], staging[1], staging[3]) is not None, (N, Kd)
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's two dense kernels")

@@ -276,10 +276,19 @@ def mm_cp_plan(N: int, K: int, cb: int = 2, ns: int = 3, nt: int = 1, split: int
 
 
 # row_mm_cp's default staging (CB, NS, XE, NT) per weight shape, or None: row_mm_tc (registers).
-# None everywhere until an H200 sweep has measured row_mm_cp (`bash bench/gpu_run.sh s16d`:
-# written in session 16, which had no device time left; the cp == tc test comes first there).
+# Measured on the H200 in session 17 (`bash bench/gpu_run.sh s16d`, ncu, each plan asserted ==
+# row_mm_tc bitwise): CB 2, NS 3 was the fastest plan at M = 1 on 4096x4096 (11.1 us against
+# row_mm_tc's 16.8) and 4096x12288 (28.7 us against 67.9); CB 1, NS 3 (13.4 us on 4096x4096)
+# serves K slices of 32 elements (e.g. K = 768 or 256 at split 8). Where neither fits a shape
+# (mm_cp_plan is None), _mm_default_call falls back to row_mm_tc: same bits either way.
 # Read once per (dtype, shape, rows) by _mm_default_call.
+MM_CP_DEFAULTS = ((2, 3, 1, 1), (1, 3, 1, 1))
+
+
 def mm_cp_staging(N: int, K: int):
+    for cb, ns, xe, nt in MM_CP_DEFAULTS:
+        if mm_cp_plan(N, K, cb, ns, nt) is not None:
+            return cb, ns, xe, nt
     return None
 
 
