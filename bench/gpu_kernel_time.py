@@ -37,11 +37,13 @@ def marker(tag: str):
 
 
 def use_mm_staging_env():
-    """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging
-    (benchmarks only; call before the first dense call, whose launch is then cached)."""
+    """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
+    MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). Benchmarks only; call before
+    the first dense call, whose launch is then cached."""
     if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
-        staging = tuple(int(v) for v in os.environ["MM_STAGING"].split("."))
+        v = os.environ["MM_STAGING"]
+        staging = None if v == "tc" else tuple(int(t) for t in v.split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
 
 

@@ -42,10 +42,12 @@
 #   bash bench/gpu_run.sh s15d      # session 15's stagings: cp == tc test, GEMM at every M (8B shapes)
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
-#   bash bench/gpu_run.sh s16c      # session 16: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
-#   bash bench/gpu_run.sh s16e      # next: deeper cp.async pipelines (NS 3-6, up to 200 KB), L2 prefetch ahead
-#   bash bench/gpu_run.sh s16f      # next: bf16 8B-shaped decode vs mlx-lm (row_mm_tc; MM_STAGING: row_mm_cp)
-#   bash bench/gpu_run.sh s16d      # next: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
+#   bash bench/gpu_run.sh s16c      # session 17: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
+#   bash bench/gpu_run.sh s16e      # session 17: deeper cp.async pipelines (NS 3-6, up to 200 KB), L2 prefetch
+#   bash bench/gpu_run.sh s16f      # bf16 8B-shaped decode vs mlx-lm (MM_STAGING: a row_mm_cp staging, or tc)
+#   bash bench/gpu_run.sh s16d      # session 17: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
+#   bash bench/gpu_run.sh s17a      # next: the CUDA tests at the dense default row_mm_cp (kernels, bf16
+#                                   # engine cases), then bf16 8B decode with row_mm_tc vs the default
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -496,12 +498,26 @@ case "${1:-tests}" in
         SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=220 sweep cp_deep16 290 --cp
     ;;
   s16f)     # issue 3's dense face end to end: Qwen3-8B-shaped bf16 (16 GB) decode at 2k, ours vs
-            # mlx-lm, with row_mm_tc (the default) and, if MM_STAGING is given (s16d's best), row_mm_cp
+            # mlx-lm, with the default (row_mm_cp since session 17) and, if MM_STAGING is given
+            # (a row_mm_cp staging CB.NS.XE.NT, or tc: row_mm_tc), with that
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-8b-bf16'))")
     for stg in "" ${MM_STAGING:-}; do
       MM_STAGING=$stg timeout 280 python3 bench/bench_engine.py --model "$ck" --prompts 2048 --decode 64 \
-          --repeat 2 --no-drafted 2>&1 | tee "$out/bench_bf16_8b$stg.md" | tail -3
+          --repeat 3 --no-drafted 2>&1 | tee "$out/bench_bf16_8b$stg.md" | tail -3
     done
+    ;;
+  s17a)     # issue 3's dense face, now row_mm_cp by default (session 17): what the device budget
+            # left unrun -- the dense kernel tests on CUDA (72x256 takes CB 1, 1152x384 every
+            # staging), the engine's bf16 exactness cases (drafted == serial, resumed == fresh),
+            # side by side (NVRTC compiles while the GPU idles); then the bf16 8B decode against
+            # mlx-lm with the register kernel (MM_STAGING=tc) and with the default
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matmul_row_exact or matmul_accuracy or mm_cp_pipeline" \
+        > "$out/test_mm17.log" 2>&1 &
+    sel=$(python3 -c "print(' or '.join(f'serial[{i}]' for i in range(90) if (i // 3) % 5 == 1))")   # _case's bf16 cases
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "bf16 or $sel" > "$out/test_engine_bf16.log" 2>&1 &
+    wait
+    for f in test_mm17 test_engine_bf16; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
+    MM_STAGING="tc" bash "$0" s16f
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
