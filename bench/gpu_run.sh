@@ -48,6 +48,7 @@
 #   bash bench/gpu_run.sh s16d      # session 17: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
 #   bash bench/gpu_run.sh s17a      # next: the CUDA tests at the dense default row_mm_cp (kernels, bf16
 #                                   # engine cases), then bf16 8B decode with row_mm_tc vs the default
+#   bash bench/gpu_run.sh s17b      # next: row_mm_cp stagings at 16 rows on the wide dense shapes
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -518,6 +519,12 @@ case "${1:-tests}" in
     wait
     for f in test_mm17 test_engine_bf16; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
     MM_STAGING="tc" bash "$0" s16f
+    ;;
+  s17b)     # issue 3's dense face at 16 rows on the wide shapes (session 17's sweeps ran out of
+            # budget before the row_mm_cp stagings there): a few stagings against the default
+            # (CB 2 NS 3), each asserted == row_mm_tc bitwise and row 0 == the 1-row call
+    MM_TC_PLANS=default MM_STAGINGS=${MM_STAGINGS:-2.3.1.1,2.4.1.1,4.2.1.1,4.3.1.1,4.3.1.2,2.3.1.2} SWEEP_REPS=3 \
+        SWEEP_SHAPES=${SWEEP_SHAPES:-4096x12288,12288x4096,6144x4096} SWEEP_BUDGET_S=160 sweep mm17b 220 --dense
     ;;
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")

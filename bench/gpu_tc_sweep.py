@@ -81,12 +81,13 @@ DENSE_SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (151936, 4096)]
 
 def dense_plans(N, K):
     """row_mm_tc's register plans with its default SPLIT (the same bits) and row_mm_cp's
-    stagings ("cp", CB, NS, XE, NT); MM_STAGINGS="2.3.1.1,4.2.1.2" overrides the stagings."""
+    stagings ("cp", CB, NS, XE, NT); MM_STAGINGS="2.3.1.1,4.2.1.2" overrides the stagings, and
+    MM_TC_PLANS=default keeps only the default register plan (the reference of the bit check)."""
     from tensorfold.kernels._cuda import mm_cp_plan, tc_plan
     tc = tc_plan(N, K)
     out = [tc]
     nblk = K // 32
-    for NT in (1, 2):
+    for NT in (() if os.environ.get("MM_TC_PLANS") == "default" else (1, 2)):
         for CB in (1, 2, 4):
             for DB in (False, True):
                 p = (NT, CB, tc[2], DB)
