@@ -29,6 +29,17 @@ COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = 3
 
 
+def ncu_rows(path: str):
+    """The metric rows of an `ncu --csv` report (its log lines left out), as dicts by column."""
+    return list(csv.DictReader(l for l in open(path) if l.startswith('"')))
+
+
+def ncu_us(r) -> float:
+    """A row's gpu__time_duration value in microseconds (ncu writes ns or us)."""
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
+    return float(r["Metric Value"].replace(",", "")) * scale
+
+
 def marker(tag: str):
     k = mx.fast.cuda_kernel(name=f"tfmark_{tag}", input_names=["a"], output_names=["o"],
                             source="o[0] = a[0];")
@@ -83,7 +94,7 @@ def run():
 
 
 def report(path):
-    rows = list(csv.DictReader(l for l in open(path) if l.startswith('"')))
+    rows = ncu_rows(path)
     cur, data = None, {}
     for r in rows:
         name = r.get("Kernel Name") or r.get("Function Name") or ""

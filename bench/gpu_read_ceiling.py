@@ -15,12 +15,12 @@ On the H200 (after building the project there):
 
 from __future__ import annotations
 
-import csv
 import statistics
 import sys
 
 import mlx.core as mx
-from gpu_kernel_time import marker   # the one-thread kernel that names each case (bench/ on the path)
+# the one-thread kernel that names each case, and the ncu report's rows (bench/ on the path)
+from gpu_kernel_time import marker, ncu_rows, ncu_us
 
 # bytes a 4-bit (group 64, bf16 scales + biases) N x K weight moves at M = 1
 SHAPES = [(4096, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (151936, 4096)]
@@ -79,11 +79,11 @@ def run():
 
 
 def report(path: str):
-    rows = [r for r in csv.reader(open(path)) if len(r) > 14 and r[12] == "gpu__time_duration.sum"]
     times: dict[str, list[float]] = {}
-    for r in rows:
-        name = r[4].split("(")[0].replace("custom_kernel_", "")
-        times.setdefault(name, []).append(float(r[14].replace(",", "")) / 1e3)   # ns -> us
+    for r in ncu_rows(path):
+        if r["Metric Name"] == "gpu__time_duration.sum":
+            name = r["Kernel Name"].split("(")[0].replace("custom_kernel_", "")
+            times.setdefault(name, []).append(ncu_us(r))
     marks = [t for n, ts in times.items() if n.startswith("tfmark") for t in ts]
     print(f"one-thread marker kernel (one cold load, one store): median {statistics.median(marks):.2f} us, "
           f"min {min(marks):.2f}, max {max(marks):.2f} ({len(marks)} launches)\n")

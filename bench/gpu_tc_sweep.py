@@ -16,7 +16,6 @@ plans and row_mm_cp's stagings, each checked bit-identical to the default row_mm
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import sys
@@ -198,17 +197,16 @@ def run(cp=False):
 
 
 def report(path, dense=False):
-    rows = list(csv.DictReader(l for l in open(path) if l.startswith('"')))
+    from gpu_kernel_time import ncu_rows, ncu_us
     cur, t = None, {}
-    for r in rows:
+    for r in ncu_rows(path):
         n = r.get("Kernel Name") or ""
         if "tfmark_" in n:
             cur = n.split("tfmark_")[1].split("(")[0]
             continue
         if cur is None or ("row_qmm" not in n and "row_mm" not in n) or r["Metric Name"] != "gpu__time_duration.sum":
             continue
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
-        t.setdefault(cur, []).append(float(r["Metric Value"].replace(",", "")) * scale)
+        t.setdefault(cur, []).append(ncu_us(r))
     by_shape = {}
     for key, v in t.items():
         shape, m, *plan = key.split("_")
