@@ -49,6 +49,9 @@
 #   bash bench/gpu_run.sh s17a      # next: the CUDA tests at the dense default row_mm_cp (kernels, bf16
 #                                   # engine cases), then bf16 8B decode with row_mm_tc vs the default
 #   bash bench/gpu_run.sh s17b      # next: row_mm_cp stagings at 16 rows on the wide dense shapes
+#   bash bench/gpu_run.sh s18c      # session 18: cp == tc tests; constant-offset copies (CA) swept
+#   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
+#   bash bench/gpu_run.sh s18b      # next: 4-bit GEMM table at every M (5 shapes); 8B 4-bit decode vs mlx-lm
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -529,6 +532,46 @@ case "${1:-tests}" in
   moe-long)  # issue 7: MoE prompt, decode and peak memory (prefill / decode apart) at 2k / 16k / 64k
     ck=$(cd bench && python3 -c "import shapes; print(shapes.cached('qwen3-30b-a3b-4bit'))")
     timeout 560 python3 bench/bench_moe.py --model "$ck" --prompts ${PROMPTS:-2048,16384,65536} --decode 64 2>&1 | tee "$out/bench_moe_long.md" | tail -6
+    ;;
+  s18c)     # issue 3's 4-bit GEMM: a stage's copies from one pointer and constant offsets (CA)
+            # against per-copy pointers, on each 8B shape's default stagings, M = 1 / 16, after the
+            # cp == tc test on every shape (four processes). (Session 18 ran this with an eighth
+            # staging value, SF: float scale pairs made before the loop, slower, since removed;
+            # its CSVs read with the report's SF / CA labels.)
+    i=0
+    for sel in "72-256" "1152-384 or 384-1152" "4096-4096-128 or 20000 or 6144" "12288"; do
+      i=$((i + 1))
+      timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline_equals_register and ($sel)" \
+          > "$out/test_cp18_$i.log" 2>&1 &
+    done
+    wait
+    for f in test_cp18_1 test_cp18_2 test_cp18_3 test_cp18_4; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
+    lean() { local v out=""; for st in "$@"; do for v in 0 1; do out="$out,$st.0.0.$v"; done; done; echo "${out#,}"; }
+    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.2 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
+        SWEEP_BUDGET_S=100 sweep cp_lean18c1 150 --cp
+    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.1 4.2.2.2) SWEEP_SHAPES=4096x12288 \
+        SWEEP_BUDGET_S=60 sweep cp_lean18c2 100 --cp
+    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=80 sweep cp_lean18c3 120 --cp
+    ;;
+  s18d)     # issue 3, after s18c: the cp == tc tests s18c's time limit cut (1152 x 384, 384 x 1152,
+            # with the dense fp16 / bf16 ones there), then the GEMM against MLX's op at every M on
+            # the two shapes whose default changed (CA on CB 8)
+    i=0
+    for sel in "cp_pipeline_equals_register and 1152-384-64" "cp_pipeline_equals_register and 384-1152" "mm_cp_pipeline and 1152"; do
+      i=$((i + 1))
+      timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$sel" > "$out/test_cp18d_$i.log" 2>&1 &
+    done
+    wait
+    for f in test_cp18d_1 test_cp18d_2 test_cp18d_3; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -4; done
+    GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm18 150
+    ;;
+  s18b)     # next (session 18 ran out of device time): the 4-bit GEMM at every M against MLX's op
+            # on all five 8B shapes with the session's x loads and CA, then the 4-bit 8B-shaped
+            # decode against mlx-lm at 2k
+    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096,24576x4096} GEMM_OPS=qmm gemm_table gemm18 240
+    timeout 300 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 --repeat 3 \
+        --no-drafted 2>&1 | tee "$out/bench_decode18.md" | tail -6
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -112,6 +112,22 @@ __device__ __forceinline__ void tf_cp_async16(void* dst, const void* src) {
   const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
 }
+// f(tf_ic<0>{}), ..., f(tf_ic<N - 1>{}): a loop whose index is a constant in each body (for
+// template arguments such as tf_cp_async16s's offset)
+template <int I> struct tf_ic { static constexpr int value = I; };
+template <int N, int I = 0, typename F>
+__device__ __forceinline__ void tf_unroll(F&& f) {
+  if constexpr (I < N) {
+    f(tf_ic<I>{});
+    tf_unroll<N, I + 1>(f);
+  }
+}
+// tf_cp_async16 to a shared-memory address already in the shared window (__cvta_generic_to_shared)
+// from src + OFF bytes (OFF a constant: the copy instruction carries it, no address arithmetic)
+template <int OFF>
+__device__ __forceinline__ void tf_cp_async16s(unsigned int s, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(s), "l"(src), "n"(OFF));
+}
 __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }

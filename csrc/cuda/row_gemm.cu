@@ -583,14 +583,15 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, PF, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, PF, CA, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; 3 as 1 for rows 0..7, rows 8..15 at their
 // use: the 16-row launch's registers, not a default; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
 // row_qmm_tc; the same bits), PF (0, or how many stages ahead each stage's lines are asked of L2
-// with a prefetch: data movement only)
+// with a prefetch: data movement only), CA (a stage's copies from one pointer and constant
+// offsets, see issue: data movement only)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
@@ -606,6 +607,8 @@ constexpr int CPL = STAGE / 32;
 static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0, "row_qmm_cp: plan");
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2, "row_qmm_cp: 4-byte scale copies");
 static_assert(sizeof(S) == 2, "row_qmm_cp: 2-byte scales");
+// every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
+constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
 float* red = reinterpret_cast<float*>(smem_cp);
 const int R = x_shape[0];
@@ -619,6 +622,7 @@ const bool two = TWO && rows > 8;
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
+auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
 const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
 const unsigned int* wsrc[CPL];
@@ -627,13 +631,30 @@ int wdst[CPL];
 for (int i = 0; i < CPL; ++i) {
   const int e = lane + 32 * i;
   const int r = e / UPR, u = e % UPR;
-  wsrc[i] = w + (size_t)min(nbase + r, N - 1) * KW + (size_t)(blkw + u) * 4;
+  wsrc[i] = w + (size_t)wrow(r) * KW + (size_t)(blkw + u) * 4;
   wdst[i] = tf_swz<UPR>(r, u);
 }
+// CA (every block full): the same copies addressed as one pointer and one shared base a stage
+// plus constants. Copy i takes row r0 + RPC i (r0 = lane / UPR < RPC), so its source is RPC i
+// rows past copy 0's, and its swizzle repeats every SP copies (8 rows from CB 8; none below):
+// its destination is wdst[i % SP] plus (i / SP) steps of SP RPC rows -- offsets the copy
+// instructions carry as immediates.
+constexpr int RPC = 32 / UPR;
+constexpr int SP = UPR >= 8 ? 8 / RPC : 1;
+static_assert(!CA || (32 % UPR == 0 && CPL % SP == 0 && NFULL), "row_qmm_cp: CA plan");
 auto issue = [&](int ci) {
   uint4* st = ring + (ci % NS) * STAGE;
+  if constexpr (CA) {
+    const unsigned int sb = static_cast<unsigned int>(__cvta_generic_to_shared(st));
+    const unsigned int* src = wsrc[0] + (size_t)ci * CB * 4;
+    tf_unroll<CPL>([&](auto ic) {
+      constexpr int i = decltype(ic)::value;
+      tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + (i / SP) * SP * RPC * UPR), src);
+    });
+  } else {
 #pragma unroll
-  for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
+    for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
+  }
 };
 // PF > 0: stage ci's lines are asked of L2 PF stages before its copies are issued (lane r < 16 NT
 // takes row r): more of the slice in flight from HBM than the ring holds
@@ -652,7 +673,7 @@ if constexpr (PF > 0) {
 for (int e = lane; e < 16 * NT * NGW; e += 32) {
   const int a = e / (8 * NT * NGW), rem = e % (8 * NT * NGW);
   const int r = rem / (NGW / 2), p = rem % (NGW / 2);
-  const S* src = (a ? biases : scales) + (size_t)min(nbase + r, N - 1) * NG + warp * NGW + 2 * p;
+  const S* src = (a ? biases : scales) + (size_t)wrow(r) * NG + warp * NGW + 2 * p;
   tf_cp_async4((a ? sbi : ssc) + r * NGW + 2 * p, src);
 }
 #pragma unroll
@@ -664,6 +685,8 @@ const T* xrow[2];
 bool xok[2];
 tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
+xrow[0] += (size_t)blkw * 32;     // the warp's K slice: chunk ci's block b is at (ci CB + b) 32
+xrow[1] += (size_t)blkw * 32;
 unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
@@ -672,15 +695,18 @@ tf_tc_zero<NT>(acc);
 // ldmatrix row of this lane: matrix l / 8 = (block pair member, row half)
 const int lm = lane >> 3;
 const int lrow = 8 * (lm & 1) + (lane & 7);
-// x rows of chunk ci (this lane's 16-byte pieces of its two rows), zero where a row is missing
+// x rows of chunk ci (this lane's 16-byte pieces of its two rows). A missing row holds the last
+// row's values (tf_tc_xrows): column m of an mma's result depends on column m of x only, and a
+// missing row's outputs are never stored, so no load needs a predicate or a zero fill.
 auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
-      if ((mt == 0 || (two && XE != 3)) && xok[mt]) {
-        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)(blkw + ci * CB + b) * 32));
+      if (mt == 0 || (two && XE != 3)) {
+        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));
+      } else {
+        dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
   }
@@ -730,9 +756,7 @@ for (int ci = 0; ci < CPW; ++ci) {
         if constexpr (XE == 3) {
           if (mt == 1) {         // the second tile's x at its use (L1 / L2): fewer registers
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (two && xok[1]) {
-              v = __ldg(reinterpret_cast<const uint4*>(xrow[1] + (size_t)(blkw + ci * CB + b) * 32));
-            }
+            if (two) v = __ldg(reinterpret_cast<const uint4*>(xrow[1] + (size_t)ci * CB * 32 + b * 32));
             tf_xpairs(v, xb[1]);
             continue;
           }

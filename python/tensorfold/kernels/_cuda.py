@@ -244,18 +244,28 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
     return 4, 2, 2, 1
 
 
+# row_qmm_cp's copies of a stage from one pointer and constant offsets (CA: data movement only,
+# the same bits), where every block is full and a stage holds 8 or more blocks a row. H200 sweep
+# (bench/gpu_run.sh s18c, ncu medians of 5, M = 1 / 16; docs/benchmarks.md "Session 18"): CB 8
+# 12288 x 4096 12.6 -> 12.2 / 22.7 -> 17.0 us, 24576 x 4096 20.6 -> 20.2 / 29.6 -> 28.3,
+# 4096 x 12288 12.5 -> 12.3 / 25.4 -> 19.5; with CB 4 slower on three of five shapes (12288 x
+# 4096 13.9 -> 17.3 / 16.4 -> 19.3), so not there.
+CP_CA_MIN_CB = 8
+
+
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 pf: int = 0):
+                 pf: int = 0, ca: int | None = None):
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
+    ca = (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("PF", pf)]
+                ("XE", xe), ("NT", nt), ("PF", pf), ("CA", ca)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -336,8 +346,9 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, PF]) for
-    row_qmm_cp (SPLIT 0 or None: tc_plan's; PF: stages pulled into L2 ahead, 0 = none),
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, PF, CA])
+    for row_qmm_cp (SPLIT 0 or None: tc_plan's; PF: stages pulled into L2 ahead, 0 = none; CA:
+    constant-offset copies, 0 / 1, left out: from CB 8),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
