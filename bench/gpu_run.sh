@@ -43,7 +43,7 @@
 #   bash bench/gpu_run.sh ceiling   # issue 3: what a read-only kernel gets at each 4-bit shape's bytes
 #   bash bench/gpu_run.sh s16a      # next: CB 16 (256-byte row segments a stage) at M = 1 / 16
 #   bash bench/gpu_run.sh s16c      # session 17: Nsight sections + stall reasons, 28 MB shapes, M = 1 / 16
-#   bash bench/gpu_run.sh s16e      # session 17: deeper cp.async pipelines (NS 3-6, up to 200 KB), L2 prefetch
+#   (s16e, session 17's deeper pipelines and L2 prefetch, ran at 3b32c17; PF was removed in session 18)
 #   bash bench/gpu_run.sh s16f      # bf16 8B-shaped decode vs mlx-lm (MM_STAGING: a row_mm_cp staging, or tc)
 #   bash bench/gpu_run.sh s16d      # session 17: the dense face's cp.async kernel (row_mm_cp): test, sweep, table
 #   bash bench/gpu_run.sh s17a      # next: the CUDA tests at the dense default row_mm_cp (kernels, bf16
@@ -52,6 +52,7 @@
 #   bash bench/gpu_run.sh s18c      # session 18: cp == tc tests; constant-offset copies (CA) swept
 #   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
 #   bash bench/gpu_run.sh s18b      # next: 4-bit GEMM table at every M (5 shapes); 8B 4-bit decode vs mlx-lm
+#   bash bench/gpu_run.sh s19a      # next: the 4-bit GEMM with two chunks a loop turn (UR 2): tests, sweep
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -490,17 +491,6 @@ case "${1:-tests}" in
       GEMM_SHAPES=4096x4096,4096x12288,151936x4096 GEMM_OPS=mm MM_STAGING=$stg gemm_table gemm_mm16$stg 150
     done
     ;;
-  s16e)     # issue 3's M = 1 bandwidth: more in flight. The default keeps one stage in flight
-            # per warp (NS 2: ~46 KB a SM on 12288 x 4096, ~4 rounds of HBM latency a launch); a
-            # read-only kernel reaching 3.1 TB/s there keeps far more in flight. NS 3-6 with one or
-            # two tiles, shared memory allowed to 200 KB (TF_CP_SMEM_KB; the library's limit is
-            # 72 KB); and the defaults with each stage's lines asked of L2 1 / 2 / 4 stages ahead
-            # (PF, the sixth value: no shared memory, no registers). M = 1 / 16; each plan
-            # asserted == row_qmm_tc bitwise by the sweep
-    TF_CP_SMEM_KB=200 SWEEP_REPS=5 \
-        CP_STAGINGS=${CP_STAGINGS:-8.2.1.2,8.2.1.1,4.2.2.1,8.3.1.1,8.4.1.1,4.4.1.1,4.6.1.1,8.3.1.2,8.4.1.2,4.4.1.2,4.3.1.2,8.2.1.2.0.1,8.2.1.2.0.2,8.2.1.2.0.4,8.2.1.1.0.2,8.2.1.1.0.4,4.2.2.1.0.2,4.2.2.1.0.4} \
-        SWEEP_SHAPES=${SWEEP_SHAPES:-12288x4096,4096x12288,24576x4096,4096x4096} SWEEP_BUDGET_S=220 sweep cp_deep16 290 --cp
-    ;;
   s16f)     # issue 3's dense face end to end: Qwen3-8B-shaped bf16 (16 GB) decode at 2k, ours vs
             # mlx-lm, with the default (row_mm_cp since session 17) and, if MM_STAGING is given
             # (a row_mm_cp staging CB.NS.XE.NT, or tc: row_mm_tc), with that
@@ -535,9 +525,9 @@ case "${1:-tests}" in
     ;;
   s18c)     # issue 3's 4-bit GEMM: a stage's copies from one pointer and constant offsets (CA)
             # against per-copy pointers, on each 8B shape's default stagings, M = 1 / 16, after the
-            # cp == tc test on every shape (four processes). (Session 18 ran this with an eighth
-            # staging value, SF: float scale pairs made before the loop, slower, since removed;
-            # its CSVs read with the report's SF / CA labels.)
+            # cp == tc test on every shape (four processes). (Session 18 ran it before 3b7716e,
+            # its stagings CB.NS.XE.NT.SPLIT.PF.SF.CA with SF, float scale pairs made before the
+            # loop, on and off too; PF and SF are gone since, so it now sweeps CA only.)
     i=0
     for sel in "72-256" "1152-384 or 384-1152" "4096-4096-128 or 20000 or 6144" "12288"; do
       i=$((i + 1))
@@ -546,7 +536,7 @@ case "${1:-tests}" in
     done
     wait
     for f in test_cp18_1 test_cp18_2 test_cp18_3 test_cp18_4; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
-    lean() { local v out=""; for st in "$@"; do for v in 0 1; do out="$out,$st.0.0.$v"; done; done; echo "${out#,}"; }
+    lean() { local v out=""; for st in "$@"; do for v in 0 1; do out="$out,$st.0.$v"; done; done; echo "${out#,}"; }
     TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.2 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
         SWEEP_BUDGET_S=100 sweep cp_lean18c1 150 --cp
     TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.1 4.2.2.2) SWEEP_SHAPES=4096x12288 \
@@ -565,6 +555,23 @@ case "${1:-tests}" in
     wait
     for f in test_cp18d_1 test_cp18d_2 test_cp18d_3; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -4; done
     GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm18 150
+    ;;
+  s19a)     # next: two chunks a loop turn in the 4-bit GEMM (UR 2, the eighth staging value; nvcc
+            # sm_90: instructions a chunk -4 to -21%, most on the 16-row launches, whose M16 / M1
+            # ratio misses issue 3's 1.3; registers +5 to +23): the cp == tc test on four shapes
+            # (UR 2 with CA off and on), then each 8B shape's default stagings with UR 1 / 2, M = 1 / 16
+    i=0
+    for sel in "72-256-64" "1152-384-64" "4096-4096-128 or 6144" "4096-12288"; do
+      i=$((i + 1))
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "test_cuda_cp_pipeline_equals_register and ($sel)" \
+          > "$out/test_cp19_$i.log" 2>&1 &
+    done
+    wait
+    for f in test_cp19_1 test_cp19_2 test_cp19_3 test_cp19_4; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -4; done
+    ur() { local ca=$1 v out=""; shift; for st in "$@"; do for v in 1 2; do out="$out,$st.0.$ca.$v"; done; done; echo "${out#,}"; }
+    SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.2),$(ur 0 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=80 sweep cp_ur19a 120 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.1),$(ur 0 4.2.2.2) SWEEP_SHAPES=4096x12288 SWEEP_BUDGET_S=50 sweep cp_ur19b 90 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(ur 0 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 SWEEP_BUDGET_S=70 sweep cp_ur19c 110 --cp
     ;;
   s18b)     # next (session 18 ran out of device time): the 4-bit GEMM at every M against MLX's op
             # on all five 8B shapes with the session's x loads and CA, then the 4-bit 8B-shaped

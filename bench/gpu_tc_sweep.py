@@ -51,15 +51,14 @@ def cp_plans(N, K):
     st = [tuple(int(v) for v in t.split(".")) for t in os.environ.get("CP_STAGINGS", "").split(",") if t] or \
         [(4, 2, 0, 1), (4, 2, 1, 1), (4, 3, 1, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 2),
          (8, 2, 1, 2), (4, 2, 0, 2)]
-    # a sixth value: stages pulled into L2 ahead of the ring (PF; split 0 = the default), e.g.
-    # 8.2.1.2.0.2; a seventh: CA (constant-offset copies, 0 / 1; left out: the default, from
-    # CB 8), e.g. 8.2.1.2.0.0.0. (Session 18's s18a / s18c CSVs carry an eighth value: SF then CA;
-    # SF, float scale pairs made before the loop, measured slower and removed.)
+    # a sixth value: CA (constant-offset copies, 0 / 1; left out: the default, from CB 8; split
+    # 0 = the default), e.g. 8.2.1.2.0.0; a seventh: UR (chunks a loop turn, 1 / 2), e.g.
+    # 4.2.2.1.0.0.2. (Sessions 16-18 ran stagings with values since removed: PF sixth, stages
+    # asked of L2 ahead; SF seventh, float scale pairs; this report mislabels their CSVs.)
     for cb, ns, xe, *rest in st:
         nt = rest[0] if rest else 1
         split = (rest[1] or None) if len(rest) > 1 else None
-        pf = rest[2] if len(rest) > 2 else 0
-        lean = tuple(rest[3:4])
+        lean = tuple(rest[2:4])
         p = cp_plan(N, K, 64, 4, cb, ns, nt, split)
         if p is None or (p[0], p[1]) != (cb, ns):
             continue
@@ -72,10 +71,8 @@ def cp_plans(N, K):
             if ref not in out:
                 out.append(ref)
         plan = ("cp", cb, ns, xe, nt)
-        if split or pf or lean:
+        if split or lean:
             plan += (split or 0,)
-        if pf or lean:
-            plan += (pf,)
         out.append(plan + lean)
     return out
 
@@ -221,7 +218,7 @@ def report(path, dense=False):
         byts = N * K * 2 if dense else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" PF{p[6]}" if len(p) > 6 else "") + (f" SF{p[7]} CA{p[8]}" if len(p) > 8 else f" CA{p[7]}" if len(p) > 7 else "")
+            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" CA{p[6]}" if len(p) > 6 else "") + (f" UR{p[7]}" if len(p) > 7 else "")
              if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
             + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))

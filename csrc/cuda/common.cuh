@@ -102,10 +102,6 @@ __device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Ask L2 for the cache line holding p (no register, no shared memory; a hint only).
-__device__ __forceinline__ void tf_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
 // 16 bytes global -> shared without a register round trip (sm_80+), and the wait for all of
 // this thread's copies in flight.
 __device__ __forceinline__ void tf_cp_async16(void* dst, const void* src) {

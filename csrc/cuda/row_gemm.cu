@@ -583,15 +583,16 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, PF, CA, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
-// 2 one chunk ahead, during the previous chunk's mmas; 3 as 1 for rows 0..7, rows 8..15 at their
-// use: the 16-row launch's registers, not a default; data movement only, the same bits), NT
+// 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
-// row_qmm_tc; the same bits), PF (0, or how many stages ahead each stage's lines are asked of L2
-// with a prefetch: data movement only), CA (a stage's copies from one pointer and constant
-// offsets, see issue: data movement only)
+// row_qmm_tc; the same bits), CA (a stage's copies from one pointer and constant offsets, see
+// issue: data movement only), UR (chunks a turn of the loop: with 2, XE 2's hand-over of the
+// next chunk's x rows is register renaming, not moves; the same operations in the same order).
+// (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
+// stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
@@ -656,19 +657,6 @@ auto issue = [&](int ci) {
     for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
   }
 };
-// PF > 0: stage ci's lines are asked of L2 PF stages before its copies are issued (lane r < 16 NT
-// takes row r): more of the slice in flight from HBM than the ring holds
-auto pull = [&](int ci) {
-  if (ci < CPW && lane < 16 * NT) {
-    const unsigned int* p = w + (size_t)min(nbase + lane, N - 1) * KW + (size_t)(blkw + ci * CB) * 4;
-#pragma unroll
-    for (int l = 0; l < CB * 4; l += 32) tf_prefetch_l2(p + l);
-  }
-};
-if constexpr (PF > 0) {
-#pragma unroll
-  for (int st = NS - 1; st < NS - 1 + PF; ++st) pull(st);
-}
 // scales and biases of the warp's slice: [16 NT rows][NGW] each, in 4-byte pairs
 for (int e = lane; e < 16 * NT * NGW; e += 32) {
   const int a = e / (8 * NT * NGW), rem = e % (8 * NT * NGW);
@@ -703,7 +691,7 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      if (mt == 0 || (two && XE != 3)) {
+      if (mt == 0 || two) {
         dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));
       } else {
         dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
@@ -713,9 +701,9 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 };
 uint4 xv[CB][2], xn[CB][2];
 if constexpr (XE == 2) loadx(0, xn);
-#pragma unroll 1
+#pragma unroll UR
 for (int ci = 0; ci < CPW; ++ci) {
-  if constexpr (XE == 1 || XE == 3) loadx(ci, xv);
+  if constexpr (XE == 1) loadx(ci, xv);
   if constexpr (XE == 2) {
 #pragma unroll
     for (int b = 0; b < CB; ++b) { xv[b][0] = xn[b][0]; xv[b][1] = xn[b][1]; }
@@ -725,7 +713,6 @@ for (int ci = 0; ci < CPW; ++ci) {
   __syncwarp();
   if (ci + NS - 1 < CPW) issue(ci + NS - 1);
   tf_cp_async_commit();
-  if constexpr (PF > 0) pull(ci + NS - 1 + PF);
   if constexpr (XE == 0) loadx(ci, xv);
   const uint4* st = ring + (ci % NS) * STAGE;
   unsigned int wq[CB][NT][2];
@@ -752,17 +739,7 @@ for (int ci = 0; ci < CPW; ++ci) {
       const int b = gi * BPG + bb;
       unsigned int xb[2][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if constexpr (XE == 3) {
-          if (mt == 1) {         // the second tile's x at its use (L1 / L2): fewer registers
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (two) v = __ldg(reinterpret_cast<const uint4*>(xrow[1] + (size_t)ci * CB * 32 + b * 32));
-            tf_xpairs(v, xb[1]);
-            continue;
-          }
-        }
-        tf_xpairs(xv[b][mt], xb[mt]);
-      }
+      for (int mt = 0; mt < 2; ++mt) tf_xpairs(xv[b][mt], xb[mt]);
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
 #pragma unroll
