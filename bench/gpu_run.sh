@@ -74,6 +74,16 @@ sweep() {   # sweep TAG TIMEOUT --cp|--dense: bench/gpu_tc_sweep.py under ncu (d
       python3 bench/gpu_tc_sweep.py "$kind" > "$out/$tag.csv" 2> "$out/$tag.err"
   tail -3 "$out/$tag.err"; python3 bench/gpu_tc_sweep.py --report "$out/$tag.csv" "$kind" | tee "$out/$tag.md"
 }
+par_tests() {   # par_tests TAG TIMEOUT SEL...: tests/test_kernels.py -k SEL, one process per SEL side by
+                # side (NVRTC compiles while the GPU idles), then each one's summary
+  local tag=$1 limit=$2 i=0 j sel; shift 2
+  for sel in "$@"; do
+    i=$((i + 1))
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$sel" > "$out/${tag}_$i.log" 2>&1 &
+  done
+  wait
+  for ((j = 1; j <= i; j++)); do echo "== ${tag}_$j"; grep -E "^FAILED|passed|failed|error" "$out/${tag}_$j.log" | tail -8; done
+}
 gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, ours vs MLX's op at every M
                  # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
   local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
@@ -528,14 +538,8 @@ case "${1:-tests}" in
             # cp == tc test on every shape (four processes). (Session 18 ran it before 3b7716e,
             # its stagings CB.NS.XE.NT.SPLIT.PF.SF.CA with SF, float scale pairs made before the
             # loop, on and off too; PF and SF are gone since, so it now sweeps CA only.)
-    i=0
-    for sel in "72-256" "1152-384 or 384-1152" "4096-4096-128 or 20000 or 6144" "12288"; do
-      i=$((i + 1))
-      timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cp_pipeline_equals_register and ($sel)" \
-          > "$out/test_cp18_$i.log" 2>&1 &
-    done
-    wait
-    for f in test_cp18_1 test_cp18_2 test_cp18_3 test_cp18_4; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -8; done
+    k="cp_pipeline_equals_register"
+    par_tests test_cp18 230 "$k and 72-256" "$k and (1152-384 or 384-1152)" "$k and (4096-4096-128 or 20000 or 6144)" "$k and 12288"
     lean() { local v out=""; for st in "$@"; do for v in 0 1; do out="$out,$st.0.$v"; done; done; echo "${out#,}"; }
     TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.2 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
         SWEEP_BUDGET_S=100 sweep cp_lean18c1 150 --cp
@@ -547,27 +551,15 @@ case "${1:-tests}" in
   s18d)     # issue 3, after s18c: the cp == tc tests s18c's time limit cut (1152 x 384, 384 x 1152,
             # with the dense fp16 / bf16 ones there), then the GEMM against MLX's op at every M on
             # the two shapes whose default changed (CA on CB 8)
-    i=0
-    for sel in "cp_pipeline_equals_register and 1152-384-64" "cp_pipeline_equals_register and 384-1152" "mm_cp_pipeline and 1152"; do
-      i=$((i + 1))
-      timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$sel" > "$out/test_cp18d_$i.log" 2>&1 &
-    done
-    wait
-    for f in test_cp18d_1 test_cp18d_2 test_cp18d_3; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -4; done
+    par_tests test_cp18d 170 "cp_pipeline_equals_register and 1152-384-64" "cp_pipeline_equals_register and 384-1152" "mm_cp_pipeline and 1152"
     GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm18 150
     ;;
-  s19a)     # next: two chunks a loop turn in the 4-bit GEMM (UR 2, the eighth staging value; nvcc
+  s19a)     # next: two chunks a loop turn in the 4-bit GEMM (UR 2, the seventh staging value; nvcc
             # sm_90: instructions a chunk -4 to -21%, most on the 16-row launches, whose M16 / M1
             # ratio misses issue 3's 1.3; registers +5 to +23): the cp == tc test on four shapes
             # (UR 2 with CA off and on), then each 8B shape's default stagings with UR 1 / 2, M = 1 / 16
-    i=0
-    for sel in "72-256-64" "1152-384-64" "4096-4096-128 or 6144" "4096-12288"; do
-      i=$((i + 1))
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "test_cuda_cp_pipeline_equals_register and ($sel)" \
-          > "$out/test_cp19_$i.log" 2>&1 &
-    done
-    wait
-    for f in test_cp19_1 test_cp19_2 test_cp19_3 test_cp19_4; do echo "== $f"; grep -E "^FAILED|passed|failed|error" "$out/$f.log" | tail -4; done
+    k="test_cuda_cp_pipeline_equals_register"
+    par_tests test_cp19 200 "$k and 72-256-64" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 4096-12288"
     ur() { local ca=$1 v out=""; shift; for st in "$@"; do for v in 1 2; do out="$out,$st.0.$ca.$v"; done; done; echo "${out#,}"; }
     SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.2),$(ur 0 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=80 sweep cp_ur19a 120 --cp
     SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.1),$(ur 0 4.2.2.2) SWEEP_SHAPES=4096x12288 SWEEP_BUDGET_S=50 sweep cp_ur19b 90 --cp
