@@ -28,7 +28,7 @@ from tensorfold.kernels._cuda import standalone_source  # noqa: E402
 
 bf, f16, f32, u32, i32 = mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int32
 
-from tensorfold.kernels._cuda import attn_plan, attn_tc_smem, CP_CA_MIN_CB  # noqa: E402
+from tensorfold.kernels._cuda import attn_plan, attn_tc_smem, cp_ca  # noqa: E402
 
 CASES = []
 for T in (bf, f16, f32):
@@ -108,7 +108,7 @@ for T in (bf, f16):
             combos = [(two, 4, 2, x, t) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
         for TWO, cb, ns, XE, NT in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
-            CA = CB >= CP_CA_MIN_CB and N % (16 * NT) == 0 and 32 % CB == 0   # as the default call
+            CA = cp_ca(N, CB, NT)    # as the default call
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                              RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=1),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))

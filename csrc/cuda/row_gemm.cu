@@ -638,8 +638,8 @@ for (int i = 0; i < CPL; ++i) {
 // CA (every block full): the same copies addressed as one pointer and one shared base a stage
 // plus constants. Copy i takes row r0 + RPC i (r0 = lane / UPR < RPC), so its source is RPC i
 // rows past copy 0's, and its swizzle repeats every SP copies (8 rows from CB 8; none below):
-// its destination is wdst[i % SP] plus (i / SP) steps of SP RPC rows -- offsets the copy
-// instructions carry as immediates.
+// its destination is wdst[i % SP] plus the 32 (i - i % SP) units of the rows between -- offsets
+// the copy instructions carry as immediates.
 constexpr int RPC = 32 / UPR;
 constexpr int SP = UPR >= 8 ? 8 / RPC : 1;
 static_assert(!CA || (32 % UPR == 0 && CPL % SP == 0 && NFULL), "row_qmm_cp: CA plan");
@@ -650,7 +650,7 @@ auto issue = [&](int ci) {
     const unsigned int* src = wsrc[0] + (size_t)ci * CB * 4;
     tf_unroll<CPL>([&](auto ic) {
       constexpr int i = decltype(ic)::value;
-      tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + (i / SP) * SP * RPC * UPR), src);
+      tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + 32 * (i - i % SP)), src);
     });
   } else {
 #pragma unroll

@@ -253,6 +253,13 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
 CP_CA_MIN_CB = 8
 
 
+def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
+    """Whether row_qmm_cp addresses its copies as one pointer and constant offsets (CA): asked
+    for (ca), or by default from CP_CA_MIN_CB blocks a stage; only where every block is full and
+    a stage's copies cover whole rows (the kernel's static_assert)."""
+    return (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
+
+
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
@@ -262,7 +269,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
-    ca = (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
+    ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
