@@ -84,6 +84,12 @@ par_tests() {   # par_tests TAG TIMEOUT SEL...: tests/test_kernels.py -k SEL, on
   wait
   for ((j = 1; j <= i; j++)); do echo "== ${tag}_$j"; grep -E "^FAILED|passed|failed|error" "$out/${tag}_$j.log" | tail -8; done
 }
+variants() {   # variants "SUFFIX..." STAGING...: each staging with each suffix, comma-separated
+               # (variants "0.0 0.1" 8.2.1.2 -> 8.2.1.2.0.0,8.2.1.2.0.1)
+  local sfx=$1 st v out=""; shift
+  for st in "$@"; do for v in $sfx; do out="$out,$st.$v"; done; done
+  echo "${out#,}"
+}
 gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, ours vs MLX's op at every M
                  # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
   local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
@@ -540,12 +546,12 @@ case "${1:-tests}" in
             # loop, on and off too; PF and SF are gone since, so it now sweeps CA only.)
     k="cp_pipeline_equals_register"
     par_tests test_cp18 230 "$k and 72-256" "$k and (1152-384 or 384-1152)" "$k and (4096-4096-128 or 20000 or 6144)" "$k and 12288"
-    lean() { local v out=""; for st in "$@"; do for v in 0 1; do out="$out,$st.0.$v"; done; done; echo "${out#,}"; }
-    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.2 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
+    ca="0.0 0.1"    # split 0 (the default), CA off / on
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca" 8.2.1.2 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
         SWEEP_BUDGET_S=100 sweep cp_lean18c1 150 --cp
-    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 8.2.1.1 4.2.2.2) SWEEP_SHAPES=4096x12288 \
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca" 8.2.1.1 4.2.2.2) SWEEP_SHAPES=4096x12288 \
         SWEEP_BUDGET_S=60 sweep cp_lean18c2 100 --cp
-    TF_CP_SMEM_KB=100 SWEEP_REPS=5 CP_STAGINGS=$(lean 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
         SWEEP_BUDGET_S=80 sweep cp_lean18c3 120 --cp
     ;;
   s18d)     # issue 3, after s18c: the cp == tc tests s18c's time limit cut (1152 x 384, 384 x 1152,
@@ -560,15 +566,18 @@ case "${1:-tests}" in
             # (UR 2 with CA off and on), then each 8B shape's default stagings with UR 1 / 2, M = 1 / 16
     k="test_cuda_cp_pipeline_equals_register"
     par_tests test_cp19 200 "$k and 72-256-64" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 4096-12288"
-    ur() { local ca=$1 v out=""; shift; for st in "$@"; do for v in 1 2; do out="$out,$st.0.$ca.$v"; done; done; echo "${out#,}"; }
-    SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.2),$(ur 0 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=80 sweep cp_ur19a 120 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(ur 1 8.2.1.1),$(ur 0 4.2.2.2) SWEEP_SHAPES=4096x12288 SWEEP_BUDGET_S=50 sweep cp_ur19b 90 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(ur 0 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 SWEEP_BUDGET_S=70 sweep cp_ur19c 110 --cp
+    ca1="0.1.1 0.1.2" ca0="0.0.1 0.0.2"    # split 0 (the default), CA on / off, UR 1 / 2
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.2),$(variants "$ca0" 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
+        SWEEP_BUDGET_S=80 sweep cp_ur19a 120 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.1),$(variants "$ca0" 4.2.2.2) SWEEP_SHAPES=4096x12288 \
+        SWEEP_BUDGET_S=50 sweep cp_ur19b 90 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca0" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=70 sweep cp_ur19c 110 --cp
     ;;
   s18b)     # next (session 18 ran out of device time): the 4-bit GEMM at every M against MLX's op
             # on all five 8B shapes with the session's x loads and CA, then the 4-bit 8B-shaped
             # decode against mlx-lm at 2k
-    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096,24576x4096} GEMM_OPS=qmm gemm_table gemm18 240
+    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096,24576x4096} GEMM_OPS=qmm gemm_table gemm18b 240
     timeout 300 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 --repeat 3 \
         --no-drafted 2>&1 | tee "$out/bench_decode18.md" | tail -6
     ;;
