@@ -51,8 +51,8 @@
 #   bash bench/gpu_run.sh s17b      # next: row_mm_cp stagings at 16 rows on the wide dense shapes
 #   bash bench/gpu_run.sh s18c      # session 18: cp == tc tests; constant-offset copies (CA) swept
 #   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
-#   bash bench/gpu_run.sh s18b      # next: 4-bit GEMM table at every M (5 shapes); 8B 4-bit decode vs mlx-lm
-#   bash bench/gpu_run.sh s19a      # next: the 4-bit GEMM with two chunks a loop turn (UR 2): tests, sweep
+#   bash bench/gpu_run.sh s19a | s19b | s19c | s19d   # next: the 4-bit GEMM with 1 / 2 / 4 chunks
+#                                   # a loop turn (UR): tests + sweeps; GEMM tables; 8B 4-bit decode
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -560,26 +560,36 @@ case "${1:-tests}" in
     par_tests test_cp18d 170 "cp_pipeline_equals_register and 1152-384-64" "cp_pipeline_equals_register and 384-1152" "mm_cp_pipeline and 1152"
     GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm18 150
     ;;
-  s19a)     # next: two chunks a loop turn in the 4-bit GEMM (UR 2, the seventh staging value; nvcc
-            # sm_90: instructions a chunk -4 to -21%, most on the 16-row launches, whose M16 / M1
-            # ratio misses issue 3's 1.3; registers +5 to +23): the cp == tc test on four shapes
-            # (UR 2 with CA off and on), then each 8B shape's default stagings with UR 1 / 2, M = 1 / 16
+  s19a)     # issue 3's 4-bit GEMM, chunks a loop turn (UR 1 / 2 / 4, the seventh staging value; nvcc
+            # sm_90: fewer instructions a chunk, most on the 16-row launches and with the loop fully
+            # unrolled, more registers): the cp == tc test on four shapes (UR 1 / 2 / 4, CA off and
+            # on), then the two wide shapes' default stagings at M = 1 / 16
     k="test_cuda_cp_pipeline_equals_register"
     par_tests test_cp19 200 "$k and 72-256-64" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 4096-12288"
-    ca1="0.1.1 0.1.2" ca0="0.0.1 0.0.2"    # split 0 (the default), CA on / off, UR 1 / 2
+    ca1="0.1.1 0.1.2 0.1.4" ca0="0.0.1 0.0.2 0.0.4"    # split 0 (the default), CA on / off, UR 1 / 2 / 4
     SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.2),$(variants "$ca0" 4.2.1.2) SWEEP_SHAPES=12288x4096,24576x4096 \
-        SWEEP_BUDGET_S=80 sweep cp_ur19a 120 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.1),$(variants "$ca0" 4.2.2.2) SWEEP_SHAPES=4096x12288 \
-        SWEEP_BUDGET_S=50 sweep cp_ur19b 90 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca0" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
-        SWEEP_BUDGET_S=70 sweep cp_ur19c 110 --cp
+        SWEEP_BUDGET_S=120 sweep cp_ur19a 160 --cp
     ;;
-  s18b)     # next (session 18 ran out of device time): the 4-bit GEMM at every M against MLX's op
-            # on all five 8B shapes with the session's x loads and CA, then the 4-bit 8B-shaped
-            # decode against mlx-lm at 2k
-    GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096,24576x4096} GEMM_OPS=qmm gemm_table gemm18b 240
-    timeout 300 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 --repeat 3 \
-        --no-drafted 2>&1 | tee "$out/bench_decode18.md" | tail -6
+  s19b)     # after s19a: the narrower shapes' default stagings with UR 1 / 2 / 4, then the GEMM
+            # against MLX's op at every M on them with the 4-bit defaults at UR ${CP_UR:-4}
+    ca1="0.1.1 0.1.2 0.1.4" ca0="0.0.1 0.0.2 0.0.4"
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.1),$(variants "$ca0" 4.2.2.2) SWEEP_SHAPES=4096x12288 \
+        SWEEP_BUDGET_S=75 sweep cp_ur19b 110 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca0" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=100 sweep cp_ur19c 140 --cp
+    CP_UR=${CP_UR:-4} GEMM_SHAPES=4096x4096,6144x4096,4096x12288 GEMM_OPS=qmm gemm_table gemm19b 200
+    ;;
+  s19c)     # after s19b: the GEMM table on the wide shapes at UR ${CP_UR:-4}, and at UR 1 (the
+            # committed default) on the three shapes session 18 left unmeasured
+    CP_UR=${CP_UR:-4} GEMM_SHAPES=12288x4096,24576x4096 GEMM_OPS=qmm gemm_table gemm19c 160
+    GEMM_SHAPES=4096x4096,6144x4096,24576x4096 GEMM_OPS=qmm gemm_table gemm19c1 200
+    ;;
+  s19d)     # the 4-bit 8B-shaped decode at 2k against mlx-lm, the 4-bit GEMMs at UR 1 and at UR
+            # ${CP_UR:-4} (bench only: CP_UR), one process each
+    for u in 1 ${CP_UR:-4}; do
+      CP_UR=$u timeout 270 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 \
+          --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode19_ur$u.md" | tail -4
+    done
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -52,7 +52,7 @@ def cp_plans(N, K):
         [(4, 2, 0, 1), (4, 2, 1, 1), (4, 3, 1, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 2, 1, 2), (4, 2, 2, 2),
          (8, 2, 1, 2), (4, 2, 0, 2)]
     # a sixth value: CA (constant-offset copies, 0 / 1; left out: the default, from CB 8; split
-    # 0 = the default), e.g. 8.2.1.2.0.0; a seventh: UR (chunks a loop turn, 1 / 2), e.g.
+    # 0 = the default), e.g. 8.2.1.2.0.0; a seventh: UR (chunks a loop turn, 1 / 2 / 4), e.g.
     # 4.2.2.1.0.0.2. (Sessions 16-18 ran stagings with values since removed: PF sixth, stages
     # asked of L2 ahead; SF seventh, float scale pairs; this report mislabels their CSVs.)
     for cb, ns, xe, *rest in st:

@@ -264,7 +264,7 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1):
-    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2):
+    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
@@ -357,7 +357,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
                      out_float=False):
     """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
-    from CB 8; UR: chunks a loop turn, 1 or 2),
+    from CB 8; UR: chunks a loop turn, 1, 2 or 4),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
