@@ -53,6 +53,7 @@
 #   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
 #   bash bench/gpu_run.sh s19a | s19b | s19c | s19d   # next: the 4-bit GEMM with 1 / 2 / 4 chunks
 #                                   # a loop turn (UR): tests + sweeps; GEMM tables; 8B 4-bit decode
+#   bash bench/gpu_run.sh s19e      # next: the copies' L2 prefetch size (L2 0 / 1 / 2), swept
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -590,6 +591,18 @@ case "${1:-tests}" in
       CP_UR=$u timeout 270 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 \
           --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode19_ur$u.md" | tail -4
     done
+    ;;
+  s19e)     # issue 3's 4-bit GEMM: the copies' L2 prefetch size (L2 0 / 1 / 2: none / 128 / 256
+            # bytes, the eighth staging value; no instruction added) on each shape's default
+            # stagings, and XE 2 + NT 2 with two chunks a loop turn (s19a's 16-row winner on
+            # 4096 x 12288) on the others, M = 1 / 16 (every plan asserted == row_qmm_tc bitwise)
+    l2="0 1 2"
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 8.2.1.2.0.1.1 4.2.1.2.0.0.1),4.2.2.2.0.0.2,8.2.2.2.0.1.2 \
+        SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=140 sweep cp_l219a 180 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 8.2.1.1.0.1.1 4.2.2.2.0.0.2),4.2.2.2.0.0.1 SWEEP_SHAPES=4096x12288 \
+        SWEEP_BUDGET_S=80 sweep cp_l219b 110 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=110 sweep cp_l219c 140 --cp
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

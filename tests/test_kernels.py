@@ -197,7 +197,8 @@ def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
 def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
     arithmetic: the same bits for every M and every staging (CB, NS, XE, NT) the plan allows,
-    with either copy addressing (CA), and with one, two or four chunks a loop turn (UR)."""
+    with either copy addressing (CA), with one, two or four chunks a loop turn (UR), and with each
+    L2 prefetch size of the copies (L2)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
@@ -216,6 +217,8 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # default call takes it from CB 8 where every block is full), each with two and four chunks a
     # loop turn (UR 2, 4) too
     stagings += [(*stagings[0], 0, ca, ur) for ca in (0, 1) for ur in (1, 2, 4)]
+    # and with the copies' L2 prefetch size 128 / 256 bytes (L2 1 / 2)
+    stagings += [(*stagings[0], 0, None, 1, l2) for l2 in (1, 2)]
     for M in (1, 3, 9, 16):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)
