@@ -49,18 +49,18 @@ def marker(tag: str):
 
 def use_mm_staging_env():
     """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
-    MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=2 / 4: the 4-bit GEMMs
-    run their default stagings with that many chunks a loop turn. Benchmarks only; call before
+    MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=1 / 2 / 4: the 4-bit
+    GEMMs run their default stagings with that many chunks a loop turn. Benchmarks only; call before
     the first dense call, whose launch is then cached."""
     if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
         v = os.environ["MM_STAGING"]
         staging = None if v == "tc" else tuple(int(t) for t in v.split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
-    if os.environ.get("CP_UR"):    # CP_UR=2 / 4: the 4-bit default stagings, UR chunks a loop turn
+    if os.environ.get("CP_UR"):    # the 4-bit default stagings, UR chunks a loop turn
         from tensorfold.kernels import _cuda
         ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging
-        _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two), 0, None, ur)
+        _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two)[:4], ur)
 
 
 def run():

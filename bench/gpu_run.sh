@@ -51,9 +51,11 @@
 #   bash bench/gpu_run.sh s17b      # next: row_mm_cp stagings at 16 rows on the wide dense shapes
 #   bash bench/gpu_run.sh s18c      # session 18: cp == tc tests; constant-offset copies (CA) swept
 #   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
-#   bash bench/gpu_run.sh s19a | s19b | s19c | s19d   # next: the 4-bit GEMM with 1 / 2 / 4 chunks
-#                                   # a loop turn (UR): tests + sweeps; GEMM tables; 8B 4-bit decode
-#   bash bench/gpu_run.sh s19e      # next: the copies' L2 prefetch size (L2 0 / 1 / 2), swept
+#   bash bench/gpu_run.sh s19a | s19b   # session 19: the 4-bit GEMM with 1 / 2 / 4 chunks a loop turn
+#                                   # (UR): tests, sweeps, GEMM table (s19b ran with CP_UR=1)
+#   bash bench/gpu_run.sh s19c | s19d   # GEMM tables at CP_UR; 8B 4-bit decode at UR 1 / CP_UR
+#   (s19e, the copies' L2 prefetch size swept, ran at 70a9745: no gain; L2 was removed after)
+#   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -592,17 +594,10 @@ case "${1:-tests}" in
           --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode19_ur$u.md" | tail -4
     done
     ;;
-  s19e)     # issue 3's 4-bit GEMM: the copies' L2 prefetch size (L2 0 / 1 / 2: none / 128 / 256
-            # bytes, the eighth staging value; no instruction added) on each shape's default
-            # stagings, and XE 2 + NT 2 with two chunks a loop turn (s19a's 16-row winner on
-            # 4096 x 12288) on the others, M = 1 / 16 (every plan asserted == row_qmm_tc bitwise)
-    l2="0 1 2"
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 8.2.1.2.0.1.1 4.2.1.2.0.0.1),4.2.2.2.0.0.2,8.2.2.2.0.1.2 \
-        SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=140 sweep cp_l219a 180 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 8.2.1.1.0.1.1 4.2.2.2.0.0.2),4.2.2.2.0.0.1 SWEEP_SHAPES=4096x12288 \
-        SWEEP_BUDGET_S=80 sweep cp_l219b 110 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$l2" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
-        SWEEP_BUDGET_S=110 sweep cp_l219c 140 --cp
+  s19f)     # after s19e: the cp == tc test on 4096 x 12288 at the new 16-row default (UR 2 on XE 2 +
+            # NT 2), with the engine's decode-shaped call path, then the GEMM table on that shape
+    par_tests test_cp19f 200 "test_cuda_cp_pipeline_equals_register and 4096-12288" "row_exact_model_shapes"
+    GEMM_SHAPES=4096x12288 GEMM_OPS=qmm gemm_table gemm19f 150
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -104,14 +104,9 @@ __device__ __forceinline__ void tf_mma(float* c, const unsigned int* a, const un
 
 // 16 bytes global -> shared without a register round trip (sm_80+), and the wait for all of
 // this thread's copies in flight.
-// L2 1 / 2: L2 fetches the aligned 128 / 256 bytes around src (the .L2::128B / 256B prefetch
-// size; the neighbouring bytes are the next stage's where a stage reads 64 / 128 bytes a row)
-template <int L2 = 0>
 __device__ __forceinline__ void tf_cp_async16(void* dst, const void* src) {
   const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-  if constexpr (L2 == 2) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(s), "l"(src));
-  else if constexpr (L2 == 1) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(s), "l"(src));
-  else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
 }
 // f(tf_ic<0>{}), ..., f(tf_ic<N - 1>{}): a loop whose index is a constant in each body (for
 // template arguments such as tf_cp_async16s's offset)
@@ -125,11 +120,9 @@ __device__ __forceinline__ void tf_unroll(F&& f) {
 }
 // tf_cp_async16 to a shared-memory address already in the shared window (__cvta_generic_to_shared)
 // from src + OFF bytes (OFF a constant: the copy instruction carries it, no address arithmetic)
-template <int OFF, int L2 = 0>
+template <int OFF>
 __device__ __forceinline__ void tf_cp_async16s(unsigned int s, const void* src) {
-  if constexpr (L2 == 2) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1+%2], 16;\n" ::"r"(s), "l"(src), "n"(OFF));
-  else if constexpr (L2 == 1) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1+%2], 16;\n" ::"r"(s), "l"(src), "n"(OFF));
-  else asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(s), "l"(src), "n"(OFF));
+  asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(s), "l"(src), "n"(OFF));
 }
 __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");

@@ -105,22 +105,20 @@ for T in (bf, f16):
         # shape (bf16)
         combos = [(two, *cp_staging(N, K, GS, two)) for two in (False, True)]
         if (N, K, GS) == (1152, 384, 64) and T == bf:
-            combos = [(two, 4, 2, x, t) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
-        for TWO, cb, ns, XE, NT in combos:
+            combos = [(two, 4, 2, x, t, 1) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
+        for TWO, cb, ns, XE, NT, UR in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CA = cp_ca(N, CB, NT)    # as the default call
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=1, L2=0),
+                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
-    # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), and
-    # the copies' L2 prefetch sizes (L2 1 / 2: 128 / 256 bytes; with CA on and off)
-    for N, K, cb, ns, XE, NT, UR, TWO, CA, L2 in ((12288, 4096, 8, 2, 1, 2, 1, False, False, 0),
-                                                  (4096, 4096, 4, 2, 2, 1, 2, True, False, 1),
-                                                  (4096, 12288, 8, 2, 1, 1, 2, False, False, 2),
-                                                  (12288, 4096, 8, 2, 1, 2, 1, False, True, 2)):
+    # per-copy pointers on CB 8 (CA off), and two chunks a loop turn (UR 2; with 16 rows too)
+    for N, K, cb, ns, XE, NT, UR, TWO in ((12288, 4096, 8, 2, 1, 2, 1, False),
+                                          (4096, 4096, 4, 2, 2, 1, 2, True),
+                                          (4096, 12288, 8, 2, 1, 1, 2, False)):
         CB, NS, SPLIT, _ = cp_plan(N, K, 64, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=64, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, L2=L2),
+                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=False, UR=UR),
                       dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

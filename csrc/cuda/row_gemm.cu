@@ -583,7 +583,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, L2, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -650,11 +650,11 @@ auto issue = [&](int ci) {
     const unsigned int* src = wsrc[0] + (size_t)ci * CB * 4;
     tf_unroll<CPL>([&](auto ic) {
       constexpr int i = decltype(ic)::value;
-      tf_cp_async16s<i * RPC * KW * 4, L2>(sb + 16 * (wdst[i % SP] + 32 * (i - i % SP)), src);
+      tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + 32 * (i - i % SP)), src);
     });
   } else {
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) tf_cp_async16<L2>(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
+    for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
   }
 };
 // scales and biases of the warp's slice: [16 NT rows][NGW] each, in 4-byte pairs

@@ -207,8 +207,8 @@ CP_TWO_XE1_N = 6144  # past 8 rows, from this many columns: x loaded before the 
 
 
 @functools.lru_cache(maxsize=4096)
-def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, int, int, int]:
-    """row_qmm_cp's default staging (CB, NS, XE, NT), a function of the weight shape and of
+def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, int, int, int, int]:
+    """row_qmm_cp's default staging (CB, NS, XE, NT, UR), a function of the weight shape and of
     `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
     staging moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
     (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep), so
@@ -228,20 +228,24 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
       - session 15: up to 8 rows with K >= CP_LONG_K, CB 8 and XE 1: 4096 x 12288 14.4 -> 13.7
         us; past 8 rows from CP_TWO_XE1_N columns, XE 1 (about 74 registers against XE 2's 130,
         so more blocks an SM): 6144 x 4096 13.2 / 13.4 -> 11.0 / 11.1 us in two sweeps, while
-        4096 x 4096 stays with XE 2 (9.8 / 9.8 against 9.9 / 10.4)."""
+        4096 x 4096 stays with XE 2 (9.8 / 9.8 against 9.9 / 10.4);
+      - session 19: two chunks a loop turn (UR 2) where x is loaded one chunk ahead into two
+        tiles (XE 2, NT 2: the hand-over of the next chunk's x becomes register renaming):
+        4096 x 12288 at M = 16 18.5 -> 16.6 / 16.7 us in two sweeps. Everywhere else UR 2 and 4
+        measured slower or the same (docs/benchmarks.md, "Session 19")."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
-        return 8, 2, 1, 2
+        return 8, 2, 1, 2, 1
     if N >= CP_MID_N and fits(4, 2):
-        return 4, 2, 1, 2
+        return 4, 2, 1, 2, 1
     if two and K >= CP_LONG_K and fits(4, 2):
-        return 4, 2, 2, 2
+        return 4, 2, 2, 2, 2
     if not two and K >= CP_LONG_K and N >= 4096 and fits(8, 1):     # (measured at N = 4096)
-        return 8, 2, 1, 1
+        return 8, 2, 1, 1, 1
     if two and N >= CP_TWO_XE1_N:
-        return 4, 2, 1, 1
-    return 4, 2, 2, 1
+        return 4, 2, 1, 1, 1
+    return 4, 2, 2, 1, 1
 
 
 # row_qmm_cp's copies of a stage from one pointer and constant offsets (CA: data movement only,
@@ -263,9 +267,9 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 ca: int | None = None, ur: int = 1, l2: int = 0):
-    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or l2 not in (0, 1, 2):
-        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, L2 {l2}")
+                 ca: int | None = None, ur: int = 1):
+    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4):
+        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
@@ -274,7 +278,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("L2", l2)]
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -355,10 +359,9 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, L2])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
-    from CB 8; UR: chunks a loop turn, 1, 2 or 4; L2: the copies' L2 prefetch size, 0 / 128 / 256 bytes
-    as 0 / 1 / 2),
+    from CB 8; UR: chunks a loop turn, 1, 2 or 4),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
@@ -376,8 +379,10 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     cp_call = None
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
-        cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused,
-                               *(plan[1:] if plan else cp_staging(N, K, group_size, R > 8)))
+        if plan is None:
+            cb, ns, xe, nt, ur = cp_staging(N, K, group_size, R > 8)
+            plan = ("cp", cb, ns, xe, nt, 0, None, ur)
+        cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *plan[1:])
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
         inputs.append(residual.reshape(R, N) if fused else _const_array((0.0,), x.dtype))
