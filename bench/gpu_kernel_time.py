@@ -26,7 +26,7 @@ SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288
           (151936, 4096)]
 MS = [1, 2, 4, 8, 16]
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
-REPS = 3
+REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
 
 
 def ncu_rows(path: str):
@@ -128,15 +128,19 @@ def report(path):
         names = []
         for impl in ("ours", "mlx"):
             ks = data.get(f"{key}_{impl}", {})
-            # one call may launch several kernels: sum per call (REPS calls), median over calls
-            tot = sum(e.get("gpu__time_duration.sum", 0.0) for e in ks.values())
-            byt = sum(e.get("dram__bytes_read.sum", 0.0) for e in ks.values())
+            # one call may launch several kernels: sum per call (REPS calls, in launch order),
+            # median over calls
             unit = next((e.get("unit_gpu__time_duration.sum") for e in ks.values()), "ns")
             scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}.get(unit, 1e-3)
             bunit = next((e.get("unit_dram__bytes_read.sum") for e in ks.values()), "byte")
             bscale = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6}.get(bunit, 1)
-            t = tot * scale / REPS
-            gbs = (byt * bscale / REPS) / (t * 1e-6) / 1e9 if t else 0.0
+            es = [ks[i] for i in sorted(ks, key=int)]
+            per = len(es) // REPS if es and len(es) % REPS == 0 else len(es)
+            calls = [es[i:i + per] for i in range(0, len(es), per)] if per else []
+            ts = [sum(e.get("gpu__time_duration.sum", 0.0) for e in c) * scale for c in calls]
+            bs = [sum(e.get("dram__bytes_read.sum", 0.0) for e in c) * bscale for c in calls]
+            t = statistics.median(ts) if ts else 0.0
+            gbs = statistics.median(b / (u * 1e-6) / 1e9 for b, u in zip(bs, ts) if u) if t else 0.0
             out.append((t, gbs))
             names.append(",".join(sorted({e["name"].split("(")[0][:40] for e in ks.values()})))
         (to, go), (tm, gm) = out
