@@ -56,7 +56,8 @@
 #   bash bench/gpu_run.sh s19c | s19d   # GEMM tables at CP_UR; 8B 4-bit decode at UR 1 / CP_UR
 #   (s19e, the copies' L2 prefetch size swept, ran at 70a9745: no gain; L2 was removed after)
 #   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
-#   bash bench/gpu_run.sh s19g      # the 4-bit GEMM table at session 19's defaults, medians of 5
+#   bash bench/gpu_run.sh s19g      # next: the 4-bit GEMM table at session 19's defaults, medians of 5
+#   bash bench/gpu_run.sh s20a      # next: PRO (the first weight stage before the scales): tests, sweep
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -604,6 +605,21 @@ case "${1:-tests}" in
             # 5 calls (GEMM_REPS), the four 8B shapes under 24576 columns
     GEMM_REPS=5 GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096} GEMM_OPS=qmm \
         gemm_table gemm19g ${GEMM_LIMIT:-180}
+    ;;
+  s20a)     # next: PRO, the first weight stage's copies before the scales' (which take 16-byte copies
+            # where a row and a slice allow; one group, so the first wait covers both): nvcc sm_90
+            # puts 12288 x 4096's first weight copy ~40 instructions into a warp instead of ~460
+            # (its 16-iteration scale loop came first). The cp == tc test (PRO on its first and last
+            # staging) on four shapes, then every 8B shape's default stagings with PRO 0 / 1, M = 1 / 16
+    k="test_cuda_cp_pipeline_equals_register"
+    par_tests test_cp20 200 "$k and 72-256-32" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 12288"
+    p="0 1"
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 8.2.1.2.0.1.1 4.2.1.2.0.0.1) SWEEP_SHAPES=12288x4096,24576x4096 \
+        SWEEP_BUDGET_S=90 sweep cp_pro20a 130 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 8.2.1.1.0.1.1 4.2.2.2.0.0.2) SWEEP_SHAPES=4096x12288 \
+        SWEEP_BUDGET_S=60 sweep cp_pro20b 90 --cp
+    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+        SWEEP_BUDGET_S=80 sweep cp_pro20c 110 --cp
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -199,7 +199,8 @@ def test_cuda_fused_qk_norm_rope_writes_kv_in_place(hd, norm, dtype):
 def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
     arithmetic: the same bits for every M and every staging (CB, NS, XE, NT) the plan allows,
-    with either copy addressing (CA), and with one, two or four chunks a loop turn (UR)."""
+    with either copy addressing (CA), with one, two or four chunks a loop turn (UR), and with the
+    first weight stage copied before the scales (PRO)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
@@ -217,6 +218,9 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # a stage's copies from per-copy pointers and from one pointer with constant offsets (CA; the
     # default call takes it from CB 8 where every block is full), each with two and four chunks a
     # loop turn (UR 2, 4) too
+    # and the first weight stage copied before the scales, in wide copies (PRO 1), on the first
+    # and the last staging
+    stagings += [(*st, 0, None, 1, 1) for st in (stagings[0], stagings[-1])]
     stagings += [(*stagings[0], 0, ca, ur) for ca in (0, 1) for ur in (1, 2, 4)]
     for M in (1, 3, 9, 16):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))

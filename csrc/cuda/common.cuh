@@ -127,11 +127,12 @@ __device__ __forceinline__ void tf_cp_async16s(unsigned int s, const void* src) 
 __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
-// 4 bytes global -> shared (through L1), the end of a group of copies, and the wait until at
-// most N of this thread's groups are still in flight.
-__device__ __forceinline__ void tf_cp_async4(void* dst, const void* src) {
+// B bytes (4, 8 or 16) global -> shared (through L1), the end of a group of copies, and the
+// wait until at most N of this thread's groups are still in flight.
+template <int B>
+__device__ __forceinline__ void tf_cp_async_ca(void* dst, const void* src) {
   const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(B));
 }
 __device__ __forceinline__ void tf_cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -583,7 +583,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -605,9 +605,9 @@ constexpr int NGW = KSL / GS;
 constexpr int UPR = CB;
 constexpr int STAGE = 16 * NT * UPR;
 constexpr int CPL = STAGE / 32;
-static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0, "row_qmm_cp: plan");
-static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2, "row_qmm_cp: 4-byte scale copies");
-static_assert(sizeof(S) == 2, "row_qmm_cp: 2-byte scales");
+static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0);
+static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
+static_assert(sizeof(S) == 2);   // 2-byte scales
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
@@ -642,7 +642,7 @@ for (int i = 0; i < CPL; ++i) {
 // the copy instructions carry as immediates.
 constexpr int RPC = 32 / UPR;
 constexpr int SP = UPR >= 8 ? 8 / RPC : 1;
-static_assert(!CA || (32 % UPR == 0 && CPL % SP == 0 && NFULL), "row_qmm_cp: CA plan");
+static_assert(!CA || (32 % UPR == 0 && CPL % SP == 0 && NFULL));
 auto issue = [&](int ci) {
   uint4* st = ring + (ci % NS) * STAGE;
   if constexpr (CA) {
@@ -657,16 +657,24 @@ auto issue = [&](int ci) {
     for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
   }
 };
-// scales and biases of the warp's slice: [16 NT rows][NGW] each, in 4-byte pairs
-for (int e = lane; e < 16 * NT * NGW; e += 32) {
-  const int a = e / (8 * NT * NGW), rem = e % (8 * NT * NGW);
-  const int r = rem / (NGW / 2), p = rem % (NGW / 2);
-  const S* src = (a ? biases : scales) + (size_t)wrow(r) * NG + warp * NGW + 2 * p;
-  tf_cp_async4((a ? sbi : ssc) + r * NGW + 2 * p, src);
-}
+// scales and biases of the warp's slice: [16 NT rows][NGW] each, SE a copy: pairs, or with PRO
+// 8 (16 bytes) where a row and a slice hold whole 16-byte units
+constexpr int SE = PRO && NG % 8 == 0 && NGW % 8 == 0 ? 8 : 2;
+constexpr int SC = NGW / SE;
+auto scp = [&]() {
+  for (int e = lane; e < 32 * NT * SC; e += 32) {
+    const int a = e / (16 * NT * SC), rem = e % (16 * NT * SC);
+    const int r = rem / SC, p = rem % SC;
+    tf_cp_async_ca<2 * SE>((a ? sbi : ssc) + r * NGW + SE * p, (a ? biases : scales) + (size_t)wrow(r) * NG + warp * NGW + SE * p);
+  }
+};
+// PRO: the first stage's weight copies go out before the scale copies (the same group: the
+// first wait covers both), so the weights' round trip overlaps the scales' instructions
+if (!PRO) scp();
 #pragma unroll
 for (int st = 0; st < NS - 1; ++st) {
   if (st < CPW) issue(st);
+  if (PRO && st == 0) scp();
   tf_cp_async_commit();
 }
 const T* xrow[2];
