@@ -53,7 +53,7 @@
 #   bash bench/gpu_run.sh s18d      # session 18: the cp == tc tests s18c's limit cut; GEMM table
 #   bash bench/gpu_run.sh s19a | s19b   # session 19: the 4-bit GEMM with 1 / 2 / 4 chunks a loop turn
 #                                   # (UR): tests, sweeps, GEMM table (s19b ran with CP_UR=1)
-#   bash bench/gpu_run.sh s19c | s19d   # GEMM tables at CP_UR; 8B 4-bit decode at UR 1 / CP_UR
+#   (s19c / s19d, tables and 8B decode at CP_UR=4, were prepared and dropped unrun: UR 4 lost)
 #   (s19e, the copies' L2 prefetch size swept, ran at 70a9745: no gain; L2 was removed after)
 #   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
 #   bash bench/gpu_run.sh s19g      # next: the 4-bit GEMM table at session 19's defaults, medians of 5
@@ -583,18 +583,6 @@ case "${1:-tests}" in
     SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca0" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
         SWEEP_BUDGET_S=100 sweep cp_ur19c 140 --cp
     CP_UR=${CP_UR:-4} GEMM_SHAPES=4096x4096,6144x4096,4096x12288 GEMM_OPS=qmm gemm_table gemm19b 200
-    ;;
-  s19c)     # after s19b: the GEMM table on the wide shapes at UR ${CP_UR:-4}, and at UR 1 (the
-            # committed default) on the three shapes session 18 left unmeasured
-    CP_UR=${CP_UR:-4} GEMM_SHAPES=12288x4096,24576x4096 GEMM_OPS=qmm gemm_table gemm19c 160
-    GEMM_SHAPES=4096x4096,6144x4096,24576x4096 GEMM_OPS=qmm gemm_table gemm19c1 200
-    ;;
-  s19d)     # the 4-bit 8B-shaped decode at 2k against mlx-lm, the 4-bit GEMMs at UR 1 and at UR
-            # ${CP_UR:-4} (bench only: CP_UR), one process each
-    for u in 1 ${CP_UR:-4}; do
-      CP_UR=$u timeout 270 python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048 --decode 128 \
-          --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode19_ur$u.md" | tail -4
-    done
     ;;
   s19f)     # after s19e: the cp == tc test on 4096 x 12288 at the new 16-row default (UR 2 on XE 2 +
             # NT 2), with the engine's decode-shaped call path, then the GEMM table on that shape
