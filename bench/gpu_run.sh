@@ -95,6 +95,16 @@ variants() {   # variants "SUFFIX..." STAGING...: each staging with each suffix,
   for st in "$@"; do for v in $sfx; do out="$out,$st.$v"; done; done
   echo "${out#,}"
 }
+default_sweeps() {   # default_sweeps TAG "SUFFIX...": every 8B shape's default stagings (session 19's,
+                     # written out to UR) with each suffix, M = 1 / 16, three sweeps by shape width
+  local tag=$1 sfx=$2
+  SWEEP_REPS=5 CP_STAGINGS=$(variants "$sfx" 8.2.1.2.0.1.1 4.2.1.2.0.0.1) SWEEP_SHAPES=12288x4096,24576x4096 \
+      SWEEP_BUDGET_S=90 sweep ${tag}a 130 --cp
+  SWEEP_REPS=5 CP_STAGINGS=$(variants "$sfx" 8.2.1.1.0.1.1 4.2.2.2.0.0.2) SWEEP_SHAPES=4096x12288 \
+      SWEEP_BUDGET_S=60 sweep ${tag}b 90 --cp
+  SWEEP_REPS=5 CP_STAGINGS=$(variants "$sfx" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
+      SWEEP_BUDGET_S=80 sweep ${tag}c 110 --cp
+}
 gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, ours vs MLX's op at every M
                  # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
   local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
@@ -601,13 +611,7 @@ case "${1:-tests}" in
             # staging) on four shapes, then every 8B shape's default stagings with PRO 0 / 1, M = 1 / 16
     k="test_cuda_cp_pipeline_equals_register"
     par_tests test_cp20 200 "$k and 72-256-32" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 12288"
-    p="0 1"
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 8.2.1.2.0.1.1 4.2.1.2.0.0.1) SWEEP_SHAPES=12288x4096,24576x4096 \
-        SWEEP_BUDGET_S=90 sweep cp_pro20a 130 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 8.2.1.1.0.1.1 4.2.2.2.0.0.2) SWEEP_SHAPES=4096x12288 \
-        SWEEP_BUDGET_S=60 sweep cp_pro20b 90 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "$p" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
-        SWEEP_BUDGET_S=80 sweep cp_pro20c 110 --cp
+    default_sweeps cp_pro20 "0 1"
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
