@@ -612,6 +612,10 @@ case "${1:-tests}" in
     k="test_cuda_cp_pipeline_equals_register"
     par_tests test_cp20 200 "$k and 72-256-32" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 12288"
     default_sweeps cp_pro20 "0 1"
+    # with PRO, 12288 x 4096's one-row staging with a third stage (NS 3) and its 4 chunks fully
+    # unrolled (UR 4: the ring index a constant; nvcc: 118 registers, 63.5 KB a block)
+    SWEEP_REPS=5 CP_STAGINGS=8.2.1.2.0.1.1.1,8.3.1.2.0.1.1.1,8.2.1.2.0.1.4.1,8.3.1.2.0.1.4.1 \
+        SWEEP_SHAPES=12288x4096 SWEEP_BUDGET_S=50 sweep cp_pro20d 80 --cp
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
