@@ -215,12 +215,12 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     stagings = [(cb, ns, xe, nt) for cb in (4, 8) for ns in (2, 3) for xe, nt in more
                 if (_cuda.cp_plan(N, Kd, group_size, 4, cb, ns, nt) or (0, 0))[:2] == (cb, ns)]
     assert stagings and _cuda.cp_plan(N, Kd, group_size, 4) is not None
+    # the first weight stage copied before the scales, in wide copies (PRO 1), on the first and
+    # the last staging
+    stagings += [(*st, 0, None, 1, 1) for st in (stagings[0], stagings[-1])]
     # a stage's copies from per-copy pointers and from one pointer with constant offsets (CA; the
     # default call takes it from CB 8 where every block is full), each with two and four chunks a
     # loop turn (UR 2, 4) too
-    # and the first weight stage copied before the scales, in wide copies (PRO 1), on the first
-    # and the last staging
-    stagings += [(*st, 0, None, 1, 1) for st in (stagings[0], stagings[-1])]
     stagings += [(*stagings[0], 0, ca, ur) for ca in (0, 1) for ur in (1, 2, 4)]
     for M in (1, 3, 9, 16):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
