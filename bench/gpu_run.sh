@@ -58,6 +58,7 @@
 #   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
 #   bash bench/gpu_run.sh s19g      # next: the 4-bit GEMM table at session 19's defaults, medians of 5
 #   bash bench/gpu_run.sh s20a      # next: PRO (the first weight stage before the scales): tests, sweep
+#   bash bench/gpu_run.sh s20b      # next: PRO with NS 3 / UR 4 on 12288 x 4096; the GEMM table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -610,12 +611,15 @@ case "${1:-tests}" in
             # (its 16-iteration scale loop came first). The cp == tc test (PRO on its first and last
             # staging) on four shapes, then every 8B shape's default stagings with PRO 0 / 1, M = 1 / 16
     k="test_cuda_cp_pipeline_equals_register"
-    par_tests test_cp20 200 "$k and 72-256-32" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 12288"
+    par_tests test_cp20 150 "$k and 72-256-32" "$k and 1152-384-64" "$k and (4096-4096-128 or 6144)" "$k and 12288"
     default_sweeps cp_pro20 "0 1"
-    # with PRO, 12288 x 4096's one-row staging with a third stage (NS 3) and its 4 chunks fully
-    # unrolled (UR 4: the ring index a constant; nvcc: 118 registers, 63.5 KB a block)
+    ;;
+  s20b)     # after s20a: with PRO, 12288 x 4096's one-row staging with a third stage (NS 3) and its
+            # 4 chunks fully unrolled (UR 4: the ring index a constant; nvcc: 118 registers, 63.5 KB
+            # a block); then s19g's GEMM table (the defaults, medians of 5 calls)
     SWEEP_REPS=5 CP_STAGINGS=8.2.1.2.0.1.1.1,8.3.1.2.0.1.1.1,8.2.1.2.0.1.4.1,8.3.1.2.0.1.4.1 \
         SWEEP_SHAPES=12288x4096 SWEEP_BUDGET_S=50 sweep cp_pro20d 80 --cp
+    GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 GEMM_OPS=qmm gemm_table gemm20b 180
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
