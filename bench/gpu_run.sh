@@ -56,7 +56,6 @@
 #   (s19c / s19d, tables and 8B decode at CP_UR=4, were prepared and dropped unrun: UR 4 lost)
 #   (s19e, the copies' L2 prefetch size swept, ran at 70a9745: no gain; L2 was removed after)
 #   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
-#   bash bench/gpu_run.sh s19g      # next: the 4-bit GEMM table at session 19's defaults, medians of 5
 #   bash bench/gpu_run.sh s20a      # next: PRO (the first weight stage before the scales): tests, sweep
 #   bash bench/gpu_run.sh s20b      # next: PRO with NS 3 / UR 4 on 12288 x 4096; the GEMM table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
@@ -599,11 +598,6 @@ case "${1:-tests}" in
             # NT 2), with the engine's decode-shaped call path, then the GEMM table on that shape
     par_tests test_cp19f 200 "test_cuda_cp_pipeline_equals_register and 4096-12288" "row_exact_model_shapes"
     GEMM_SHAPES=4096x12288 GEMM_OPS=qmm gemm_table gemm19f 150
-    ;;
-  s19g)     # the 4-bit GEMM table against MLX's op at every M at session 19's defaults, medians of
-            # 5 calls (GEMM_REPS), the four 8B shapes under 24576 columns
-    GEMM_REPS=5 GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,4096x12288,12288x4096} GEMM_OPS=qmm \
-        gemm_table gemm19g ${GEMM_LIMIT:-180}
     ;;
   s20a)     # next: PRO, the first weight stage's copies before the scales' (which take 16-byte copies
             # where a row and a slice allow; one group, so the first wait covers both): nvcc sm_90
