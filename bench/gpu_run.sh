@@ -610,7 +610,7 @@ case "${1:-tests}" in
     ;;
   s20b)     # after s20a: with PRO, 12288 x 4096's one-row staging with a third stage (NS 3) and its
             # 4 chunks fully unrolled (UR 4: the ring index a constant; nvcc: 118 registers, 63.5 KB
-            # a block); then s19g's GEMM table (the defaults, medians of 5 calls)
+            # a block); then the 4-bit GEMM table at the defaults (medians of 5 calls)
     SWEEP_REPS=5 CP_STAGINGS=8.2.1.2.0.1.1.1,8.3.1.2.0.1.1.1,8.2.1.2.0.1.4.1,8.3.1.2.0.1.4.1 \
         SWEEP_SHAPES=12288x4096 SWEEP_BUDGET_S=50 sweep cp_pro20d 80 --cp
     GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 GEMM_OPS=qmm gemm_table gemm20b 180
