@@ -78,8 +78,8 @@ def main(argv=None):
 
     import mlx_lm
     from tensorfold.engine import Engine, PrefillMode
-    from gpu_kernel_time import use_mm_staging_env
-    use_mm_staging_env()            # MM_STAGING: dense GEMMs through row_mm_cp (bench only)
+    from gpu_kernel_time import use_staging_env
+    use_staging_env()               # MM_STAGING / CP_UR: GEMM stagings (bench only)
 
     path = args.model
     if args.shape:

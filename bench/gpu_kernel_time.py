@@ -47,7 +47,7 @@ def marker(tag: str):
               output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
 
 
-def use_mm_staging_env():
+def use_staging_env():
     """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
     MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=1 / 2 / 4: the 4-bit
     GEMMs run their default stagings with that many chunks a loop turn. Benchmarks only; call before
@@ -65,7 +65,7 @@ def use_mm_staging_env():
 
 def run():
     from tensorfold import kernels as K
-    use_mm_staging_env()
+    use_staging_env()
     shapes = SHAPES     # GEMM_SHAPES=4096x4096,12288x4096 and GEMM_OPS=qmm narrow a run
     if os.environ.get("GEMM_SHAPES"):
         shapes = [tuple(int(v) for v in t.split("x")) for t in os.environ["GEMM_SHAPES"].split(",")]
@@ -135,8 +135,10 @@ def report(path):
             bunit = next((e.get("unit_dram__bytes_read.sum") for e in ks.values()), "byte")
             bscale = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6}.get(bunit, 1)
             es = [ks[i] for i in sorted(ks, key=int)]
-            per = len(es) // REPS if es and len(es) % REPS == 0 else len(es)
-            calls = [es[i:i + per] for i in range(0, len(es), per)] if per else []
+            if len(es) % REPS:      # a call's kernels can't be told apart: the whole, per call
+                raise SystemExit(f"{key}_{impl}: {len(es)} kernels for {REPS} calls (GEMM_REPS?)")
+            per = len(es) // REPS
+            calls = [es[i:i + per] for i in range(0, len(es), per)]
             ts = [sum(e.get("gpu__time_duration.sum", 0.0) for e in c) * scale for c in calls]
             bs = [sum(e.get("dram__bytes_read.sum", 0.0) for e in c) * bscale for c in calls]
             t = statistics.median(ts) if ts else 0.0

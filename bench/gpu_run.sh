@@ -586,13 +586,14 @@ case "${1:-tests}" in
         SWEEP_BUDGET_S=120 sweep cp_ur19a 160 --cp
     ;;
   s19b)     # after s19a: the narrower shapes' default stagings with UR 1 / 2 / 4, then the GEMM
-            # against MLX's op at every M on them with the 4-bit defaults at UR ${CP_UR:-4}
+            # against MLX's op at every M on them at the 4-bit defaults (CP_UR: another UR; the
+            # session 19 run had CP_UR=1)
     ca1="0.1.1 0.1.2 0.1.4" ca0="0.0.1 0.0.2 0.0.4"
     SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca1" 8.2.1.1),$(variants "$ca0" 4.2.2.2) SWEEP_SHAPES=4096x12288 \
         SWEEP_BUDGET_S=75 sweep cp_ur19b 110 --cp
     SWEEP_REPS=5 CP_STAGINGS=$(variants "$ca0" 4.2.2.1 4.2.1.1) SWEEP_SHAPES=4096x4096,6144x4096 \
         SWEEP_BUDGET_S=100 sweep cp_ur19c 140 --cp
-    CP_UR=${CP_UR:-4} GEMM_SHAPES=4096x4096,6144x4096,4096x12288 GEMM_OPS=qmm gemm_table gemm19b 200
+    GEMM_SHAPES=4096x4096,6144x4096,4096x12288 GEMM_OPS=qmm gemm_table gemm19b 200
     ;;
   s19f)     # after s19e: the cp == tc test on 4096 x 12288 at the new 16-row default (UR 2 on XE 2 +
             # NT 2), with the engine's decode-shaped call path, then the GEMM table on that shape

@@ -54,8 +54,9 @@ def cp_plans(N, K):
     # a sixth value: CA (constant-offset copies, 0 / 1; left out: the default, from CB 8; split
     # 0 = the default), e.g. 8.2.1.2.0.0; a seventh: UR (chunks a loop turn, 1 / 2 / 4), e.g.
     # 4.2.2.1.0.0.2; an eighth: PRO (1: the first weight stage copied before the scales, the
-    # scales in 16-byte copies), e.g. 8.2.1.2.0.1.1.1. (Sessions 16-18 ran stagings with values since removed: PF sixth, stages
-    # asked of L2 ahead; SF seventh, float scale pairs; this report mislabels their CSVs.)
+    # scales in 16-byte copies), e.g. 8.2.1.2.0.1.1.1. (Sessions 16-18 ran stagings with values
+    # since removed: PF sixth, stages asked of L2 ahead; SF seventh, float scale pairs; session 19
+    # L2 eighth, the copies' L2 prefetch size; this report mislabels their CSVs.)
     for cb, ns, xe, *rest in st:
         nt = rest[0] if rest else 1
         split = (rest[1] or None) if len(rest) > 1 else None

@@ -6,6 +6,8 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -45,4 +47,9 @@ def test_gemm_report_takes_the_median_call(tmp_path, capsys, monkeypatch):
     assert cells[:3] == ["qmm", "4096x4096", "1"]
     assert cells[3] == "12.0" and cells[6] == "26.0" and cells[8] == "2.17", cells
     assert cells[4] == "787"     # 9.44 MB in the median call's 12 us: 787 GB/s
+    # a kernel count that is not a whole number of calls is refused, not guessed at
+    bad = launches[:4] + [launches[3]] + launches[4:]    # one "ours" launch too many
+    _ncu_csv(path, bad)
+    with pytest.raises(SystemExit, match="kernels for 3 calls"):
+        gkt.report(str(path))
     sys.modules.pop("gpu_kernel_time", None)
