@@ -60,7 +60,8 @@ def use_staging_env():
     if os.environ.get("CP_UR"):    # the 4-bit default stagings, UR chunks a loop turn
         from tensorfold.kernels import _cuda
         ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging
-        _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two)[:4], ur)
+        _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two)[:4], ur,
+                                                         *base(N, K, gs, two)[5:])
 
 
 def run():

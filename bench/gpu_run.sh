@@ -56,8 +56,11 @@
 #   (s19c / s19d, tables and 8B decode at CP_UR=4, were prepared and dropped unrun: UR 4 lost)
 #   (s19e, the copies' L2 prefetch size swept, ran at 70a9745: no gain; L2 was removed after)
 #   bash bench/gpu_run.sh s19f      # UR 2 past 8 rows on 4096 x 12288: the cp == tc test, GEMM table
-#   bash bench/gpu_run.sh s20a      # next: PRO (the first weight stage before the scales): tests, sweep
-#   bash bench/gpu_run.sh s20b      # next: PRO with NS 3 / UR 4 on 12288 x 4096; the GEMM table
+#   bash bench/gpu_run.sh s20a      # session 20: PRO (the first weight stage before the scales): tests, sweep
+#   bash bench/gpu_run.sh s20b      # session 20: PRO with NS 3 / UR 4 on 12288 x 4096; the GEMM table
+#                                   # (its 180 s limit cut the table before 12288 x 4096 at M = 16)
+#   bash bench/gpu_run.sh s20c | s20d   # session 20: PRO in the defaults: tests, the PRO sweep again;
+#                                   # the GEMM table
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -615,6 +618,16 @@ case "${1:-tests}" in
     SWEEP_REPS=5 CP_STAGINGS=8.2.1.2.0.1.1.1,8.3.1.2.0.1.1.1,8.2.1.2.0.1.4.1,8.3.1.2.0.1.4.1 \
         SWEEP_SHAPES=12288x4096 SWEEP_BUDGET_S=50 sweep cp_pro20d 80 --cp
     GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 GEMM_OPS=qmm gemm_table gemm20b 180
+    ;;
+  s20c)     # PRO 1 in three default stagings (cp_staging's sixth value): the CUDA tests that take
+            # the defaults (cp == tc, the model shapes' row-exactness), then s20a's sweep again
+    k="test_cuda_cp_pipeline_equals_register"
+    par_tests test_cp20c 150 "$k and (72-256-32 or 1152-384-64)" "$k and (4096-4096-128 or 6144)" \
+        "$k and 12288" "test_quantized_matmul_row_exact_model_shapes"
+    default_sweeps cp_pro20r "0 1"
+    ;;
+  s20d)     # the 4-bit GEMM table at the defaults (medians of 5 calls)
+    GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 GEMM_OPS=qmm gemm_table gemm20d 400
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -258,11 +258,11 @@ def test_cuda_default_plans_apply_to_real_shapes():
                 assert gs != 64, (N, Kd)
                 continue
             for two in (False, True):
-                cb, ns, xe, nt, ur = _cuda.cp_staging(N, Kd, gs, two)
+                cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, Kd, gs, two)
                 plan = _cuda.cp_plan(N, Kd, gs, 4, cb, ns, nt)
                 assert plan is not None and plan[:2] == (cb, ns), (N, Kd, gs, two)
                 assert plan[2] == q[2] and plan[3] <= _cuda.CP_SMEM_LIMIT, (N, Kd, gs, two)
-                assert xe in (0, 1, 2) and nt in (1, 2) and ur in (1, 2, 4)
+                assert xe in (0, 1, 2) and nt in (1, 2) and ur in (1, 2, 4) and pro in (0, 1)
         # the dense default: row_mm_cp applies to every real shape (else row_mm_tc, slower)
         staging = _cuda.mm_cp_staging(N, Kd)
         assert _cuda.mm_cp_plan(N, Kd, staging[0], staging[1], staging[3]) is not None, (N, Kd)

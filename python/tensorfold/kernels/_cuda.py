@@ -207,8 +207,8 @@ CP_TWO_XE1_N = 6144  # past 8 rows, from this many columns: x loaded before the 
 
 
 @functools.lru_cache(maxsize=4096)
-def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, int, int, int, int]:
-    """row_qmm_cp's default staging (CB, NS, XE, NT, UR), a function of the weight shape and of
+def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, ...]:
+    """row_qmm_cp's default staging (CB, NS, XE, NT, UR, PRO), a function of the weight shape and of
     `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
     staging moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
     (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep), so
@@ -232,20 +232,27 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
       - session 19: two chunks a loop turn (UR 2) where x is loaded one chunk ahead into two
         tiles (XE 2, NT 2: the hand-over of the next chunk's x becomes register renaming):
         4096 x 12288 at M = 16 18.5 -> 16.6 / 16.7 us in two sweeps. Everywhere else UR 2 and 4
-        measured slower or the same (docs/benchmarks.md, "Session 19")."""
+        measured slower or the same (docs/benchmarks.md, "Session 19");
+      - session 20: the first weight stage copied before the scales (PRO 1) where one sweep
+        (medians of 5) measured it faster: 12288 x 4096 past 8 rows 16.7 -> 15.9 us, 4096 x
+        12288 at one row 12.6 -> 12.3, 4096 x 4096 at one row 7.5 -> 6.9 (6144 x 4096, the
+        same staging, 8.7 both). Not where it measured slower or the same: 4096 x 4096 past 8
+        rows 9.4 -> 9.8, 24576 x 4096 past 8 rows 28.4 -> 28.8, CB 8 at one row (12288 /
+        24576 x 4096 12.4 / 20.0 both), 4096 x 12288 and 6144 x 4096 past 8 rows (16.7 both,
+        11.3 -> 11.4)."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
-        return 8, 2, 1, 2, 1
+        return 8, 2, 1, 2, 1, 0
     if N >= CP_MID_N and fits(4, 2):
-        return 4, 2, 1, 2, 1
+        return 4, 2, 1, 2, 1, 1
     if two and K >= CP_LONG_K and fits(4, 2):
-        return 4, 2, 2, 2, 2
+        return 4, 2, 2, 2, 2, 0
     if not two and K >= CP_LONG_K and N >= 4096 and fits(8, 1):     # (measured at N = 4096)
-        return 8, 2, 1, 1, 1
+        return 8, 2, 1, 1, 1, 1
     if two and N >= CP_TWO_XE1_N:
-        return 4, 2, 1, 1, 1
-    return 4, 2, 2, 1, 1
+        return 4, 2, 1, 1, 1, 0
+    return 4, 2, 2, 1, 1, 0
 
 
 # row_qmm_cp's copies of a stage from one pointer and constant offsets (CA: data movement only,
@@ -381,8 +388,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         if plan is None:
-            cb, ns, xe, nt, ur = cp_staging(N, K, group_size, R > 8)
-            plan = ("cp", cb, ns, xe, nt, 0, None, ur)
+            cb, ns, xe, nt, ur, pro = cp_staging(N, K, group_size, R > 8)
+            plan = ("cp", cb, ns, xe, nt, 0, None, ur, pro)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *plan[1:])
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
