@@ -24,7 +24,7 @@ import mlx.core as mx
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288),
           (151936, 4096)]
-MS = [1, 2, 4, 8, 16]
+MS = [int(m) for m in os.environ.get("GEMM_MS", "1,2,4,8,16").split(",")]   # e.g. GEMM_MS=1,8,9,16
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
 
@@ -50,8 +50,9 @@ def marker(tag: str):
 def use_staging_env():
     """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
     MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=1 / 2 / 4: the 4-bit
-    GEMMs run their default stagings with that many chunks a loop turn. Benchmarks only; call before
-    the first dense call, whose launch is then cached."""
+    GEMMs run their default stagings with that many chunks a loop turn. CP_PW=1: the 4-bit GEMMs
+    past 8 rows run a warp per 8-row tile. Benchmarks only; call before the first dense call,
+    whose launch is then cached."""
     if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
         v = os.environ["MM_STAGING"]
@@ -62,6 +63,10 @@ def use_staging_env():
         ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging
         _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two)[:4], ur,
                                                          *base(N, K, gs, two)[5:])
+    if os.environ.get("CP_PW"):    # the 4-bit default stagings, a warp per 8-row tile
+        from tensorfold.kernels import _cuda
+        pw, base_pw = int(os.environ["CP_PW"]), _cuda.cp_staging
+        _cuda.cp_staging = lambda N, K, gs, two=False: (*base_pw(N, K, gs, two)[:6], pw)
 
 
 def run():

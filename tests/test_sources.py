@@ -9,7 +9,19 @@ from tensorfold.kernels._sources import kernel_text, minified, pruned
 
 def test_minified_drops_comments_and_layout_only():
     src = 'int a = 1;  // one\n\n    #pragma unroll\n  asm("x // y"); // z\n'
-    assert minified(src) == 'int a = 1;\n#pragma unroll\nasm("x // y");\n'
+    assert minified(src) == 'int a=1;\n#pragma unroll\nasm("x // y");\n'
+
+
+def test_squeezed_keeps_every_token_apart():
+    """A space stays where dropping it would join two tokens into another (names and numbers,
+    operators), and inside literals; preprocessor lines keep theirs (a macro's name and its `(`).
+    nvcc_check.py --ptx-hash showed the real kernels' PTX unchanged by it."""
+    src = ('unsigned int q = a - -b + c & &d < :e ? 1 .5 : x < y > z;\n'
+           'asm volatile("bar.sync %0, 64;" : : "r"(w + 1) : "memory");\n'
+           '#define TF_F (x + 1)\n')
+    assert minified(src) == ('unsigned int q=a- -b+c& &d< :e?1 .5:x<y>z;\n'
+                             'asm volatile("bar.sync %0, 64;": :"r"(w+1):"memory");\n'
+                             '#define TF_F (x + 1)\n')
 
 
 def test_pruned_keeps_what_the_body_reaches():

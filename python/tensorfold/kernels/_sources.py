@@ -55,7 +55,8 @@ def sections(kind: str, filename: str) -> dict[str, str]:
 
 def minified(text: str) -> str:
     """C++ / CUDA text without // comments, indentation and blank lines (the sources hold no
-    /* */ comments and no string literal with //; preprocessor lines stay lines of their own)."""
+    /* */ comments and no string literal with //; preprocessor lines stay lines of their own),
+    and without the spaces between tokens that no token needs (`squeezed`)."""
     lines = []
     for line in text.splitlines():
         cut = line.find("//")
@@ -65,8 +66,40 @@ def minified(text: str) -> str:
             line = line[:cut]
         line = line.strip()
         if line:
-            lines.append(line)
+            lines.append(line if line.startswith("#") else squeezed(line))
     return "\n".join(lines) + "\n"
+
+
+_WORD = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.")
+_OPER = set("+-*/%<>=!&|^:#~?")
+
+
+def squeezed(line: str) -> str:
+    """One line of C++ without the spaces that separate nothing: a space stays only between two
+    word characters (names, numbers: `unsigned int`, `1 .5`) or two operator characters (`a - -b`,
+    `< :`), and inside string literals. Preprocessor lines are not passed here (a macro's name
+    and its `(`)."""
+    out, i, n = [], 0, len(line)
+    while i < n:
+        c = line[i]
+        if c in "\"'":                       # a literal, copied whole
+            j = i + 1
+            while j < n and line[j] != c:
+                j += 2 if line[j] == "\\" else 1
+            out.append(line[i:j + 1])
+            i = j + 1
+        elif c in " \t":
+            j = i
+            while j < n and line[j] in " \t":
+                j += 1
+            a, b = (out[-1][-1] if out else ""), (line[j] if j < n else "")
+            if (a in _WORD and b in _WORD) or (a in _OPER and b in _OPER):
+                out.append(" ")
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 @functools.lru_cache(maxsize=None)
