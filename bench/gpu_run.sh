@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200 (MLX CUDA backend), after `bash .gpu/b/install.sh` built the project there:
 #   bash bench/gpu_run.sh tests     # CUDA property tests + engine exactness suite
+#   bash bench/gpu_run.sh setup     # only the environment fix (crt headers), before ad-hoc commands
 #   bash bench/gpu_run.sh gemm      # GEMM property tests + GEMM table only
 #   bash bench/gpu_run.sh diag | sparse | moe   # open H200 items of issues 4/5, 8, 7
 #   bash bench/gpu_run.sh decode    # 8B-shaped decode: compiled step vs eager vs mlx-lm
@@ -69,6 +70,9 @@
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
 # Logs go to $OUT (or /tmp/tf-out).
 set -uo pipefail
+# a mode is required: without one the script used to run `tests` (~10 min of device time),
+# and a call meant only to set up its environment spent the rest of session 20's budget on it
+if [ $# -eq 0 ]; then echo "usage: bash bench/gpu_run.sh MODE (see the comments at the top)" >&2; exit 2; fi
 genv() {   # genv SETTING cmd...: run cmd under MLX's CUDA-graph setting 1 (default), 0 (none) or big
   local g=$1; shift
   case "$g" in
@@ -133,7 +137,10 @@ if [ -n "$inc" ] && [ -d "$inc" ] && [ ! -f "$inc/crt/mma.h" ]; then
   done
 fi
 python3 -c 'import mlx.core as mx, tensorfold.kernels as K; print("mlx", mx.__version__, mx.default_device(), "face", K.backend_face())'
-case "${1:-tests}" in
+case "$1" in
+  setup)    # only the environment fix above (MLX's JIT kernels' crt headers): then run ad-hoc
+            # commands in the same call
+    ;;
   gemm)
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matmul" 2>&1 | tee "$out/test_gemm.log" | tail -15
     python3 bench/bench_kernels.py --table --gpu-only --ops qmm,mm 2>&1 | tee "$out/bench_gemm.md" | tail -45
