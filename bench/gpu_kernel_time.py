@@ -58,15 +58,15 @@ def use_staging_env():
         v = os.environ["MM_STAGING"]
         staging = None if v == "tc" else tuple(int(t) for t in v.split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
-    if os.environ.get("CP_UR"):    # the 4-bit default stagings, UR chunks a loop turn
-        from tensorfold.kernels import _cuda
-        ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging
-        _cuda.cp_staging = lambda N, K, gs, two=False: (*base(N, K, gs, two)[:4], ur,
-                                                         *base(N, K, gs, two)[5:])
-    if os.environ.get("CP_PW"):    # the 4-bit default stagings, a warp per 8-row tile
-        from tensorfold.kernels import _cuda
-        pw, base_pw = int(os.environ["CP_PW"]), _cuda.cp_staging
-        _cuda.cp_staging = lambda N, K, gs, two=False: (*base_pw(N, K, gs, two)[:6], pw)
+    if os.environ.get("CP_UR") or os.environ.get("CP_PW"):   # the 4-bit default stagings with
+        from tensorfold.kernels import _cuda                # UR chunks a loop turn / PW
+        ur, pw, base = int(os.environ.get("CP_UR") or 0), int(os.environ.get("CP_PW") or 0), \
+            _cuda.cp_staging
+
+        def staging(N, K, gs, two=False):
+            cb, ns, xe, nt, d_ur, pro = base(N, K, gs, two)
+            return cb, ns, xe, nt, ur or d_ur, pro, pw
+        _cuda.cp_staging = staging
 
 
 def run():

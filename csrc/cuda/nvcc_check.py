@@ -115,8 +115,8 @@ for T in (bf, f16):
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:
-    # not 4096 x 4096 g128, NGW 4)
-    # a warp per 8-row tile past 8 rows (PW) on the 16-row defaults and with CA / PRO / XE 0
+    # not 4096 x 4096 g128, NGW 4), and a warp per 8-row tile past 8 rows (PW) on the 16-row
+    # defaults and with CA / PRO / XE 0
     for N, K, GS, cb, ns, XE, NT, UR, TWO, CA, PRO, PW in (
             (12288, 4096, 64, 8, 2, 1, 2, 1, False, False, False, False),
             (4096, 4096, 64, 4, 2, 2, 1, 2, True, False, False, False),

@@ -282,13 +282,13 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     if plan is None:
         return None
     ca = cp_ca(N, cb, nt, ca)
+    pw = bool(pw) and R > 8     # PW: a warp per 8-row tile, in the launches of more than 8 rows
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)),
-                ("PW", bool(pw) and R > 8)]
-    threads = 32 * SPLIT * (2 if pw and R > 8 else 1)   # PW: a warp per 8-row tile past 8 rows
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("PW", pw)]
+    threads = 32 * SPLIT * (2 if pw else 1)
     grid = (-(-N // (16 * nt)) * threads, -(-R // 16), 1)
     return kern, template, grid, (threads, 1, 1), [(R, N)], [T]
 
