@@ -50,22 +50,20 @@ def marker(tag: str):
 def use_staging_env():
     """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
     MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=1 / 2 / 4: the 4-bit
-    GEMMs run their default stagings with that many chunks a loop turn. CP_PW=1: the 4-bit GEMMs
-    past 8 rows run a warp per 8-row tile. Benchmarks only; call before the first dense call,
-    whose launch is then cached."""
+    GEMMs run their default stagings with that many chunks a loop turn. Benchmarks only; call before
+    the first dense call, whose launch is then cached."""
     if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
         v = os.environ["MM_STAGING"]
         staging = None if v == "tc" else tuple(int(t) for t in v.split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
-    if os.environ.get("CP_UR") or os.environ.get("CP_PW"):   # the 4-bit default stagings with
-        from tensorfold.kernels import _cuda                # UR chunks a loop turn / PW
-        ur, pw, base = int(os.environ.get("CP_UR") or 0), int(os.environ.get("CP_PW") or 0), \
-            _cuda.cp_staging
+    if os.environ.get("CP_UR"):    # the 4-bit default stagings, UR chunks a loop turn
+        from tensorfold.kernels import _cuda
+        ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging
 
         def staging(N, K, gs, two=False):
-            cb, ns, xe, nt, d_ur, pro = base(N, K, gs, two)
-            return cb, ns, xe, nt, ur or d_ur, pro, pw
+            cb, ns, xe, nt, _, pro = base(N, K, gs, two)
+            return cb, ns, xe, nt, ur, pro
         _cuda.cp_staging = staging
 
 

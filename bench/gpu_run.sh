@@ -62,9 +62,10 @@
 #                                   # (its 180 s limit cut the table before 12288 x 4096 at M = 16)
 #   bash bench/gpu_run.sh s20c | s20d   # session 20: PRO in the defaults: tests, the PRO sweep again;
 #                                   # the GEMM table
-#   bash bench/gpu_run.sh s21a      # next: PW (past 8 rows a warp per 8-row tile): cp == tc tests
-#                                   # (PW on 9 shapes, 20 rows too), PW 0 / 1 swept at the 16-row defaults
-#   bash bench/gpu_run.sh s21b      # next: the 4-bit GEMM table with PW past 8 rows and without
+#   (session 21 ran s21a: PW, a warp per 8-row tile past 8 rows, swept slower everywhere and was
+#    removed with its modes; s21b, the table with PW, was not run)
+#   bash bench/gpu_run.sh s21c      # session 21: the whole CUDA test_kernels.py, four processes
+#   bash bench/gpu_run.sh s21d      # session 21: 8B-shaped 4-bit decode at 2k / 32k vs mlx-lm
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -97,7 +98,11 @@ par_tests() {   # par_tests TAG TIMEOUT SEL...: tests/test_kernels.py -k SEL, on
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$sel" > "$out/${tag}_$i.log" 2>&1 &
   done
   wait
-  for ((j = 1; j <= i; j++)); do echo "== ${tag}_$j"; grep -E "^FAILED|passed|failed|error" "$out/${tag}_$j.log" | tail -8; done
+  for ((j = 1; j <= i; j++)); do
+    echo "== ${tag}_$j"; grep -E "^FAILED|passed|failed|error" "$out/${tag}_$j.log" | tail -8
+    # no summary line: killed at the limit, or a crash; its last lines say which
+    grep -qE "[0-9]+ (passed|failed)" "$out/${tag}_$j.log" || { echo "(no summary)"; tail -4 "$out/${tag}_$j.log"; }
+  done
 }
 variants() {   # variants "SUFFIX..." STAGING...: each staging with each suffix, comma-separated
                # (variants "0.0 0.1" 8.2.1.2 -> 8.2.1.2.0.0,8.2.1.2.0.1)
@@ -639,28 +644,15 @@ case "$1" in
   s20d)     # the 4-bit GEMM table at the defaults (medians of 5 calls)
     GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 GEMM_OPS=qmm gemm_table gemm20d 400
     ;;
-  s21a)     # PW: past 8 rows a warp per 8-row tile and K slice (2 SPLIT warps a block; the pair
-            # of a slice shares its stages, each warp issues half the copies, a pair barrier
-            # after each wait). The cp == tc test (PW on the 16-row default and two more
-            # stagings, at 9 / 16 / 20 rows) on the nine shapes, then PW 0 / 1 on each 8B
-            # shape's 16-row default and one more staging (at M = 1 PW does nothing: the pair
-            # of M = 1 times is the sweep's noise)
-    k="test_cuda_cp_pipeline_equals_register"
-    par_tests test_cp21 200 "$k and (72-256 or 1152-384-64 or 384-1152)" "$k and (4096-4096-128 or 6144 or 20000)" \
-        "$k and 12288" "test_quantized_matmul_row_exact_model_shapes"
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "0 1" 4.2.1.2.0.0.1.1 8.2.1.2.0.1.1.0) \
-        SWEEP_SHAPES=12288x4096,24576x4096 SWEEP_BUDGET_S=90 sweep cp_pw21a 130 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "0 1" 4.2.2.2.0.0.2.0 4.2.1.2.0.0.1.0) \
-        SWEEP_SHAPES=4096x12288 SWEEP_BUDGET_S=60 sweep cp_pw21b 90 --cp
-    SWEEP_REPS=5 CP_STAGINGS=$(variants "0 1" 4.2.2.1.0.0.1.0 4.2.1.1.0.0.1.0) \
-        SWEEP_SHAPES=4096x4096,6144x4096 SWEEP_BUDGET_S=80 sweep cp_pw21c 110 --cp
+  s21c)     # the whole of tests/test_kernels.py on CUDA at the current defaults, in four
+            # processes side by side (NVRTC compiles while the GPU idles)
+    k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
+    par_tests kern21 ${LIMIT:-420} "$k and $small" "$k and not $small" \
+        "quantized_matmul and not $k" "not quantized_matmul and not $k"
     ;;
-  s21b)     # the 4-bit GEMM table with PW past 8 rows and without, at M = 1 / 8 / 9 / 16 (a
-            # drafted round of 8 verifies 9 rows; medians of 5 calls)
-    for pw in 1 0; do
-      CP_PW=$pw GEMM_MS=1,8,9,16 GEMM_REPS=5 GEMM_SHAPES=4096x4096,6144x4096,4096x12288,12288x4096 \
-          GEMM_OPS=qmm gemm_table gemm21b_pw$pw 280
-    done
+  s21d)     # 8B-shaped 4-bit serial decode at the current kernels vs mlx-lm, 2k and 32k prompts
+    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048,32768 \
+        --decode 128 --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode21.md" | tail -12
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -54,14 +54,14 @@ def cp_plans(N, K):
     # a sixth value: CA (constant-offset copies, 0 / 1; left out: the default, from CB 8; split
     # 0 = the default), e.g. 8.2.1.2.0.0; a seventh: UR (chunks a loop turn, 1 / 2 / 4), e.g.
     # 4.2.2.1.0.0.2; an eighth: PRO (1: the first weight stage copied before the scales, the
-    # scales in 16-byte copies), e.g. 8.2.1.2.0.1.1.1; a ninth: PW (1: past 8 rows a warp per
-    # 8-row tile, 2 SPLIT warps a block), e.g. 4.2.1.2.0.0.1.1.1. (Sessions 16-18 ran stagings with values
+    # scales in 16-byte copies), e.g. 8.2.1.2.0.1.1.1. (Sessions 16-18 ran stagings with values
     # since removed: PF sixth, stages asked of L2 ahead; SF seventh, float scale pairs; session 19
-    # L2 eighth, the copies' L2 prefetch size; this report mislabels their CSVs.)
+    # L2 eighth, the copies' L2 prefetch size; session 21 PW ninth, a warp per 8-row tile past
+    # 8 rows; this report mislabels their CSVs.)
     for cb, ns, xe, *rest in st:
         nt = rest[0] if rest else 1
         split = (rest[1] or None) if len(rest) > 1 else None
-        lean = tuple(rest[2:6])
+        lean = tuple(rest[2:5])
         p = cp_plan(N, K, 64, 4, cb, ns, nt, split)
         if p is None or (p[0], p[1]) != (cb, ns):
             continue
@@ -221,7 +221,7 @@ def report(path, dense=False):
         byts = N * K * 2 if dense else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" CA{p[6]}" if len(p) > 6 else "") + (f" UR{p[7]}" if len(p) > 7 else "") + (f" PRO{p[8]}" if len(p) > 8 else "") + (f" PW{p[9]}" if len(p) > 9 else "")
+            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" CA{p[6]}" if len(p) > 6 else "") + (f" UR{p[7]}" if len(p) > 7 else "") + (f" PRO{p[8]}" if len(p) > 8 else "")
              if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
             + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))

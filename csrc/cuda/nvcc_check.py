@@ -111,29 +111,21 @@ for T in (bf, f16):
             CA = cp_ca(N, CB, NT)    # as the default call
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                              RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR,
-                                             PRO=bool(PRO), PW=False),
+                                             PRO=bool(PRO)),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:
-    # not 4096 x 4096 g128, NGW 4), and a warp per 8-row tile past 8 rows (PW) on the 16-row
-    # defaults and with CA / PRO / XE 0
-    for N, K, GS, cb, ns, XE, NT, UR, TWO, CA, PRO, PW in (
-            (12288, 4096, 64, 8, 2, 1, 2, 1, False, False, False, False),
-            (4096, 4096, 64, 4, 2, 2, 1, 2, True, False, False, False),
-            (4096, 12288, 64, 8, 2, 1, 1, 2, False, False, False, False),
-            (12288, 4096, 64, 8, 2, 1, 2, 1, False, True, True, False),
-            (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, True, False),
-            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True, False),
-            (12288, 4096, 64, 4, 2, 1, 2, 1, True, False, True, True),
-            (24576, 4096, 64, 8, 2, 1, 2, 1, True, True, False, True),
-            (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, False, True),
-            (4096, 4096, 64, 4, 2, 2, 1, 1, True, False, False, True),
-            (6144, 4096, 64, 4, 2, 1, 1, 1, True, False, False, True),
-            (1152, 384, 64, 4, 2, 0, 2, 1, True, False, True, True)):
+    # not 4096 x 4096 g128, NGW 4)
+    for N, K, GS, cb, ns, XE, NT, UR, TWO, CA, PRO in (
+            (12288, 4096, 64, 8, 2, 1, 2, 1, False, False, False),
+            (4096, 4096, 64, 4, 2, 2, 1, 2, True, False, False),
+            (4096, 12288, 64, 8, 2, 1, 1, 2, False, False, False),
+            (12288, 4096, 64, 8, 2, 1, 2, 1, False, True, True),
+            (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, True),
+            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True)):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO,
-                                         PW=PW),
+                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO),
                       dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

@@ -161,19 +161,16 @@ __device__ __forceinline__ void tf_chunks(Load&& load, Compute&& compute) {
 // Split-K reduction in warp order ((w0 + w1) + w2) + ..., then warp 0 stores its fragments:
 // acc[nt][mt][i] is out[r0 + 8 mt + 2 t + (i & 1), nbase + 16 nt + 8 (i >> 1) + g].
 // With RES, out = T(T(acc) + res) (the residual add of the layer, fused: row_qmm_cp).
-// With only >= 0 (row_qmm_cp's PW: a warp per 8-row tile) only tile `only` is reduced and stored.
 template <typename T, int NT, int SPLIT, bool RES = false>
 __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red, T* out,
                                              int warp, int lane, bool two, int rows, int r0,
-                                             int nbase, int N, const T* res = nullptr,
-                                             int only = -1) {
+                                             int nbase, int N, const T* res = nullptr) {
   if constexpr (SPLIT > 1) {
     if (warp > 0) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          if (only >= 0 && mt != only) continue;
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             red[((((warp - 1) * NT + nt) * 2 + mt) * 4 + i) * 32 + lane] = acc[nt][mt][i];
@@ -188,7 +185,6 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
-            if (only >= 0 && mt != only) continue;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               acc[nt][mt][i] = __fadd_rn(acc[nt][mt][i],
@@ -205,7 +201,7 @@ __device__ __forceinline__ void tf_tc_finish(float (&acc)[NT][2][4], float* red,
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      if ((mt == 1 && !two) || (only >= 0 && mt != only)) continue;
+      if (mt == 1 && !two) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int m = mt * 8 + 2 * t + (i & 1);
@@ -587,24 +583,18 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, PW, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
 // row_qmm_tc; the same bits), CA (a stage's copies from one pointer and constant offsets, see
 // issue: data movement only), UR (chunks a turn of the loop: with 2, XE 2's hand-over of the
-// next chunk's x rows is register renaming, not moves; the same operations in the same order),
-// PRO (the first stage's weight copies before the scales'), PW (TWO only: a warp per 8-row tile
-// and K slice, so 2 SPLIT warps; the pair of a slice shares its ring and scales, each issues half
-// the copies, and a pair barrier after each wait both shows it the pair's copies and frees the
-// stage the next issue overwrites; each warp runs the one-tile code on its tile's rows, the
-// operations a two-tile warp runs for that tile, so the same bits).
+// next chunk's x rows is register renaming, not moves; the same operations in the same order).
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
-// launch: grid (ceil(N / (16 NT)) * 32 SPLIT * (PW ? 2 : 1), ceil(R / 16), 1), threadgroup
-//         (32 SPLIT * (PW ? 2 : 1), 1, 1), dynamic shared memory
-//         NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -617,20 +607,19 @@ constexpr int STAGE = 16 * NT * UPR;
 constexpr int CPL = STAGE / 32;
 static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0);
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
-static_assert(sizeof(S) == 2 && (!PW || TWO));   // 2-byte scales; PW in the 16-row kernel
+static_assert(sizeof(S) == 2);   // 2-byte scales
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
 float* red = reinterpret_cast<float*>(smem_cp);
 const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
-const int mw = PW ? (threadIdx.x >> 5) / SPLIT : 0;   // PW: this warp's 8-row tile
-const int warp = (threadIdx.x >> 5) - mw * SPLIT;     // its K slice
+const int warp = threadIdx.x >> 5;
 const int gq = lane >> 2, tq = lane & 3;
 const int nbase = blockIdx.x * (16 * NT);
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
-const bool two = !PW && TWO && rows > 8;
+const bool two = TWO && rows > 8;
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
@@ -661,13 +650,11 @@ auto issue = [&](int ci) {
     const unsigned int* src = wsrc[0] + (size_t)ci * CB * 4;
     tf_unroll<CPL>([&](auto ic) {
       constexpr int i = decltype(ic)::value;
-      if (!PW || i % 2 == mw) tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + 32 * (i - i % SP)), src);
+      tf_cp_async16s<i * RPC * KW * 4>(sb + 16 * (wdst[i % SP] + 32 * (i - i % SP)), src);
     });
   } else {
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      if (!PW || i % 2 == mw) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
-    }
+    for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
   }
 };
 // scales and biases of the warp's slice: [16 NT rows][NGW] each, SE a copy: pairs, or with PRO
@@ -675,7 +662,7 @@ auto issue = [&](int ci) {
 constexpr int SE = PRO && NG % 8 == 0 && NGW % 8 == 0 ? 8 : 2;
 constexpr int SC = NGW / SE;
 auto scp = [&]() {
-  for (int e = lane + 32 * mw; e < 32 * NT * SC; e += PW ? 64 : 32) {
+  for (int e = lane; e < 32 * NT * SC; e += 32) {
     const int a = e / (16 * NT * SC), rem = e % (16 * NT * SC);
     const int r = rem / SC, p = rem % SC;
     tf_cp_async_ca<2 * SE>((a ? sbi : ssc) + r * NGW + SE * p, (a ? biases : scales) + (size_t)wrow(r) * NG + warp * NGW + SE * p);
@@ -694,8 +681,8 @@ const T* xrow[2];
 bool xok[2];
 tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
-xrow[0] = (mw ? xrow[1] : xrow[0]) + (size_t)blkw * 32;   // the warp's K slice: chunk ci's block b
-xrow[1] += (size_t)blkw * 32;                            // is at (ci CB + b) 32; PW: its tile's rows
+xrow[0] += (size_t)blkw * 32;     // the warp's K slice: chunk ci's block b is at (ci CB + b) 32
+xrow[1] += (size_t)blkw * 32;
 unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
@@ -731,11 +718,7 @@ for (int ci = 0; ci < CPW; ++ci) {
     if (ci + 1 < CPW) loadx(ci + 1, xn);
   }
   tf_cp_async_wait<NS - 2>();
-  if constexpr (PW) {
-    asm volatile("bar.sync %0, 64;" ::"r"(warp + 1) : "memory");
-  } else {
-    __syncwarp();
-  }
+  __syncwarp();
   if (ci + NS - 1 < CPW) issue(ci + NS - 1);
   tf_cp_async_commit();
   if constexpr (XE == 0) loadx(ci, xv);
@@ -789,14 +772,7 @@ for (int ci = 0; ci < CPW; ++ci) {
     });
   }
 }
-if (mw) {   // PW: tile 1's warp ran the one-tile code, its values are tile 1's
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][1][i] = acc[nt][0][i];
-  }
-}
-tf_tc_finish<T, NT, SPLIT, RES>(acc, red, out, warp, lane, two || PW, rows, r0, nbase, N, res, PW ? mw : -1);
+tf_tc_finish<T, NT, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).

@@ -274,23 +274,20 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 ca: int | None = None, ur: int = 1, pro: int = 0, pw: int = 0):
-    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
-            or pw not in (0, 1):
-        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, PW {pw}")
+                 ca: int | None = None, ur: int = 1, pro: int = 0):
+    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1):
+        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     ca = cp_ca(N, cb, nt, ca)
-    pw = bool(pw) and R > 8     # PW: a warp per 8-row tile, in the launches of more than 8 rows
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("PW", pw)]
-    threads = 32 * SPLIT * (2 if pw else 1)
-    grid = (-(-N // (16 * nt)) * threads, -(-R // 16), 1)
-    return kern, template, grid, (threads, 1, 1), [(R, N)], [T]
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro))]
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
+    return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
 def mm_cp_plan(N: int, K: int, cb: int = 2, ns: int = 3, nt: int = 1, split: int | None = None):
@@ -391,8 +388,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         if plan is None:
-            st = cp_staging(N, K, group_size, R > 8)     # (CB, NS, XE, NT, UR, PRO[, PW])
-            plan = ("cp", *st[:4], 0, None, *st[4:])
+            cb, ns, xe, nt, ur, pro = cp_staging(N, K, group_size, R > 8)
+            plan = ("cp", cb, ns, xe, nt, 0, None, ur, pro)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *plan[1:])
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
