@@ -3,7 +3,11 @@
 Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
 tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
 tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
-`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [kernel names]
+`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
+
+By default the cases go into files of about 24 (--batch=N; each case in a namespace of its own),
+since nvcc's fixed cost per file is most of a case's time; -v (ptxas's register report) and
+--ptx-hash compile a file a case.
 
 --ptx-hash compiles to PTX instead and prints one hash per case, over the PTX without its
 comments and line / file directives: a change meant to keep the generated code (comments,
@@ -204,14 +208,47 @@ def _compile(tmp, idx, case, ptx, verbose):
     return True, out
 
 
+def _compile_batch(tmp, batch):
+    """Several cases in one translation unit, each in a namespace of its own (their includes
+    once, at the top): nvcc's fixed cost (~2.5 s a file on the CI machine, most of a case's
+    time) is paid once a batch. A failing batch is compiled again case by case, so a failure
+    names its case with its own error."""
+    includes, parts = [], []
+    for idx, (name, tmpl, ins, outs) in batch:
+        body = []
+        for ln in standalone_source(name, tmpl, ins, outs).splitlines():
+            if ln.startswith("#include"):
+                if ln not in includes:
+                    includes.append(ln)
+            else:
+                body.append(ln)
+        parts.append(f"namespace tf_case{idx} {{\n" + "\n".join(body) + f"\n}} // tf_case{idx}\n")
+    path = os.path.join(tmp, f"b{batch[0][0]}.cu")
+    with open(path, "w") as f:
+        f.write("\n".join(includes) + "\n" + "".join(parts))
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", path, "-o", path + ".o"],
+                       capture_output=True, text=True)
+    if r.returncode == 0:
+        return [(True, f"ok   {c[0]} {dict((k, str(v)) for k, v in c[1].items())}") for _, c in batch]
+    return [_compile(tmp, idx, case, False, False) for idx, case in batch]
+
+
 def main():
     verbose = "-v" in sys.argv
     ptx = "--ptx-hash" in sys.argv
     only = [a for a in sys.argv[1:] if not a.startswith("-")]
+    size = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--batch=")), 24)
     cases = [(i, c) for i, c in enumerate(CASES) if not only or c[0] in only]
     with tempfile.TemporaryDirectory() as tmp, \
             concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda ic: _compile(tmp, ic[0], ic[1], ptx, verbose), cases))
+        if ptx or verbose or size <= 1:     # a file a case: its own PTX hash / ptxas report
+            results = list(pool.map(lambda ic: _compile(tmp, ic[0], ic[1], ptx, verbose), cases))
+        else:   # cases dealt round-robin into files of about `size`, so heavy kernels spread
+            nb = max(1, -(-len(cases) // size))
+            done = dict(zip((i for b in range(nb) for i, _ in cases[b::nb]),
+                            (r for rs in pool.map(lambda b: _compile_batch(tmp, cases[b::nb]), range(nb))
+                             for r in rs)))
+            results = [done[i] for i, _ in cases]
     for _, text in results:     # in case order, whatever order they finished in
         print(text)
     failed = sum(not ok for ok, _ in results)
