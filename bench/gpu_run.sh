@@ -66,6 +66,7 @@
 #    removed with its modes; s21b, the table with PW, was not run)
 #   bash bench/gpu_run.sh s21c      # session 21: the whole CUDA test_kernels.py, four processes
 #   bash bench/gpu_run.sh s21d      # session 21: 8B-shaped 4-bit decode at 2k / 32k vs mlx-lm
+#   bash bench/gpu_run.sh s22a      # next: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -653,6 +654,26 @@ case "$1" in
   s21d)     # 8B-shaped 4-bit serial decode at the current kernels vs mlx-lm, 2k and 32k prompts
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048,32768 \
         --decode 128 --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode21.md" | tail -12
+    ;;
+  s22a)     # issue 3: where the 4-bit GEMM's warps stall, per SASS instruction (ncu's source
+            # counters: PC sampling, clocks unlocked), at the defaults on the shape whose one-row
+            # target is missed (12288 x 4096) and one whose 16-row ratio is (4096 x 4096), M = 1 / 16.
+            # Session 16's aggregate said "long scoreboard, wait" at ~0.45 issues a cycle; this says
+            # at which instructions. Raw reports stay on the machine; one CSV comes back.
+    raw=/tmp/s22; mkdir -p "$raw"
+    for NK in ${SHAPES:-12288x4096 4096x4096}; do
+      for M in ${ROWS:-1 16}; do
+        rep="$raw/src22_${NK}_M$M"
+        timeout 120 ncu --clock-control none --kernel-name regex:row_qmm_cp --launch-skip 1 --launch-count 1 \
+            --section SourceCounters --section WarpStateStats --import-source no -f -o "$rep" \
+            python3 bench/gpu_gemm_prof.py --n ${NK%x*} --k ${NK#*x} --rows $M > "$rep.log" 2>&1 || tail -3 "$rep.log"
+        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> "$rep.err" || tail -3 "$rep.err"
+        echo "== $NK M=$M"
+        python3 bench/gpu_sass_stalls.py "$rep.csv" --top 30 > "$out/stalls22_${NK}_M$M.md" 2>&1
+        head -24 "$out/stalls22_${NK}_M$M.md"
+      done
+    done
+    cp "$raw/src22_12288x4096_M1.csv" "$out/" 2>/dev/null
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
