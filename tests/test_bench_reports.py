@@ -53,3 +53,29 @@ def test_gemm_report_takes_the_median_call(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit, match="kernels for 3 calls"):
         gkt.report(str(path))
     sys.modules.pop("gpu_kernel_time", None)
+
+
+def test_sass_stalls_report_ranks_instructions_and_opcodes(tmp_path, monkeypatch):
+    """bench/gpu_sass_stalls.py on a synthetic ncu source-page CSV: instructions by stall
+    samples (numbers with thousands separators), the largest reasons, samples by opcode with
+    predicates stripped."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("gpu_sass_stalls", None)
+    st = importlib.import_module("gpu_sass_stalls")
+    path = tmp_path / "src.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "custom_kernel_tf_row_qmm_cp"])
+        w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)",
+                    "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed",
+                    "stall_long_sb", "stall_wait"])
+        w.writerow(["0x10", "@!P0 HMMA.16816.F32.BF16 R8, R12, R16, RZ", "300", "250", "49,152", "0", "200"])
+        w.writerow(["0x20", "LDSM.16.M88.4 R4, [R2]", "1,200", "1000", "1,536", "900", "100"])
+        w.writerow(["0x30", "@P1 HMMA.16816.F32.BF16 R20, R12, R16, R20", "100", "90", "49,152", "0", "50"])
+    header, rows = st.read(str(path))
+    text = st.summarize(header, rows, top=2)
+    lines = text.splitlines()
+    assert lines[0] == "3 instructions, 1600 stall samples"
+    assert "`LDSM.16.M88.4 R4, [R2]` | 1200 | 75.0% | 1536 | stall_long_sb 900, stall_wait 100" in lines[4]
+    assert "HMMA.16816" in lines[5] and "0x30" not in text.split("| opcode")[0]   # top 2 only
+    assert "| LDSM | 1200 | 75.0% |" in text and "| HMMA | 400 | 25.0% |" in text
