@@ -65,7 +65,7 @@
 #   (session 21 ran s21a: PW, a warp per 8-row tile past 8 rows, swept slower everywhere and was
 #    removed with its modes; s21b, the table with PW, was not run)
 #   bash bench/gpu_run.sh s21c      # session 21: the whole CUDA test_kernels.py, four processes
-#   bash bench/gpu_run.sh s21d      # session 21: 8B-shaped 4-bit decode at 2k / 32k vs mlx-lm
+#   (session 21's s21d, 8B decode at 2k / 32k, is now PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1 ... decode)
 #   bash bench/gpu_run.sh s22a      # next: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
@@ -189,8 +189,10 @@ case "$1" in
     TENSORFOLD_COMPILE_DECODE=0 timeout 90 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact_eager.txt" | tail -3
     ;;
   decode)   # issue 4: 8B-shaped 4-bit decode, eager (GPU default) vs compiled exact step vs mlx-lm
-    python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} --decode 128 --repeat 3 \
-        ${OTHER_STEP---other-step} 2>&1 | tee "$out/bench_decode.md" | tail -6
+            # (SERIAL_ONLY=1: no drafted runs; session 21: PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1)
+    timeout ${LIMIT:-560} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048} \
+        --decode 128 --repeat 3 ${OTHER_STEP---other-step} ${SERIAL_ONLY:+--no-drafted} \
+        2>&1 | tee "$out/bench_decode.md" | tail -8
     ;;
   sparse)   # issue 8: the sparse-attention CUDA tests (split form == one-kernel form, accuracy,
             # row-exactness) and the H200 table vs MLX's dense masked attention
@@ -650,10 +652,6 @@ case "$1" in
     k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
     par_tests kern21 ${LIMIT:-420} "$k and $small" "$k and not $small" \
         "quantized_matmul and not $k" "not quantized_matmul and not $k"
-    ;;
-  s21d)     # 8B-shaped 4-bit serial decode at the current kernels vs mlx-lm, 2k and 32k prompts
-    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts 2048,32768 \
-        --decode 128 --repeat 3 --no-drafted 2>&1 | tee "$out/bench_decode21.md" | tail -12
     ;;
   s22a)     # issue 3: where the 4-bit GEMM's warps stall, per SASS instruction (ncu's source
             # counters: PC sampling, clocks unlocked), at the defaults on the shape whose one-row
