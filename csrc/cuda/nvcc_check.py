@@ -186,6 +186,11 @@ for T in (bf, f16, f32):
 CASES.append(("sparse_compact", dict(), dict(indices=i32, offset=i32, k=bf), dict(kept=i32, nkept=i32)))
 
 
+def _tag(case):
+    name, tmpl = case[:2]
+    return f"{name} {dict((k, str(v)) for k, v in tmpl.items())}"
+
+
 def _compile(tmp, idx, case, ptx, verbose):
     name, tmpl, ins, outs = case
     path = os.path.join(tmp, f"k{idx}.cu")
@@ -195,7 +200,7 @@ def _compile(tmp, idx, case, ptx, verbose):
     if verbose:
         cmd.append("-Xptxas=-v")
     r = subprocess.run(cmd, capture_output=True, text=True)
-    tag = f"{name} {dict((k, str(v)) for k, v in tmpl.items())}"
+    tag = _tag(case)
     if r.returncode != 0:
         return False, f"FAIL {tag}\n{r.stderr[-4000:]}"
     if ptx:
@@ -229,7 +234,7 @@ def _compile_batch(tmp, batch):
     r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", path, "-o", path + ".o"],
                        capture_output=True, text=True)
     if r.returncode == 0:
-        return [(True, f"ok   {c[0]} {dict((k, str(v)) for k, v in c[1].items())}") for _, c in batch]
+        return [(True, "ok   " + _tag(case)) for _, case in batch]
     return [_compile(tmp, idx, case, False, False) for idx, case in batch]
 
 
@@ -245,9 +250,10 @@ def main():
             results = list(pool.map(lambda ic: _compile(tmp, ic[0], ic[1], ptx, verbose), cases))
         else:   # cases dealt round-robin into files of about `size`, so heavy kernels spread
             nb = max(1, -(-len(cases) // size))
-            done = dict(zip((i for b in range(nb) for i, _ in cases[b::nb]),
-                            (r for rs in pool.map(lambda b: _compile_batch(tmp, cases[b::nb]), range(nb))
-                             for r in rs)))
+            batches = [cases[b::nb] for b in range(nb)]
+            done = {}
+            for batch, rs in zip(batches, pool.map(lambda b: _compile_batch(tmp, b), batches)):
+                done.update(zip((i for i, _ in batch), rs))
             results = [done[i] for i, _ in cases]
     for _, text in results:     # in case order, whatever order they finished in
         print(text)
