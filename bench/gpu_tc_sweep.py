@@ -216,14 +216,18 @@ def report(path, dense=False):
     for key, v in t.items():
         shape, m, *plan = key.split("_")
         by_shape.setdefault((shape, m), []).append((statistics.median(v), plan))
+    def label(p):   # cp plans name their values (a split of 0 is the default, left out)
+        if p[0] != "cp":
+            return f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}"
+        return "cp " + " ".join(f"{n}{v}" for n, v in zip(("CB", "NS", "XE", "NT", "S", "CA", "UR", "PRO"), p[1:])
+                                if not (n == "S" and v == "0"))
+
     for (shape, m), lst in sorted(by_shape.items()):
         N, K = map(int, shape.split("x"))
         byts = N * K * 2 if dense else N * K / 2 + N * K / 64 * 4
         lst.sort()
         print(f"{shape} {m}: " + "; ".join(
-            (f"cp CB{p[1]} NS{p[2]}" + (f" XE{p[3]}" if len(p) > 3 else "") + (f" NT{p[4]}" if len(p) > 4 else "") + (f" S{p[5]}" if len(p) > 5 and p[5] != "0" else "") + (f" CA{p[6]}" if len(p) > 6 else "") + (f" UR{p[7]}" if len(p) > 7 else "") + (f" PRO{p[8]}" if len(p) > 8 else "")
-             if p[0] == "cp" else f"NT{p[0]} CB{p[1]} S{p[2]} DB{p[3]}")
-            + f": {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
+            f"{label(p)}: {us:.1f} us {byts / us / 1e6:.2f} TB/s" for us, p in lst[:8]))
         print("    worst:", "; ".join(f"{'/'.join(p)} {us:.1f}" for us, p in lst[-3:]))
 
 
