@@ -67,6 +67,7 @@
 #   bash bench/gpu_run.sh s21c      # session 21: the whole CUDA test_kernels.py, four processes
 #   (session 21's s21d, 8B decode at 2k / 32k, is now PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1 ... decode)
 #   bash bench/gpu_run.sh s22a      # next: the 4-bit GEMM's warp stalls per SASS instruction
+#   bash bench/gpu_run.sh s22b      # the 4-bit GEMM against its own data movement / arithmetic alone
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -672,6 +673,12 @@ case "$1" in
       done
     done
     cp "$raw/src22_12288x4096_M1.csv" "$out/" 2>/dev/null
+    ;;
+  s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
+            # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)
+    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
+        python3 bench/gpu_cp_floor.py > "$out/floor22.csv" 2> "$out/floor22.err"
+    tail -8 "$out/floor22.err"; python3 bench/gpu_cp_floor.py --report "$out/floor22.csv" | tee "$out/floor22.md"
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

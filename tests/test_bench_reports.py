@@ -79,3 +79,34 @@ def test_sass_stalls_report_ranks_instructions_and_opcodes(tmp_path, monkeypatch
     assert "`LDSM.16.M88.4 R4, [R2]` | 1200 | 75.0% | 1536 | stall_long_sb 900, stall_wait 100" in lines[4]
     assert "HMMA.16816" in lines[5] and "0x30" not in text.split("| opcode")[0]   # top 2 only
     assert "| LDSM | 1200 | 75.0% |" in text and "| HMMA | 400 | 25.0% |" in text
+
+
+def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
+    """bench/gpu_cp_floor.py: `mem` keeps the copies and drops every mma and group fold, `comp`
+    keeps the mmas and returns from the copy lambdas first, `full` is the kernel's text; the
+    report pairs each tfcp launch with the marker before it and takes medians."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("gpu_cp_floor", None)
+    fl = importlib.import_module("gpu_cp_floor")
+    full = fl.variant_text("full")[1]
+    mem = fl.variant_text("mem")[1]
+    comp = fl.variant_text("comp")[1]
+    assert "tf_mma(" in full and "tf_tc_fold<" in full and "tf_cp_async16" in full
+    assert "tf_mma(" not in mem and "tf_tc_fold<" not in mem
+    assert "tf_cp_async16" in mem and "tf_ldmatrix4(" in mem and "tf_tc_finish<" in mem
+    assert "tf_mma(" in comp and "auto issue=[&](int ci){return;" in comp
+    assert "auto scp=[&](){return;" in comp
+    assert mem.count("{") == mem.count("}") and comp.count("{") == comp.count("}")
+    path = tmp_path / "floor.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"])
+        rows = [("tfmark_12288x4096_M1_full", 3.0), ("tfcp_full", 12.0), ("tfcp_full", 13.0),
+                ("tfcp_full", 12.5), ("tfmark_12288x4096_M1_mem", 3.0), ("tfcp_mem", 9.0),
+                ("tfmark_12288x4096_M1_comp", 3.0), ("tfcp_comp", 5000.0)]
+        for i, (name, us) in enumerate(rows):
+            unit, val = ("ns", f"{us:,.0f}") if us > 100 else ("us", str(us))
+            w.writerow([str(i), f"custom_kernel_{name}(float*)", "gpu__time_duration.sum", unit, val])
+    fl.report(str(path))
+    out = capsys.readouterr().out
+    assert "| 12288 x 4096 | 1 | 12.50 | 9.00 | 5.00 | - | - | - | - | 3.50 | 7.50 |" in out

@@ -1,0 +1,153 @@
+"""Where the 4-bit GEMM's one-row time goes: row_qmm_cp against itself with half of it cut out.
+
+Issue 3 asks 12288 x 4096 at one row for <= 11.3 us; the default staging takes ~12.3 and a
+kernel that only reads the same bytes 9.1 (bench/gpu_read_ceiling.py). This script times, side
+by side under Nsight Compute (device time, caches flushed before each launch), three texts of
+row_qmm_cp at the default staging of each shape, each built from csrc/cuda/row_gemm.cu as the
+package builds it:
+
+  full   the kernel as shipped;
+  mem    its data movement only: the same cp.async ring, ldmatrix reads and x loads, the
+         dequantisation, mmas and group folds replaced by an XOR of the words read;
+  comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is).
+
+and `mem` / `full` with 3 and 4 stages (NS). If full ~ mem, the copies' pattern is the limit;
+if full ~ mem + comp, the arithmetic does not overlap the copies. Timing only: `mem` and `comp`
+compute nothing meaningful.
+
+On the H200 (after building the project there):
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"tfcp|tfmark" python3 bench/gpu_cp_floor.py > floor.csv
+    python3 bench/gpu_cp_floor.py --report floor.csv
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import mlx.core as mx
+
+SHAPES = [(12288, 4096), (4096, 12288), (4096, 4096)]
+REPS = int(os.environ.get("FLOOR_REPS", "5"))
+
+# the compute of one chunk: from the group loop to the end of the chunk loop
+_COMPUTE_FROM = "#pragma unroll\n  for (int gi = 0; gi < GPC; ++gi) {"
+_MEM_CONSUME = """  {
+    unsigned int h = 0u;
+#pragma unroll
+    for (int b = 0; b < CB; ++b) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) h ^= wq[b][nt][0] ^ wq[b][nt][1];
+      h ^= xv[b][0].x ^ xv[b][0].y ^ xv[b][0].z ^ xv[b][0].w;
+    }
+    acc[0][0][0] = __fadd_rn(acc[0][0][0], __uint_as_float(h & 0x3f7fffffu));
+  }
+"""
+
+
+def variant_text(variant: str) -> tuple[str, str]:
+    """(header, body) of row_qmm_cp cut to `variant` (full / mem / comp), minified and pruned the
+    way the package passes kernels to MLX."""
+    from tensorfold.kernels import _sources as S
+    d = S.kernel_dir("cuda")
+    raw = S._split((d / "row_gemm.cu").read_text())
+    header = S._split((d / S.COMMON["cuda"]).read_text())["header"] + raw["header"]
+    body = raw["row_qmm_cp"]
+    if variant == "mem":
+        a = body.index(_COMPUTE_FROM)
+        b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))     # the chunk loop's end
+        body = body[:a] + _MEM_CONSUME + body[b:]
+    elif variant == "comp":
+        for lam in ("auto issue = [&](int ci) {", "auto scp = [&]() {"):
+            assert lam in body, lam
+            body = body.replace(lam, lam + " return;")
+    elif variant != "full":
+        raise ValueError(variant)
+    header, body = S.minified(header), S.minified(body)
+    return S.pruned(header, body), body
+
+
+def kernel(variant: str, smem: int):
+    header, body = variant_text(variant)
+    return mx.fast.cuda_kernel(name=f"tfcp_{variant}", input_names=["x", "w", "scales", "biases", "res"],
+                               output_names=["out"], source=body, header=header,
+                               ensure_row_contiguous=True, shared_memory=smem)
+
+
+def cases(N, K, R):
+    """(tag, variant, ns) of one shape and row count: the default staging, then NS 3 / 4."""
+    out = [(v, v, None) for v in ("full", "mem", "comp")]
+    out += [(f"{v}_ns{ns}", v, ns) for ns in (3, 4) for v in ("full", "mem")]
+    return out
+
+
+def run():
+    from gpu_kernel_time import marker
+    from tensorfold.kernels import _cuda
+    for N, K in SHAPES:
+        w = mx.random.normal((N, K)) * 0.02
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+        del w
+        x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
+        res = mx.zeros((1,), dtype=mx.bfloat16)
+        mx.eval(wq, s, b, x16, res)
+        for R in (1, 16):
+            x = x16[:R]
+            cb, ns0, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
+            ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
+            for tag, variant, ns in cases(N, K, R):
+                plan = _cuda.cp_plan(N, K, 64, 4, cb, ns or ns0, nt)
+                if plan is None:
+                    print(N, K, R, tag, "does not fit", file=sys.stderr)
+                    continue
+                call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, cb, ns or ns0, xe,
+                                          nt, None, None, ur, pro)
+                _, template, grid, tg, oshape, odtype = call
+                k = kernel(variant, plan[3])
+                marker(f"{N}x{K}_M{R}_{tag}")
+                for _ in range(REPS):
+                    y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
+                          output_shapes=oshape, output_dtypes=odtype)[0]
+                    mx.eval(y)
+                if variant == "full":    # the text as shipped: the package's bits
+                    assert mx.array_equal(y, ref).item(), (N, K, R, tag)
+            print(N, K, R, "staging", (cb, ns0, xe, nt, ur, pro), file=sys.stderr, flush=True)
+    marker("end")
+
+
+def report(path: str):
+    from gpu_kernel_time import ncu_rows, ncu_us
+    times: dict[str, list[float]] = {}
+    tag = None
+    for r in ncu_rows(path):
+        if r["Metric Name"] != "gpu__time_duration.sum":
+            continue
+        name = r["Kernel Name"].split("(")[0].replace("custom_kernel_", "")
+        if name.startswith("tfmark_"):
+            tag = name[len("tfmark_"):]
+        elif name.startswith("tfcp_") and tag:
+            times.setdefault(tag, []).append(ncu_us(r))
+    cols = ["full", "mem", "comp", "full_ns3", "mem_ns3", "full_ns4", "mem_ns4"]
+    print("| shape | rows | " + " | ".join(cols) + " | full - mem | full - comp |")
+    print("|---|---:|" + "---:|" * (len(cols) + 2))
+    for N, K in SHAPES:
+        for R in (1, 16):
+            med = {c: statistics.median(times[f"{N}x{K}_M{R}_{c}"]) for c in cols
+                   if f"{N}x{K}_M{R}_{c}" in times}
+            if not med:
+                continue
+            cells = [f"{med[c]:.2f}" if c in med else "-" for c in cols]
+            d1 = f"{med['full'] - med['mem']:.2f}" if {"full", "mem"} <= med.keys() else "-"
+            d2 = f"{med['full'] - med['comp']:.2f}" if {"full", "comp"} <= med.keys() else "-"
+            print(f"| {N} x {K} | {R} | " + " | ".join(cells) + f" | {d1} | {d2} |")
+    print(f"\nus, ncu device time, medians of {REPS} launches each (caches flushed before each)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        report(sys.argv[2])
+    else:
+        run()
