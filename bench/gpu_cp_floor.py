@@ -9,11 +9,14 @@ package builds it:
   full   the kernel as shipped;
   mem    its data movement only: the same cp.async ring, ldmatrix reads and x loads, the
          dequantisation, mmas and group folds replaced by an XOR of the words read;
-  comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is).
+  comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is);
+  nox    x's loads from global memory replaced by register values (no x traffic at all);
+  even   the group fold of even output columns only (x rows 0, 2, ...: what one row needs);
 
-and `mem` / `full` with 3 and 4 stages (NS). If full ~ mem, the copies' pattern is the limit;
-if full ~ mem + comp, the arithmetic does not overlap the copies. Timing only: `mem` and `comp`
-compute nothing meaningful.
+cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_ns3` / `_ns4` run a
+variant with 3 / 4 stages. If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
+arithmetic is. Timing only: every variant but full computes nothing meaningful.
+FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16).
 
 On the H200 (after building the project there):
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -31,6 +34,7 @@ import mlx.core as mx
 
 SHAPES = [(12288, 4096), (4096, 12288), (4096, 4096)]
 REPS = int(os.environ.get("FLOOR_REPS", "5"))
+ROWS = [int(v) for v in os.environ.get("FLOOR_ROWS", "1,16").split(",")]
 
 # the compute of one chunk: from the group loop to the end of the chunk loop
 _COMPUTE_FROM = "#pragma unroll\n  for (int gi = 0; gi < GPC; ++gi) {"
@@ -47,39 +51,59 @@ _MEM_CONSUME = """  {
 """
 
 
+_X_LOAD = "dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));"
+_X_REG = "dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);"
+_FOLD_LOOP = """        for (int i = 0; i < 4; ++i) {
+          const float2 v = sb(nt, i >> 1);"""
+
+
+def _replace(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
 def variant_text(variant: str) -> tuple[str, str]:
-    """(header, body) of row_qmm_cp cut to `variant` (full / mem / comp), minified and pruned the
-    way the package passes kernels to MLX."""
+    """(header, body) of row_qmm_cp cut to `variant` (full, or cuts joined by "+": mem, comp, nox,
+    even), minified and pruned the way the package passes kernels to MLX."""
     from tensorfold.kernels import _sources as S
     d = S.kernel_dir("cuda")
     raw = S._split((d / "row_gemm.cu").read_text())
     header = S._split((d / S.COMMON["cuda"]).read_text())["header"] + raw["header"]
     body = raw["row_qmm_cp"]
-    if variant == "mem":
-        a = body.index(_COMPUTE_FROM)
-        b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))     # the chunk loop's end
-        body = body[:a] + _MEM_CONSUME + body[b:]
-    elif variant == "comp":
-        for lam in ("auto issue = [&](int ci) {", "auto scp = [&]() {"):
-            assert lam in body, lam
-            body = body.replace(lam, lam + " return;")
-    elif variant != "full":
-        raise ValueError(variant)
+    for cut in variant.split("+"):
+        if cut == "mem":
+            a = body.index(_COMPUTE_FROM)
+            b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))     # the chunk loop's end
+            body = body[:a] + _MEM_CONSUME + body[b:]
+        elif cut == "comp":
+            for lam in ("auto issue = [&](int ci) {", "auto scp = [&]() {"):
+                body = _replace(body, lam, lam + " return;")
+        elif cut == "nox":
+            body = _replace(body, _X_LOAD, _X_REG)
+        elif cut == "even":
+            header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i += 2"))
+        elif cut != "full":
+            raise ValueError(variant)
     header, body = S.minified(header), S.minified(body)
     return S.pruned(header, body), body
 
 
 def kernel(variant: str, smem: int):
     header, body = variant_text(variant)
-    return mx.fast.cuda_kernel(name=f"tfcp_{variant}", input_names=["x", "w", "scales", "biases", "res"],
+    return mx.fast.cuda_kernel(name="tfcp_" + variant.replace("+", "_"), input_names=["x", "w", "scales", "biases", "res"],
                                output_names=["out"], source=body, header=header,
                                ensure_row_contiguous=True, shared_memory=smem)
 
 
-def cases(N, K, R):
-    """(tag, variant, ns) of one shape and row count: the default staging, then NS 3 / 4."""
-    out = [(v, v, None) for v in ("full", "mem", "comp")]
-    out += [(f"{v}_ns{ns}", v, ns) for ns in (3, 4) for v in ("full", "mem")]
+VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
+
+
+def cases():
+    """(tag, variant, ns) of each FLOOR_VARIANTS entry (`_nsN`: N stages, else the default)."""
+    out = []
+    for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
+        v, _, ns = tag.partition("_ns")
+        out.append((tag, v, int(ns) if ns else None))
     return out
 
 
@@ -94,11 +118,11 @@ def run():
         x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
         res = mx.zeros((1,), dtype=mx.bfloat16)
         mx.eval(wq, s, b, x16, res)
-        for R in (1, 16):
+        for R in ROWS:
             x = x16[:R]
             cb, ns0, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
             ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
-            for tag, variant, ns in cases(N, K, R):
+            for tag, variant, ns in cases():
                 plan = _cuda.cp_plan(N, K, 64, 4, cb, ns or ns0, nt)
                 if plan is None:
                     print(N, K, R, tag, "does not fit", file=sys.stderr)
@@ -107,7 +131,7 @@ def run():
                                           nt, None, None, ur, pro)
                 _, template, grid, tg, oshape, odtype = call
                 k = kernel(variant, plan[3])
-                marker(f"{N}x{K}_M{R}_{tag}")
+                marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 for _ in range(REPS):
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
                           output_shapes=oshape, output_dtypes=odtype)[0]
@@ -130,7 +154,11 @@ def report(path: str):
             tag = name[len("tfmark_"):]
         elif name.startswith("tfcp_") and tag:
             times.setdefault(tag, []).append(ncu_us(r))
-    cols = ["full", "mem", "comp", "full_ns3", "mem_ns3", "full_ns4", "mem_ns4"]
+    cols = []
+    for t in times:
+        c = t.split("_", 2)[2]
+        if c not in cols:
+            cols.append(c)
     print("| shape | rows | " + " | ".join(cols) + " | full - mem | full - comp |")
     print("|---|---:|" + "---:|" * (len(cols) + 2))
     for N, K in SHAPES:

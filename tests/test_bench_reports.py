@@ -83,8 +83,9 @@ def test_sass_stalls_report_ranks_instructions_and_opcodes(tmp_path, monkeypatch
 
 def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     """bench/gpu_cp_floor.py: `mem` keeps the copies and drops every mma and group fold, `comp`
-    keeps the mmas and returns from the copy lambdas first, `full` is the kernel's text; the
-    report pairs each tfcp launch with the marker before it and takes medians."""
+    keeps the mmas and returns from the copy lambdas first, `nox` loads no x, `even` folds even
+    columns only, `full` is the kernel's text; the report pairs each tfcp launch with the marker
+    before it and takes medians."""
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("gpu_cp_floor", None)
     fl = importlib.import_module("gpu_cp_floor")
@@ -109,4 +110,8 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
             w.writerow([str(i), f"custom_kernel_{name}(float*)", "gpu__time_duration.sum", unit, val])
     fl.report(str(path))
     out = capsys.readouterr().out
-    assert "| 12288 x 4096 | 1 | 12.50 | 9.00 | 5.00 | - | - | - | - | 3.50 | 7.50 |" in out
+    assert "| shape | rows | full | mem | comp | full - mem | full - comp |" in out
+    assert "| 12288 x 4096 | 1 | 12.50 | 9.00 | 5.00 | 3.50 | 7.50 |" in out
+    nox = fl.variant_text("comp+nox+even")
+    assert "__ldg(" not in nox[1].split("auto loadx")[1].split("};")[0] and "tf_mma(" in nox[1]
+    assert "i+=2" in nox[0] and "i+=2" not in fl.variant_text("full")[0]
