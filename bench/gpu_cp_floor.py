@@ -12,11 +12,14 @@ package builds it:
   comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is);
   nox    x's loads from global memory replaced by register values (no x traffic at all);
   even   the group fold of even output columns only (x rows 0, 2, ...: what one row needs);
+  notail no arithmetic on the last chunk (full - notail: what the last chunk's arithmetic, done
+         after the last copy has landed, adds);
 
-cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_ns3` / `_ns4` run a
-variant with 3 / 4 stages. If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
+cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` run a
+variant with N stages / N blocks a stage (full_cb4_ns4). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
 arithmetic is. Timing only: every variant but full computes nothing meaningful.
-FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16).
+FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
+FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288).
 
 On the H200 (after building the project there):
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -32,7 +35,8 @@ import sys
 
 import mlx.core as mx
 
-SHAPES = [(12288, 4096), (4096, 12288), (4096, 4096)]
+SHAPES = [tuple(int(v) for v in t.split("x"))
+          for t in os.environ.get("FLOOR_SHAPES", "12288x4096,4096x12288,4096x4096").split(",")]
 REPS = int(os.environ.get("FLOOR_REPS", "5"))
 ROWS = [int(v) for v in os.environ.get("FLOOR_ROWS", "1,16").split(",")]
 
@@ -80,6 +84,10 @@ def variant_text(variant: str) -> tuple[str, str]:
                 body = _replace(body, lam, lam + " return;")
         elif cut == "nox":
             body = _replace(body, _X_LOAD, _X_REG)
+        elif cut == "notail":
+            a = body.index(_COMPUTE_FROM)
+            b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))
+            body = body[:a] + "if (ci + 1 < CPW) {\n" + body[a:b] + "}\n" + body[b:]
         elif cut == "even":
             header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i += 2"))
         elif cut != "full":
@@ -99,11 +107,14 @@ VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
 
 
 def cases():
-    """(tag, variant, ns) of each FLOOR_VARIANTS entry (`_nsN`: N stages, else the default)."""
+    """(tag, variant, cb, ns) of each FLOOR_VARIANTS entry (`_cbN` / `_nsN`: N blocks a stage / N
+    stages, else the default staging's)."""
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
-        v, _, ns = tag.partition("_ns")
-        out.append((tag, v, int(ns) if ns else None))
+        v, *opts = tag.split("_")
+        o = {k[:2]: int(k[2:]) for k in opts}
+        assert set(o) <= {"cb", "ns"}, tag
+        out.append((tag, v, o.get("cb"), o.get("ns")))
     return out
 
 
@@ -122,13 +133,13 @@ def run():
             x = x16[:R]
             cb, ns0, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
             ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
-            for tag, variant, ns in cases():
-                plan = _cuda.cp_plan(N, K, 64, 4, cb, ns or ns0, nt)
-                if plan is None:
+            for tag, variant, cbv, ns in cases():
+                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt)
+                if plan is None or plan[1] != (ns or ns0):
                     print(N, K, R, tag, "does not fit", file=sys.stderr)
                     continue
-                call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, cb, ns or ns0, xe,
-                                          nt, None, None, ur, pro)
+                call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, cbv or cb, ns or ns0,
+                                          xe, nt, None, None, ur, pro)
                 _, template, grid, tg, oshape, odtype = call
                 k = kernel(variant, plan[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
