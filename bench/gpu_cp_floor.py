@@ -15,8 +15,8 @@ package builds it:
   notail no arithmetic on the last chunk (full - notail: what the last chunk's arithmetic, done
          after the last copy has landed, adds);
 
-cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` run a
-variant with N stages / N blocks a stage (full_cb4_ns4). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
+cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` /
+`_xeN` run a variant with N stages / N blocks a stage / x-load timing N (full_cb4_ns4_xe3). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
 arithmetic is. Timing only: every variant but full computes nothing meaningful.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
 FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288).
@@ -107,14 +107,14 @@ VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
 
 
 def cases():
-    """(tag, variant, cb, ns) of each FLOOR_VARIANTS entry (`_cbN` / `_nsN`: N blocks a stage / N
-    stages, else the default staging's)."""
+    """(tag, variant, cb, ns, xe) of each FLOOR_VARIANTS entry (`_cbN` / `_nsN` / `_xeN`: N blocks a
+    stage / N stages / x-load timing N, else the default staging's)."""
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns"}, tag
-        out.append((tag, v, o.get("cb"), o.get("ns")))
+        assert set(o) <= {"cb", "ns", "xe"}, tag
+        out.append((tag, v, o.get("cb"), o.get("ns"), o.get("xe")))
     return out
 
 
@@ -133,13 +133,15 @@ def run():
             x = x16[:R]
             cb, ns0, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
             ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
-            for tag, variant, cbv, ns in cases():
-                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt)
+            for tag, variant, cbv, ns, xev in cases():
+                xev = xe if xev is None else xev
+                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt, None,
+                                     _cuda.cp_xrows(R) if xev == 3 else 0)
                 if plan is None or plan[1] != (ns or ns0):
                     print(N, K, R, tag, "does not fit", file=sys.stderr)
                     continue
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, cbv or cb, ns or ns0,
-                                          xe, nt, None, None, ur, pro)
+                                          xev, nt, None, None, ur, pro)
                 _, template, grid, tg, oshape, odtype = call
                 k = kernel(variant, plan[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
