@@ -19,7 +19,7 @@ cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN`
 `_xeN` run a variant with N stages / N blocks a stage / x-load timing N (full_cb4_ns4_xe3). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
 arithmetic is. Timing only: every variant but full computes nothing meaningful.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
-FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288).
+FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288), TF_CP_SMEM_KB the shared-memory ceiling.
 
 On the H200 (after building the project there):
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -121,6 +121,8 @@ def cases():
 def run():
     from gpu_kernel_time import marker
     from tensorfold.kernels import _cuda
+    if os.environ.get("TF_CP_SMEM_KB"):     # a higher shared-memory ceiling (XE 3 past 8 rows)
+        _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
     for N, K in SHAPES:
         w = mx.random.normal((N, K)) * 0.02
         wq, s, b = mx.quantize(w, group_size=64, bits=4)
@@ -174,8 +176,9 @@ def report(path: str):
             cols.append(c)
     print("| shape | rows | " + " | ".join(cols) + " | full - mem | full - comp |")
     print("|---|---:|" + "---:|" * (len(cols) + 2))
+    rows = sorted({int(t.split("_")[1][1:]) for t in times})
     for N, K in SHAPES:
-        for R in (1, 16):
+        for R in rows:
             med = {c: statistics.median(times[f"{N}x{K}_M{R}_{c}"]) for c in cols
                    if f"{N}x{K}_M{R}_{c}" in times}
             if not med:

@@ -688,6 +688,14 @@ case "$1" in
     grep -E "^FAILED|passed|failed|error" "$out/cp22c.log" | tail -6
     CP_XE=3 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm22c 130
     ;;
+  s22d)     # issue 3: XE 3 past 8 rows (16 x rows a stage), where s22c saw 4-block stages gain
+            # 3.4 us at 8 rows; the 16-row defaults are 4-block stages on four 8B shapes
+    FLOOR_ROWS=16 FLOOR_VARIANTS=full,full_xe3 TF_CP_SMEM_KB=${TF_CP_SMEM_KB:-160} \
+        FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x4096,4096x12288,6144x4096,24576x4096} \
+        timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
+        python3 bench/gpu_cp_floor.py > "$out/floor22d.csv" 2> "$out/floor22d.err"
+    tail -8 "$out/floor22d.err"; python3 bench/gpu_cp_floor.py --report "$out/floor22d.csv" | tee "$out/floor22d.md"
+    ;;
   s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
             # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)
     timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
