@@ -16,10 +16,11 @@ package builds it:
          after the last copy has landed, adds);
 
 cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` /
-`_xeN` run a variant with N stages / N blocks a stage / x-load timing N (full_cb4_ns4_xe3). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
+`_xeN` run a variant with N stages / N blocks a stage / x-load timing N (full_cb4_ns4_xe2). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
 arithmetic is. Timing only: every variant but full computes nothing meaningful.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
 FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288), TF_CP_SMEM_KB the shared-memory ceiling.
+The report takes FLOOR_SHAPES too (its table lists those shapes).
 
 On the H200 (after building the project there):
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -121,7 +122,7 @@ def cases():
 def run():
     from gpu_kernel_time import marker
     from tensorfold.kernels import _cuda
-    if os.environ.get("TF_CP_SMEM_KB"):     # a higher shared-memory ceiling (XE 3 past 8 rows)
+    if os.environ.get("TF_CP_SMEM_KB"):     # a higher shared-memory ceiling (more stages, say)
         _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
     for N, K in SHAPES:
         w = mx.random.normal((N, K)) * 0.02
@@ -137,8 +138,7 @@ def run():
             ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
             for tag, variant, cbv, ns, xev in cases():
                 xev = xe if xev is None else xev
-                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt, None,
-                                     _cuda.cp_xrows(R) if xev == 3 else 0)
+                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt)
                 if plan is None or plan[1] != (ns or ns0):
                     print(N, K, R, tag, "does not fit", file=sys.stderr)
                     continue

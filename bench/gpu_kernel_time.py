@@ -51,21 +51,12 @@ def use_staging_env():
     """MM_STAGING=CB.NS.XE.NT (e.g. 2.3.1.1): the dense GEMMs run row_mm_cp with that staging;
     MM_STAGING=tc: row_mm_tc, the register kernel (the same bits). CP_UR=1 / 2 / 4: the 4-bit
     GEMMs run their default stagings with that many chunks a loop turn. Benchmarks only; call before
-    the first dense call, whose launch is then cached. CP_XE=3: launches of up to 8 rows copy x
-    into the weight stages (XE 3) where its x fits."""
+    the first dense call, whose launch is then cached."""
     if os.environ.get("MM_STAGING"):
         from tensorfold.kernels import _cuda
         v = os.environ["MM_STAGING"]
         staging = None if v == "tc" else tuple(int(t) for t in v.split("."))
         _cuda.mm_cp_staging = lambda N, K: staging
-    if os.environ.get("CP_XE"):    # x-load timing CP_XE for launches up to 8 rows, where it fits
-        from tensorfold.kernels import _cuda
-        xe_env, call = int(os.environ["CP_XE"]), _cuda._qmm_cp_call
-
-        def cp_call(T, S, K, N, gs, R, res=False, cb=4, ns=None, xe=0, *rest):
-            got = call(T, S, K, N, gs, R, res, cb, ns, xe_env, *rest) if R <= 8 else None
-            return got or call(T, S, K, N, gs, R, res, cb, ns, xe, *rest)
-        _cuda._qmm_cp_call = cp_call
     if os.environ.get("CP_UR"):    # the 4-bit default stagings, UR chunks a loop turn
         from tensorfold.kernels import _cuda
         ur, base = int(os.environ["CP_UR"]), _cuda.cp_staging

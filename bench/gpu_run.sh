@@ -66,9 +66,11 @@
 #    removed with its modes; s21b, the table with PW, was not run)
 #   bash bench/gpu_run.sh s21c      # session 21: the whole CUDA test_kernels.py, four processes
 #   (session 21's s21d, 8B decode at 2k / 32k, is now PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1 ... decode)
-#   bash bench/gpu_run.sh s22a      # next: the 4-bit GEMM's warp stalls per SASS instruction
+#   bash bench/gpu_run.sh s22a      # session 22: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s22b      # the 4-bit GEMM against its own data movement / arithmetic alone
-#   bash bench/gpu_run.sh s22c      # XE 3 (x through the stages) and 4-block stages, tests, table
+#   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
+#    8 / 16 rows and was removed with its modes; `FLOOR_VARIANTS=... bash bench/gpu_run.sh s22b`
+#    reruns the 4-block stagings and notail)
 #   bash bench/gpu_run.sh s11a | s11b   # session 11: engine checks + sparse at M = 2048; cp sweep + MoE
 #   bash bench/gpu_run.sh s11c | s11d   # session 11: MoE prefill through dequantize + gather_mm: tests,
 #                                       # one layer vs gather_qmm; then bench_moe at 2k / 16k / 64k
@@ -674,27 +676,6 @@ case "$1" in
       done
     done
     cp "$raw/src22_12288x4096_M1.csv" "$out/" 2>/dev/null
-    ;;
-  s22c)     # issue 3: x through the weight stages (XE 3) and 4-block stages (8 chunks a warp: a
-            # smaller last chunk after the last copy) against the defaults, 1 and 8 rows; the last
-            # chunk's arithmetic (notail); then the cp == tc CUDA test with XE 3 on three shapes,
-            # and ours (XE 3 up to 8 rows) vs MLX's op at every M
-    FLOOR_ROWS=1,8 FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_xe3,full_cb4_ns3,full_cb4_ns4,full_cb4_ns3_xe3,full_cb4_ns4_xe3,notail} \
-        timeout 280 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
-        python3 bench/gpu_cp_floor.py > "$out/floor22c.csv" 2> "$out/floor22c.err"
-    tail -8 "$out/floor22c.err"; python3 bench/gpu_cp_floor.py --report "$out/floor22c.csv" | tee "$out/floor22c.md"
-    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        -k "cp_pipeline_equals_register and (12288-4096 or 4096-12288 or 72-256-32)" > "$out/cp22c.log" 2>&1
-    grep -E "^FAILED|passed|failed|error" "$out/cp22c.log" | tail -6
-    CP_XE=3 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288} GEMM_OPS=qmm gemm_table gemm22c 130
-    ;;
-  s22d)     # issue 3: XE 3 past 8 rows (16 x rows a stage), where s22c saw 4-block stages gain
-            # 3.4 us at 8 rows; the 16-row defaults are 4-block stages on four 8B shapes
-    FLOOR_ROWS=16 FLOOR_VARIANTS=full,full_xe3 TF_CP_SMEM_KB=${TF_CP_SMEM_KB:-160} \
-        FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x4096,4096x12288,6144x4096,24576x4096} \
-        timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
-        python3 bench/gpu_cp_floor.py > "$out/floor22d.csv" 2> "$out/floor22d.err"
-    tail -8 "$out/floor22d.err"; python3 bench/gpu_cp_floor.py --report "$out/floor22d.csv" | tee "$out/floor22d.md"
     ;;
   s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
             # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)

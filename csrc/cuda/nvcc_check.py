@@ -114,29 +114,22 @@ for T in (bf, f16):
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CA = cp_ca(N, CB, NT)    # as the default call
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                             RES=N == 4096, TWO=TWO, XE=XE, XR=0, NT=NT, CA=CA,
-                                             UR=UR, PRO=bool(PRO)),
+                                             RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR,
+                                             PRO=bool(PRO)),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:
-    # not 4096 x 4096 g128, NGW 4); x through the stages (XE 3) with 1 / 2 / 16 rows, on CB 8
-    # and CB 4 (a stage's 16 x units of one row: half the lanes copy)
-    for N, K, GS, cb, ns, XE, NT, UR, TWO, CA, PRO, XR in (
-            (12288, 4096, 64, 8, 2, 1, 2, 1, False, False, False, 0),
-            (4096, 4096, 64, 4, 2, 2, 1, 2, True, False, False, 0),
-            (4096, 12288, 64, 8, 2, 1, 1, 2, False, False, False, 0),
-            (12288, 4096, 64, 8, 2, 1, 2, 1, False, True, True, 0),
-            (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, True, 0),
-            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True, 0),
-            (12288, 4096, 64, 8, 2, 3, 2, 1, False, True, False, 1),
-            (4096, 12288, 64, 8, 2, 3, 1, 1, False, True, True, 2),
-            (4096, 4096, 64, 4, 3, 3, 1, 1, False, False, False, 1),
-            (12288, 4096, 64, 4, 2, 3, 1, 2, True, False, False, 16),
-            (12288, 4096, 64, 4, 2, 3, 2, 1, False, False, True, 2)):
-        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT, None, XR)
+    # not 4096 x 4096 g128, NGW 4)
+    for N, K, GS, cb, ns, XE, NT, UR, TWO, CA, PRO in (
+            (12288, 4096, 64, 8, 2, 1, 2, 1, False, False, False),
+            (4096, 4096, 64, 4, 2, 2, 1, 2, True, False, False),
+            (4096, 12288, 64, 8, 2, 1, 1, 2, False, False, False),
+            (12288, 4096, 64, 8, 2, 1, 2, 1, False, True, True),
+            (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, True),
+            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True)):
+        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=False, TWO=TWO, XE=XE, XR=XR, NT=NT, CA=CA, UR=UR,
-                                         PRO=PRO),
+                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO),
                       dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

@@ -583,21 +583,18 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, XR, CA, UR, PRO, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
-// 2 one chunk ahead, during the previous chunk's mmas; 3 copied into the chunk's stage behind its
-// weights, XR rows (>= the block's rows; 0 with XE 0-2), and read from there; data movement
-// only, the same bits), NT
+// 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
 // row_qmm_tc; the same bits), CA (a stage's copies from one pointer and constant offsets, see
 // issue: data movement only), UR (chunks a turn of the loop: with 2, XE 2's hand-over of the
 // next chunk's x rows is register renaming, not moves; the same operations in the same order).
-// (Removed in session 18, measured slower: session 15's XE 3, rows 8..15's x at their use; PF,
+// (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
-//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
-//         + SPLIT * NS * XR * CB * 64 (XE 3's x).
+//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -608,12 +605,6 @@ constexpr int NGW = KSL / GS;
 constexpr int UPR = CB;
 constexpr int STAGE = 16 * NT * UPR;
 constexpr int CPL = STAGE / 32;
-// XE 3: chunk ci's x rows r0 .. r0 + XR - 1 sit behind its weights in stage ci, XR x 4 CB units
-// (rows past `rows` repeat the last row); row m's unit 4 b + t at m 4 CB + 4 (b ^ (m & 1)) + t,
-// so the two rows one 8-lane phase of a 16-byte read touches fall on different bank groups
-constexpr int XU = XE == 3 ? XR * CB * 4 : 0;
-constexpr int STG = STAGE + XU;
-static_assert(XE != 3 || (XR >= 1 && XR <= 16));
 static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0);
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
 static_assert(sizeof(S) == 2);   // 2-byte scales
@@ -629,8 +620,8 @@ const int nbase = blockIdx.x * (16 * NT);
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
 const bool two = TWO && rows > 8;
-uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STG;
-S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STG) + warp * 32 * NT * NGW;
+uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
+S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
 auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
 const int blkw = warp * (KSL / 32);
@@ -653,7 +644,7 @@ constexpr int RPC = 32 / UPR;
 constexpr int SP = UPR >= 8 ? 8 / RPC : 1;
 static_assert(!CA || (32 % UPR == 0 && CPL % SP == 0 && NFULL));
 auto issue = [&](int ci) {
-  uint4* st = ring + (ci % NS) * STG;
+  uint4* st = ring + (ci % NS) * STAGE;
   if constexpr (CA) {
     const unsigned int sb = static_cast<unsigned int>(__cvta_generic_to_shared(st));
     const unsigned int* src = wsrc[0] + (size_t)ci * CB * 4;
@@ -664,15 +655,6 @@ auto issue = [&](int ci) {
   } else {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) tf_cp_async16(st + wdst[i], wsrc[i] + (size_t)ci * CB * 4);
-  }
-  if constexpr (XE == 3) {   // through L1: every block of an SM reads the same x
-#pragma unroll
-    for (int i = 0; i < (XU + 31) / 32; ++i) {
-      const int e = lane + 32 * i, m = e / (4 * CB), u = e % (4 * CB);
-      if (XU % 32 == 0 || e < XU)
-        tf_cp_async_ca<16>(st + STAGE + m * 4 * CB + 4 * ((u >> 2) ^ (m & 1)) + (u & 3),
-                           x + (size_t)(r0 + min(m, rows - 1)) * K + (blkw + ci * CB) * 32 + u * 8);
-    }
   }
 };
 // scales and biases of the warp's slice: [16 NT rows][NGW] each, SE a copy: pairs, or with PRO
@@ -725,23 +707,6 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
     }
   }
 };
-// XE 3: this lane's x units of a stage, rows m = min(8 mt + gq, rows - 1): unit 4 b + tq of row m
-// at xq[mt] + 4 b for even b, xo[mt] + 4 b for odd b (4 (b ^ p) = 4 b + 4 p or 4 b - 4 p)
-int xq[2], xo[2];
-#pragma unroll
-for (int mt = 0; mt < 2; ++mt) {
-  const int m = min(8 * mt + gq, rows - 1);
-  xq[mt] = m * 4 * CB + tq + 4 * (m & 1);
-  xo[mt] = xq[mt] - 8 * (m & 1);
-}
-auto loadxs = [&](int ci, uint4 (&dst)[CB][2]) {
-  const uint4* xs = ring + (ci % NS) * STG + STAGE;
-#pragma unroll
-  for (int b = 0; b < CB; ++b) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) dst[b][mt] = mt == 0 || two ? xs[(b & 1 ? xo[mt] : xq[mt]) + 4 * b] : make_uint4(0u, 0u, 0u, 0u);
-  }
-};
 uint4 xv[CB][2], xn[CB][2];
 if constexpr (XE == 2) loadx(0, xn);
 #pragma unroll UR
@@ -757,8 +722,7 @@ for (int ci = 0; ci < CPW; ++ci) {
   if (ci + NS - 1 < CPW) issue(ci + NS - 1);
   tf_cp_async_commit();
   if constexpr (XE == 0) loadx(ci, xv);
-  if constexpr (XE == 3) loadxs(ci, xv);
-  const uint4* st = ring + (ci % NS) * STG;
+  const uint4* st = ring + (ci % NS) * STAGE;
   unsigned int wq[CB][NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {

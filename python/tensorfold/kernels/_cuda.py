@@ -174,12 +174,11 @@ CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
-            nt: int = 1, split: int | None = None, xr: int = 0):
+            nt: int = 1, split: int | None = None):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
-    of row_qmm_tc; CB (blocks per stage), NS (stages), NT (16-row weight tiles per block) and xr
-    (rows of x a stage carries, XE 3) only move data. A function of the weight shape only;
-    cp_staging picks the default.
+    of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
+    only move data. A function of the weight shape only; cp_staging picks the default.
     `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
     reduction order, the bits of row_qmm_tc with that split)."""
     if bits != 4:
@@ -193,7 +192,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     cpw = ksl // (32 * cb)
 
     def smem(n):
-        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw)) + SPLIT * n * xr * cb * 64
+        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
         if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT:
@@ -272,20 +271,13 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
     return (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
 
 
-def cp_xrows(R: int) -> int:
-    """Rows of x a stage carries with XE 3: 16 past 8 rows (the TWO kernel), else R rounded up to
-    a power of two (1, 2, 4, 8), so a one-row call copies one row, not eight."""
-    return 16 if R > 8 else 1 << (R - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0):
-    if xe not in (0, 1, 2, 3) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1):
+    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}")
-    xr = cp_xrows(R) if xe == 3 else 0
-    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, xr)
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     ca = cp_ca(N, cb, nt, ca)
@@ -293,7 +285,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     kern = _kernel("row_qmm_cp", smem)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("XR", xr), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro))]
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro))]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
