@@ -16,7 +16,8 @@ package builds it:
          after the last copy has landed, adds);
 
 cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` /
-`_xeN` run a variant with N stages / N blocks a stage / x-load timing N (full_cb4_ns4_xe2). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
+`_xeN` / `_ntN` / `_spN` run a variant with N stages / N blocks a stage / x-load timing N / N
+weight tiles a block / K split N (full_cb4_ns4_xe2, comp+nox_nt1_sp8). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
 arithmetic is. Timing only: every variant but full computes nothing meaningful.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
 FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288), TF_CP_SMEM_KB the shared-memory ceiling.
@@ -108,14 +109,16 @@ VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
 
 
 def cases():
-    """(tag, variant, cb, ns, xe) of each FLOOR_VARIANTS entry (`_cbN` / `_nsN` / `_xeN`: N blocks a
-    stage / N stages / x-load timing N, else the default staging's)."""
+    """(tag, variant, options) of each FLOOR_VARIANTS entry: `_cbN` / `_nsN` / `_xeN` / `_ntN` /
+    `_spN` give N blocks a stage / N stages / x-load timing N / N weight tiles a block / a K split
+    of N (another reduction order: checked against row_qmm_tc with that split); the default
+    staging's value otherwise."""
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe"}, tag
-        out.append((tag, v, o.get("cb"), o.get("ns"), o.get("xe")))
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp"}, tag
+        out.append((tag, v, o))
     return out
 
 
@@ -124,6 +127,7 @@ def run():
     from tensorfold.kernels import _cuda
     if os.environ.get("TF_CP_SMEM_KB"):     # a higher shared-memory ceiling (more stages, say)
         _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
+    gpu = mx.default_stream(mx.gpu)
     for N, K in SHAPES:
         w = mx.random.normal((N, K)) * 0.02
         wq, s, b = mx.quantize(w, group_size=64, bits=4)
@@ -132,18 +136,22 @@ def run():
         x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
         res = mx.zeros((1,), dtype=mx.bfloat16)
         mx.eval(wq, s, b, x16, res)
+        tc = _cuda.tc_plan(N, K, 64, 4)
         for R in ROWS:
             x = x16[:R]
-            cb, ns0, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
-            ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, mx.default_stream(mx.gpu))
-            for tag, variant, cbv, ns, xev in cases():
-                xev = xe if xev is None else xev
-                plan = _cuda.cp_plan(N, K, 64, 4, cbv or cb, ns or ns0, nt)
-                if plan is None or plan[1] != (ns or ns0):
-                    print(N, K, R, tag, "does not fit", file=sys.stderr)
+            cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
+            refs = {tc[2]: _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)}
+            for tag, variant, o in cases():
+                st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
+                plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
+                if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
+                    print(N, K, R, tag, "does not apply", file=sys.stderr)
                     continue
-                call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, cbv or cb, ns or ns0,
-                                          xev, nt, None, None, ur, pro)
+                if st["sp"] not in refs:     # another split, another order: row_qmm_tc's bits with it
+                    refs[st["sp"]] = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu,
+                                                            plan=(tc[0], tc[1], st["sp"], tc[3]))
+                call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
+                                          st["xe"], st["nt"], st["sp"], None, ur, pro)
                 _, template, grid, tg, oshape, odtype = call
                 k = kernel(variant, plan[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
@@ -151,9 +159,10 @@ def run():
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
                           output_shapes=oshape, output_dtypes=odtype)[0]
                     mx.eval(y)
-                if variant == "full":    # the text as shipped: the package's bits
-                    assert mx.array_equal(y, ref).item(), (N, K, R, tag)
-            print(N, K, R, "staging", (cb, ns0, xe, nt, ur, pro), file=sys.stderr, flush=True)
+                if variant == "full":    # the text as shipped: the package's bits (for that split)
+                    assert mx.array_equal(y, refs[st["sp"]]).item(), (N, K, R, tag)
+            print(N, K, R, "staging", (cb, ns, xe, nt, ur, pro), "split", tc[2], file=sys.stderr,
+                  flush=True)
     marker("end")
 
 

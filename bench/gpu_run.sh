@@ -68,6 +68,7 @@
 #   (session 21's s21d, 8B decode at 2k / 32k, is now PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1 ... decode)
 #   bash bench/gpu_run.sh s22a      # session 22: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s22b      # the 4-bit GEMM against its own data movement / arithmetic alone
+#   bash bench/gpu_run.sh s23a      # next: twice the warps, half the arithmetic each (NT 1, split 8)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
 #    8 / 16 rows and was removed with its modes; `FLOOR_VARIANTS=... bash bench/gpu_run.sh s22b`
 #    reruns the 4-block stagings and notail)
@@ -676,6 +677,17 @@ case "$1" in
       done
     done
     cp "$raw/src22_12288x4096_M1.csv" "$out/" 2>/dev/null
+    ;;
+  s23a)     # issue 3, next: does a warp's arithmetic hide better when it is shorter? Twice the
+            # warps with half the work each (one weight tile a block, NT 1; a K split of 8, another
+            # reduction order, checked against row_qmm_tc with that split; 16 where split 8 is the
+            # default), the arithmetic alone (comp+nox) and the last chunk (notail), 1 and 16 rows
+    FLOOR_ROWS=1,16 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_nt1,full_sp8_cb4,full_sp8_nt1,full_sp16_cb4,full_sp2,comp+nox,comp+nox_nt1,comp+nox_sp8_cb4,comp+nox_sp16_cb4,notail,notail_nt1} \
+        timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
+        python3 bench/gpu_cp_floor.py > "$out/floor23a.csv" 2> "$out/floor23a.err"
+    tail -8 "$out/floor23a.err"
+    FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} python3 bench/gpu_cp_floor.py --report "$out/floor23a.csv" | tee "$out/floor23a.md"
     ;;
   s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
             # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)

@@ -117,6 +117,7 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     assert "i+=2" in nox[0] and "i+=2" not in fl.variant_text("full")[0]
     tail = fl.variant_text("notail")[1]
     assert "if(ci+1<CPW){" in tail and tail.count("{") == tail.count("}")
-    monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2")
-    assert fl.cases() == [("full", "full", None, None, None), ("notail_cb4_ns4", "notail", 4, 4, None),
-                          ("comp+nox_ns3_xe2", "comp+nox", None, 3, 2)]
+    monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2_nt1_sp8")
+    assert fl.cases() == [("full", "full", {}), ("notail_cb4_ns4", "notail", {"cb": 4, "ns": 4}),
+                          ("comp+nox_ns3_xe2_nt1_sp8", "comp+nox",
+                           {"ns": 3, "xe": 2, "nt": 1, "sp": 8})]
