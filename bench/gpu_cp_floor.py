@@ -1,27 +1,27 @@
-"""Where the 4-bit GEMM's one-row time goes: row_qmm_cp against itself with half of it cut out.
+"""Where the 4-bit GEMM's one-row time goes: row_qmm_cp against itself with parts cut out.
 
 Issue 3 asks 12288 x 4096 at one row for <= 11.3 us; the default staging takes ~12.3 and a
 kernel that only reads the same bytes 9.1 (bench/gpu_read_ceiling.py). This script times, side
-by side under Nsight Compute (device time, caches flushed before each launch), three texts of
-row_qmm_cp at the default staging of each shape, each built from csrc/cuda/row_gemm.cu as the
-package builds it:
+by side under Nsight Compute (device time, caches flushed before each launch), texts of
+row_qmm_cp at each shape's default staging, each built from csrc/cuda/row_gemm.cu as the
+package builds it, then cut:
 
-  full   the kernel as shipped;
+  full   the kernel as shipped (asserted bit-identical to the package's call);
   mem    its data movement only: the same cp.async ring, ldmatrix reads and x loads, the
          dequantisation, mmas and group folds replaced by an XOR of the words read;
   comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is);
   nox    x's loads from global memory replaced by register values (no x traffic at all);
   even   the group fold of even output columns only (x rows 0, 2, ...: what one row needs);
   notail no arithmetic on the last chunk (full - notail: what the last chunk's arithmetic, done
-         after the last copy has landed, adds);
+         after the last copy has landed, adds).
 
-cuts combine with "+" (comp+nox: the arithmetic with no load at all), and `_nsN` / `_cbN` /
-`_xeN` / `_ntN` / `_spN` run a variant with N stages / N blocks a stage / x-load timing N / N
-weight tiles a block / K split N (full_cb4_ns4_xe2, comp+nox_nt1_sp8). If full ~ mem, the copies' pattern is the limit; if full ~ comp, the
-arithmetic is. Timing only: every variant but full computes nothing meaningful.
+Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `_nsN` / `_xeN` /
+`_ntN` / `_spN` change the staging: N blocks a stage / N stages / x-load timing N / N weight
+tiles a block / a K split of N (full_cb4_ns4, comp+nox_nt1_sp8). If full ~ mem, the copies'
+pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full is for timing only.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
-FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288), TF_CP_SMEM_KB the shared-memory ceiling.
-The report takes FLOOR_SHAPES too (its table lists those shapes).
+FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288; the report lists those too),
+TF_CP_SMEM_KB the shared-memory ceiling.
 
 On the H200 (after building the project there):
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
