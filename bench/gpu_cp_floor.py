@@ -42,59 +42,58 @@ SHAPES = [tuple(int(v) for v in t.split("x"))
 REPS = int(os.environ.get("FLOOR_REPS", "5"))
 ROWS = [int(v) for v in os.environ.get("FLOOR_ROWS", "1,16").split(",")]
 
+# The texts the cuts look for, in the minified form the package compiles (`_sources.minified`).
+def _min(text: str) -> str:
+    from tensorfold.kernels._sources import minified
+    return minified(text)
+
+
 # the compute of one chunk: from the group loop to the end of the chunk loop
-_COMPUTE_FROM = "#pragma unroll\n  for (int gi = 0; gi < GPC; ++gi) {"
-_MEM_CONSUME = """  {
-    unsigned int h = 0u;
+_COMPUTE_FROM = _min("#pragma unroll\nfor (int gi = 0; gi < GPC; ++gi) {")
+_MEM_CONSUME = _min("""{
+  unsigned int h = 0u;
 #pragma unroll
-    for (int b = 0; b < CB; ++b) {
+  for (int b = 0; b < CB; ++b) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) h ^= wq[b][nt][0] ^ wq[b][nt][1];
-      h ^= xv[b][0].x ^ xv[b][0].y ^ xv[b][0].z ^ xv[b][0].w;
-    }
-    acc[0][0][0] = __fadd_rn(acc[0][0][0], __uint_as_float(h & 0x3f7fffffu));
+    for (int nt = 0; nt < NT; ++nt) h ^= wq[b][nt][0] ^ wq[b][nt][1];
+    h ^= xv[b][0].x ^ xv[b][0].y ^ xv[b][0].z ^ xv[b][0].w;
   }
-"""
-
-
-_X_LOAD = "dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));"
-_X_REG = "dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);"
-_FOLD_LOOP = """        for (int i = 0; i < 4; ++i) {
-          const float2 v = sb(nt, i >> 1);"""
+  acc[0][0][0] = __fadd_rn(acc[0][0][0], __uint_as_float(h & 0x3f7fffffu));
+}""")
+_X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));")
+_X_REG = _min("dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);")
+_FOLD_LOOP = _min("for (int i = 0; i < 4; ++i) {\nconst float2 v = sb(nt, i >> 1);")
 
 
 def _replace(text: str, old: str, new: str) -> str:
+    old, new = old.rstrip("\n"), new.rstrip("\n")
     assert text.count(old) == 1, old
     return text.replace(old, new)
 
 
 def variant_text(variant: str) -> tuple[str, str]:
     """(header, body) of row_qmm_cp cut to `variant` (full, or cuts joined by "+": mem, comp, nox,
-    even), minified and pruned the way the package passes kernels to MLX."""
+    notail, even): the package's minified sections (`_sources.sections`), cut, then pruned as
+    `_sources.kernel_text` prunes them."""
     from tensorfold.kernels import _sources as S
-    d = S.kernel_dir("cuda")
-    raw = S._split((d / "row_gemm.cu").read_text())
-    header = S._split((d / S.COMMON["cuda"]).read_text())["header"] + raw["header"]
-    body = raw["row_qmm_cp"]
+    sec = S.sections("cuda", "row_gemm.cu")
+    header, body = sec["header"], sec["row_qmm_cp"]
+    start = _COMPUTE_FROM.rstrip("\n")
     for cut in variant.split("+"):
-        if cut == "mem":
-            a = body.index(_COMPUTE_FROM)
+        if cut in ("mem", "notail"):
+            a = body.index(start)
             b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))     # the chunk loop's end
-            body = body[:a] + _MEM_CONSUME + body[b:]
+            inner = _MEM_CONSUME if cut == "mem" else "if(ci+1<CPW){\n" + body[a:b] + "}\n"
+            body = body[:a] + inner + body[b:]
         elif cut == "comp":
             for lam in ("auto issue = [&](int ci) {", "auto scp = [&]() {"):
-                body = _replace(body, lam, lam + " return;")
+                body = _replace(body, _min(lam), _min(lam).rstrip("\n") + "return;")
         elif cut == "nox":
             body = _replace(body, _X_LOAD, _X_REG)
-        elif cut == "notail":
-            a = body.index(_COMPUTE_FROM)
-            b = body.rindex("}\n", 0, body.index("tf_tc_finish<"))
-            body = body[:a] + "if (ci + 1 < CPW) {\n" + body[a:b] + "}\n" + body[b:]
         elif cut == "even":
-            header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i += 2"))
+            header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i+=2"))
         elif cut != "full":
             raise ValueError(variant)
-    header, body = S.minified(header), S.minified(body)
     return S.pruned(header, body), body
 
 

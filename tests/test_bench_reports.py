@@ -89,6 +89,8 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("gpu_cp_floor", None)
     fl = importlib.import_module("gpu_cp_floor")
+    from tensorfold.kernels._sources import kernel_text
+    assert fl.variant_text("full") == kernel_text("cuda", "row_gemm.cu", "row_qmm_cp")
     full = fl.variant_text("full")[1]
     mem = fl.variant_text("mem")[1]
     comp = fl.variant_text("comp")[1]
