@@ -126,6 +126,13 @@ default_sweeps() {   # default_sweeps TAG "SUFFIX...": every 8B shape's default 
   SWEEP_REPS=5 CP_STAGINGS=$(variants "$sfx" 4.2.2.1.0.0.1 4.2.1.1.0.0.1) SWEEP_SHAPES=4096x4096,6144x4096 \
       SWEEP_BUDGET_S=80 sweep ${tag}c 110 --cp
 }
+floor() {   # floor TAG TIMEOUT: bench/gpu_cp_floor.py under ncu (env: FLOOR_VARIANTS, FLOOR_ROWS,
+            # FLOOR_SHAPES, which the report takes too), then its report
+  local tag=$1 limit=$2
+  timeout "$limit" ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
+      python3 bench/gpu_cp_floor.py > "$out/$tag.csv" 2> "$out/$tag.err"
+  tail -8 "$out/$tag.err"; python3 bench/gpu_cp_floor.py --report "$out/$tag.csv" | tee "$out/$tag.md"
+}
 gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, ours vs MLX's op at every M
                  # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
   local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
@@ -678,22 +685,17 @@ case "$1" in
     done
     cp "$raw/src22_12288x4096_M1.csv" "$out/" 2>/dev/null
     ;;
+  s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
+            # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)
+    floor floor22 300
+    ;;
   s23a)     # issue 3, next: does a warp's arithmetic hide better when it is shorter? Twice the
             # warps with half the work each (one weight tile a block, NT 1; a K split of 8, another
             # reduction order, checked against row_qmm_tc with that split; 16 where split 8 is the
             # default), the arithmetic alone (comp+nox) and the last chunk (notail), 1 and 16 rows
     FLOOR_ROWS=1,16 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_nt1,full_sp8_cb4,full_sp8_nt1,full_sp16_cb4,full_sp2,comp+nox,comp+nox_nt1,comp+nox_sp8_cb4,comp+nox_sp16_cb4,notail,notail_nt1} \
-        timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
-        python3 bench/gpu_cp_floor.py > "$out/floor23a.csv" 2> "$out/floor23a.err"
-    tail -8 "$out/floor23a.err"
-    FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} python3 bench/gpu_cp_floor.py --report "$out/floor23a.csv" | tee "$out/floor23a.md"
-    ;;
-  s22b)     # issue 3: row_qmm_cp at its default stagings against its own data movement alone (mem)
-            # and its arithmetic alone (comp), and both with 3 / 4 stages (bench/gpu_cp_floor.py)
-    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"tfcp|tfmark" \
-        python3 bench/gpu_cp_floor.py > "$out/floor22.csv" 2> "$out/floor22.err"
-    tail -8 "$out/floor22.err"; python3 bench/gpu_cp_floor.py --report "$out/floor22.csv" | tee "$out/floor22.md"
+        floor floor23a 300
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against
