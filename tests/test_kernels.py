@@ -200,8 +200,9 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     """row_qmm_cp (4-bit weights through a cp.async pipeline, the default) computes row_qmm_tc's
     arithmetic: the same bits for every M and every staging (CB, NS, XE, NT) the plan allows,
     with either copy addressing (CA), with one, two or four chunks a loop turn (UR), and with the
-    first weight stage copied before the scales (PRO); at 20 rows too (the second block's second
-    tile has no rows)."""
+    first weight stage copied before the scales (PRO), at one row with and without the ONE
+    variant (odd groups' X from the even groups' X mmas); at 20 rows too (the second block's
+    second tile has no rows)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
@@ -224,6 +225,9 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # default call takes it from CB 8 where every block is full), each with two and four chunks a
     # loop turn (UR 2, 4) too
     stagings += [(*first, 0, ca, ur) for ca in (0, 1) for ur in (1, 2, 4)]
+    # one row runs the ONE variant wherever a stage holds an even number of groups (every
+    # staging above, at M = 1): the first and the last staging without it too
+    stagings += [(*st, 0, None, 1, 0, 0) for st in (first, last)]
     for M in (1, 3, 9, 16, 20):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)

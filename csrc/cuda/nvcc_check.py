@@ -93,7 +93,7 @@ for T in (bf, f16, f32):    # the MoE router: x as it is, fp32 logits (8-bit rou
                   dict(x=T, wg=T, wu=T, logits=f32), dict(h=T, inds=i32, scores=f32)))
 
 # tensor-core GEMMs, with the plans the wrapper picks for real shapes
-from tensorfold.kernels._cuda import cp_plan, cp_staging, mm_cp_plan, tc_plan  # noqa: E402
+from tensorfold.kernels._cuda import cp_one, cp_plan, cp_staging, mm_cp_plan, tc_plan  # noqa: E402
 
 for T in (bf, f16):
     for N, K, GS, bits in ((4096, 4096, 64, 4), (151936, 4096, 64, 4), (72, 256, 32, 4),
@@ -105,8 +105,8 @@ for T in (bf, f16):
     for N, K, GS in ((4096, 4096, 64), (151936, 4096, 64), (4096, 12288, 64), (24576, 4096, 32),
                      (12288, 4096, 64), (24576, 4096, 64), (6144, 4096, 64),
                      (4096, 4096, 128), (72, 256, 32), (1152, 384, 64)):
-        # the default stagings (up to 8 rows, past 8); every x-load timing x tile count on one
-        # shape (bf16)
+        # the default stagings (up to 8 rows, as one row takes them: ONE where it applies; past
+        # 8); every x-load timing x tile count on one shape (bf16)
         combos = [(two, *cp_staging(N, K, GS, two)) for two in (False, True)]
         if (N, K, GS) == (1152, 384, 64) and T == bf:
             combos = [(two, 4, 2, x, t, 1, 0) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
@@ -115,7 +115,7 @@ for T in (bf, f16):
             CA = cp_ca(N, CB, NT)    # as the default call
             CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                              RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR,
-                                             PRO=bool(PRO)),
+                                             PRO=bool(PRO), ONE=not TWO and cp_one(1, CB, GS)),
                           dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:
@@ -129,7 +129,8 @@ for T in (bf, f16):
             (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True)):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO),
+                                         RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO,
+                                         ONE=False),
                       dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

@@ -583,7 +583,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -591,6 +591,10 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // row_qmm_tc; the same bits), CA (a stage's copies from one pointer and constant offsets, see
 // issue: data movement only), UR (chunks a turn of the loop: with 2, XE 2's hand-over of the
 // next chunk's x rows is register renaming, not moves; the same operations in the same order).
+// ONE (a one-row launch, GPC even): x column 1 is never stored, so lane group gq = 1 reads group
+// gi ^ 1's blocks, and the X mmas of an even group give, in column 1, the odd group's X -- the
+// same chain of mmas on the same values (a column depends on its own inputs only): the odd
+// group runs no X mma. The same bits; fewer mmas.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
@@ -608,6 +612,7 @@ constexpr int CPL = STAGE / 32;
 static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32 == 0);
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
 static_assert(sizeof(S) == 2);   // 2-byte scales
+static_assert(!ONE || (GPC % 2 == 0 && !TWO));
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
@@ -683,6 +688,7 @@ tf_tc_xrows<T, K>(x, r0, rows, gq, tq, xrow, xok);
 const T tag = tf_from_float<T>(0.0f);
 xrow[0] += (size_t)blkw * 32;     // the warp's K slice: chunk ci's block b is at (ci CB + b) 32
 xrow[1] += (size_t)blkw * 32;
+const int xo = ONE && gq == 1 ? BPG * 32 : 0;   // ONE: lanes 4..7 read group gi ^ 1's blocks
 unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
@@ -700,7 +706,7 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       if (mt == 0 || two) {
-        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));
+        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));
       } else {
         dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -733,9 +739,11 @@ for (int ci = 0; ci < CPW; ++ci) {
       wq[b][nt][0] = d[0]; wq[b][nt][1] = d[1]; wq[b + 1][nt][0] = d[2]; wq[b + 1][nt][1] = d[3];
     }
   }
+  float xodd = 0.0f;   // ONE: the odd group's X, column 1 of the even group's X mmas
 #pragma unroll
   for (int gi = 0; gi < GPC; ++gi) {
     float P[NT][2][4], X[2][4];
+    const bool xmma = !ONE || gi % 2 == 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       X[0][i] = 0.0f; X[1][i] = 0.0f;
@@ -760,10 +768,12 @@ for (int ci = 0; ci < CPW; ++ci) {
           tf_mma(P[nt][0], a, &xb[0][2 * s], tag);
           if (two) tf_mma(P[nt][1], a, &xb[1][2 * s], tag);
         }
-        tf_mma(X[0], ones, &xb[0][2 * s], tag);
+        if (xmma) tf_mma(X[0], ones, &xb[0][2 * s], tag);
         if (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);
       }
     }
+    if (ONE && xmma) xodd = X[0][1];
+    if (!xmma) X[0][0] = X[0][1] = xodd;
     const int g = ci * GPC + gi;
     tf_tc_fold<NT>(acc, P, X, two, [&](int nt, int h) {
       const int r = 16 * nt + 8 * h + gq;

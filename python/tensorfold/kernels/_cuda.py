@@ -271,21 +271,30 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
     return (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
 
 
+def cp_one(R: int, cb: int, gs: int) -> bool:
+    """Whether a row_qmm_cp launch of R rows takes the ONE variant: one row, and an even number
+    of groups a stage (each odd group's X comes from the even group's X mmas, in the column no
+    row is stored from: the same bits, a third fewer mmas with one weight tile, a sixth with two)."""
+    return R == 1 and (cb * 32 // gs) % 2 == 0
+
+
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 ca: int | None = None, ur: int = 1, pro: int = 0):
-    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1):
-        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}")
+                 ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None):
+    if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
+            or one not in (None, 0, 1):
+        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
+    one = cp_one(R, CB, gs) if one is None else bool(one) and cp_one(R, CB, gs)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro))]
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -366,10 +375,10 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
-    scales, the scales in 16-byte copies where they allow),
+    scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
