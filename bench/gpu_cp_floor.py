@@ -6,19 +6,24 @@ by side under Nsight Compute (device time, caches flushed before each launch), t
 row_qmm_cp at each shape's default staging, each built from csrc/cuda/row_gemm.cu as the
 package builds it, then cut:
 
-  full   the kernel as shipped (asserted bit-identical to the package's call);
+  full   the kernel as shipped (asserted bit-identical to row_qmm_tc, as the package's call is);
   mem    its data movement only: the same cp.async ring, ldmatrix reads and x loads, the
          dequantisation, mmas and group folds replaced by an XOR of the words read;
   comp   its arithmetic only: the weight and scale copies dropped (the ring is read as it is);
   nox    x's loads from global memory replaced by register values (no x traffic at all);
   even   the group fold of even output columns only (x rows 0, 2, ...: what one row needs);
   notail no arithmetic on the last chunk (full - notail: what the last chunk's arithmetic, done
-         after the last copy has landed, adds).
+         after the last copy has landed, adds);
+  il     chunks dealt to the warps in turn (w, w + SPLIT, ...), not as contiguous K slices: the
+         block's warps read each row's next bytes side by side (DRAM locality; timing only).
 
 Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `_nsN` / `_xeN` /
-`_ntN` / `_spN` change the staging: N blocks a stage / N stages / x-load timing N / N weight
-tiles a block / a K split of N (full_cb4_ns4, comp+nox_nt1_sp8). If full ~ mem, the copies'
-pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full is for timing only.
+`_ntN` / `_spN` / `_onN` change the staging: N blocks a stage / N stages / x-load timing N / N
+weight tiles a block / a K split of N / the one-row variant on or off (full_cb4_ns4,
+comp+nox_nt1_sp8, full_on0). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
+pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
+for timing only.
 FLOOR_VARIANTS (comma-separated) picks the cases, FLOOR_ROWS the row counts (default 1,16),
 FLOOR_SHAPES the shapes (e.g. 12288x4096,4096x12288; the report lists those too),
 TF_CP_SMEM_KB the shared-memory ceiling.
@@ -60,9 +65,23 @@ _MEM_CONSUME = _min("""{
   }
   acc[0][0][0] = __fadd_rn(acc[0][0][0], __uint_as_float(h & 0x3f7fffffu));
 }""")
-_X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32));")
+_X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));")
 _X_REG = _min("dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);")
 _FOLD_LOOP = _min("for (int i = 0; i < 4; ++i) {\nconst float2 v = sb(nt, i >> 1);")
+# the 4-bit pairs' shifts (nibbles j, j + 4 down to bits 0 / 16): `hi` takes j = 1, 3 as the high
+# word of a multiply (IMAD.HI, on the FMA pipe, not the ALU pipe's SHF), `hi2` every j > 0
+_Q4_SHIFT = _min("return tf_nib_or<0x43004300u>(w >> (4 * j));")
+_Q4_HI = {"hi": _min("return tf_nib_or<0x43004300u>(j & 1 ? __umulhi(w, 1u << (32 - 4 * j)) : w >> (4 * j));"),
+          "hi2": _min("return tf_nib_or<0x43004300u>(j ? __umulhi(w, 1u << (32 - 4 * j)) : w);")}
+# il (timing only): warp w takes the block's chunks w, w + SPLIT, ... instead of a contiguous K
+# slice, so the warps of a block read each weight row's next SPLIT * CB * 16 bytes side by side
+# (the scales stay the contiguous slice's: the same bytes, not the right groups)
+_IL = [("const int blkw=warp*(KSL/32);", "const int blkw=warp*CB;"),
+       ("wsrc[0]+(size_t)ci*CB*4;", "wsrc[0]+(size_t)ci*SPLIT*CB*4;"),
+       ("wsrc[i]+(size_t)ci*CB*4);", "wsrc[i]+(size_t)ci*SPLIT*CB*4);"),
+       ("xrow[mt]+(size_t)ci*CB*32+", "xrow[mt]+(size_t)ci*SPLIT*CB*32+")]
+# cuts that keep every bit (their results are asserted equal to the package's call)
+EXACT = {"full", "hi", "hi2"}
 
 
 def _replace(text: str, old: str, new: str) -> str:
@@ -73,7 +92,7 @@ def _replace(text: str, old: str, new: str) -> str:
 
 def variant_text(variant: str) -> tuple[str, str]:
     """(header, body) of row_qmm_cp cut to `variant` (full, or cuts joined by "+": mem, comp, nox,
-    notail, even): the package's minified sections (`_sources.sections`), cut, then pruned as
+    notail, even, il, hi, hi2): the package's minified sections (`_sources.sections`), cut, then pruned as
     `_sources.kernel_text` prunes them."""
     from tensorfold.kernels import _sources as S
     sec = S.sections("cuda", "row_gemm.cu")
@@ -92,6 +111,11 @@ def variant_text(variant: str) -> tuple[str, str]:
             body = _replace(body, _X_LOAD, _X_REG)
         elif cut == "even":
             header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i+=2"))
+        elif cut == "il":
+            for a, b in _IL:
+                body = _replace(body, a, b)
+        elif cut in _Q4_HI:
+            header = _replace(header, _Q4_SHIFT, _Q4_HI[cut])
         elif cut != "full":
             raise ValueError(variant)
     return S.pruned(header, body), body
@@ -109,14 +133,14 @@ VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
 
 def cases():
     """(tag, variant, options) of each FLOOR_VARIANTS entry: `_cbN` / `_nsN` / `_xeN` / `_ntN` /
-    `_spN` give N blocks a stage / N stages / x-load timing N / N weight tiles a block / a K split
-    of N (another reduction order: checked against row_qmm_tc with that split); the default
-    staging's value otherwise."""
+    `_spN` / `_onN` give N blocks a stage / N stages / x-load timing N / N weight tiles a block / a
+    K split of N (another reduction order: checked against row_qmm_tc with that split) / the
+    one-row variant on (1) or off (0); the default staging's value otherwise."""
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on"}, tag
         out.append((tag, v, o))
     return out
 
@@ -139,18 +163,18 @@ def run():
         for R in ROWS:
             x = x16[:R]
             cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
-            refs = {tc[2]: _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)}
+            refs = {}     # row_qmm_tc's bits with each split (the package's call has them)
             for tag, variant, o in cases():
                 st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
                 plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
                 if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
                     print(N, K, R, tag, "does not apply", file=sys.stderr)
                     continue
-                if st["sp"] not in refs:     # another split, another order: row_qmm_tc's bits with it
+                if st["sp"] not in refs:     # another split is another order: tc's bits with it
                     refs[st["sp"]] = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu,
                                                             plan=(tc[0], tc[1], st["sp"], tc[3]))
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
-                                          st["xe"], st["nt"], st["sp"], None, ur, pro)
+                                          st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"))
                 _, template, grid, tg, oshape, odtype = call
                 k = kernel(variant, plan[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
@@ -158,7 +182,7 @@ def run():
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
                           output_shapes=oshape, output_dtypes=odtype)[0]
                     mx.eval(y)
-                if variant == "full":    # the text as shipped: the package's bits (for that split)
+                if set(variant.split("+")) <= EXACT:   # row_qmm_tc's bits (for that split)
                     assert mx.array_equal(y, refs[st["sp"]]).item(), (N, K, R, tag)
             print(N, K, R, "staging", (cb, ns, xe, nt, ur, pro), "split", tc[2], file=sys.stderr,
                   flush=True)

@@ -69,6 +69,12 @@
 #   bash bench/gpu_run.sh s22a      # session 22: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s22b      # the 4-bit GEMM against its own data movement / arithmetic alone
 #   bash bench/gpu_run.sh s23a      # next: twice the warps, half the arithmetic each (NT 1, split 8)
+#   bash bench/gpu_run.sh s23b      # session 23: ONE (one row: the odd groups' X from the even
+#                                   # groups' X mmas): the cp == tc test, three processes
+#   bash bench/gpu_run.sh s23c      # ONE and hi / hi2 (shifts on the FMA pipe) at one row, against
+#                                   # ONE off, the arithmetic alone, NT 1 and other splits
+#   bash bench/gpu_run.sh s23d      # chunks dealt to the warps in turn (il, DRAM locality; timing only)
+#   bash bench/gpu_run.sh s23e      # a warp's timeline: clock stamps at each stage wait and chunk
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
 #    8 / 16 rows and was removed with its modes; `FLOOR_VARIANTS=... bash bench/gpu_run.sh s22b`
 #    reruns the 4-block stagings and notail)
@@ -696,6 +702,33 @@ case "$1" in
     FLOOR_ROWS=1,16 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_nt1,full_sp8_cb4,full_sp8_nt1,full_sp16_cb4,full_sp2,comp+nox,comp+nox_nt1,comp+nox_sp8_cb4,comp+nox_sp16_cb4,notail,notail_nt1} \
         floor floor23a 300
+    ;;
+  s23b)     # issue 3: ONE, the one-row variant (each odd group's X is column 1 of the even
+            # group's X mmas: the same bits, a sixth / a third fewer mmas): the cp == tc test,
+            # which now runs every staging at one row with ONE (and two without), 3 processes
+    k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
+    par_tests kern23 ${LIMIT:-400} "$k and $small" "$k and (12288 or 4096-12288 or 6144)" \
+        "$k and not $small and not 12288 and not 6144"
+    ;;
+  s23c)     # issue 3: at one row, ONE against ONE off (on0), the shifts of the 4-bit pairs on the
+            # FMA pipe (hi: j = 1, 3; hi2: every j; both keep the bits, asserted), the arithmetic
+            # alone with and without ONE, the last chunk, NT 1 and other K splits (s23a's, M = 1)
+    FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_on0,hi,hi2,hi_on0,comp+nox,comp+nox_on0,notail,full_nt1,full_sp8_cb4,full_sp16_cb4,full_sp2} \
+        floor floor23c ${LIMIT:-420}
+    ;;
+  s23d)     # issue 3: DRAM locality -- the block's warps take its chunks in turn (il: each row's
+            # next bytes read side by side; timing only), copies alone and whole, NS 2 and 3
+    FLOOR_ROWS=${FLOOR_ROWS:-1,16} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full+il,mem,mem+il,full+il_ns3,mem+il_ns3} \
+        floor floor23d ${LIMIT:-300}
+    ;;
+  s23e)     # issue 3: a warp's timeline (bench/gpu_cp_timeline.py: clock stamps at each stage
+            # wait and after each chunk's arithmetic), the kernel and its copies alone
+    for v in full mem; do
+      TL_VARIANT=$v timeout 150 python3 bench/gpu_cp_timeline.py ${TL_SHAPES:-12288x4096 4096x12288} \
+          2>&1 | tee "$out/timeline23e_$v.md" | tail -40
+    done
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -119,7 +119,39 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     assert "i+=2" in nox[0] and "i+=2" not in fl.variant_text("full")[0]
     tail = fl.variant_text("notail")[1]
     assert "if(ci+1<CPW){" in tail and tail.count("{") == tail.count("}")
-    monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2_nt1_sp8")
+    # hi / hi2: the same pairs, shifted as the high word of a multiply (j = 1, 3 / every j > 0)
+    hi, hi2 = fl.variant_text("hi")[0], fl.variant_text("hi2")[0]
+    assert "__umulhi(" not in fl.variant_text("full")[0]
+    assert "j&1?__umulhi(w,1u<<(32-4*j)):w>>(4*j)" in hi and "j?__umulhi(" in hi2
+    assert {"full", "hi", "hi2"} == fl.EXACT
+    il = fl.variant_text("mem+il")[1]
+    assert "blkw=warp*CB;" in il and il.count("ci*SPLIT*CB*") == 3 and "tf_mma(" not in il
+    monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2_nt1_sp8,hi_on0")
     assert fl.cases() == [("full", "full", {}), ("notail_cb4_ns4", "notail", {"cb": 4, "ns": 4}),
                           ("comp+nox_ns3_xe2_nt1_sp8", "comp+nox",
-                           {"ns": 3, "xe": 2, "nt": 1, "sp": 8})]
+                           {"ns": 3, "xe": 2, "nt": 1, "sp": 8}), ("hi_on0", "hi", {"on": 0})]
+
+
+def test_cp_timeline_stamps_and_summary(monkeypatch):
+    """bench/gpu_cp_timeline.py: the shipped text with clock stamps at entry, after each stage
+    wait, after each chunk's arithmetic (pinned behind the accumulators) and after the loop; the
+    summary's per-chunk waits and arithmetic come from those stamps."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("gpu_cp_timeline", None)
+    tlm = importlib.import_module("gpu_cp_timeline")
+    header, body = tlm.timeline_text("full")
+    assert body.count("%%clock64") == 5 and body.count("%%globaltimer") == 2
+    assert body.count("{") == body.count("}")
+    assert body.index("tl[TLB+3+ci]") < body.index("tl[TLB+3+CPW+ci]") < body.index("tf_tc_finish<")
+    # two warps on one SM, two chunks: entry 0 / 100, stages land 1000 / 3000 after entry, ...
+    cpw = 2
+    rows = []
+    for e in (0, 1980):
+        rows.append([7, 0, e, e + 1980, e + 5940, e + 3960, e + 7920, e + 7920, e + 9900, 9000])
+    out = "\n".join(tlm.summarize(np.array(rows, dtype=np.uint64), cpw, 4))
+    assert "| chunk 0: entry -> stage landed |   1.00 /   1.00 |" in out
+    assert "| chunk 0: arithmetic |   1.00 /   1.00 |" in out
+    assert "| chunk 1: arithmetic 0 done -> stage landed (wait) |   1.00 /   1.00 |" in out
+    assert "| SM: first entry -> last loop done |   5.00 /   5.00 |" in out
+    assert "| SM: last stage landed -> last loop done (tail) |   1.00 /   1.00 |" in out
