@@ -5,14 +5,17 @@ one row, though its arithmetic alone is shorter than the copies. This script bui
 text (gpu_cp_floor.variant_text, any of its variants) with stamps of the SM's cycle counter
 (clock64) and of the global timer in each warp: at entry, after each chunk's stage wait, after
 each chunk's arithmetic (pinned behind its accumulators), after the loop, and, in warp 0, after
-the split-K reduction and store. It launches the kernel on cold caches (a 256 MB write first;
+the split-K reduction and store. It launches the kernel on cold caches (a 256 MB read first;
 each launch's output checked against the package's call where the variant keeps the bits) and
 prints, per chunk, the median and 90th percentile over warps of how long a warp waited for its
 stage and how long its arithmetic took, where the warps of an SM start and end relative to the
 SM's first start, and how long each SM runs after its last stage landed (the tail).
 
 On the H200 (no ncu needed):  python3 bench/gpu_cp_timeline.py [SHAPE ...]   (default 12288x4096)
-env: TL_VARIANT (default full), TL_ROWS (default 1), TL_REPS (default 5).
+env: TL_VARIANT (default full), TL_ROWS (default 1), TL_REPS (default 5), TL_ONE (0: not the
+one-row variant). Only a process's first launch has given a clean timeline on the H200 (later
+ones waited ~100-300 µs for their first stage, after the L2 flush as a write and as a read
+alike): run TL_REPS=1 several times (bench/gpu_run.sh s23e does).
 """
 
 from __future__ import annotations
@@ -60,14 +63,17 @@ def timeline_text(variant: str) -> tuple[str, str]:
 
 
 def summarize(tl: np.ndarray, cpw: int, split: int) -> list[str]:
-    """Lines of the report from the stamps [warps, 2 CPW + 6] of one launch (cycles / ns)."""
-    ghz = 1.98
+    """Lines of the report from the stamps [warps, 2 CPW + 6] of one launch (cycles / ns). Cycles
+    become µs at the SM clock the two timers give (cycles / ns from entry to the loop's end,
+    median over warps): under Nsight's unlocked clocks the H200 ran at ~1.7 GHz, not 1.98."""
     sm = tl[:, SM]
     c0 = tl[:, C0].astype(np.int64)
     waits = tl[:, 3:3 + cpw].astype(np.int64)
     comps = tl[:, 3 + cpw:3 + 2 * cpw].astype(np.int64)
     loop = tl[:, 3 + 2 * cpw].astype(np.int64)
     g0, g1 = tl[:, G0].astype(np.int64), tl[:, 5 + 2 * cpw].astype(np.int64)
+    ok = g1 > g0
+    ghz = float(np.median((loop - c0)[ok] / (g1 - g0)[ok])) if ok.any() else 1.98
     # per-SM origin: the SM's first entry
     base = np.zeros_like(c0)
     tails, spans = [], []
@@ -80,7 +86,8 @@ def summarize(tl: np.ndarray, cpw: int, split: int) -> list[str]:
         spans.append((end - c0[m].min()) / ghz / 1000)
     us = lambda a: a / ghz / 1000.0   # noqa: E731
     q = lambda a: f"{np.median(a):6.2f} / {np.percentile(a, 90):6.2f}"   # noqa: E731
-    out = [f"warps {len(tl)}, SMs {len(np.unique(sm))}, chunks a warp {cpw}, split {split}",
+    out = [f"warps {len(tl)}, SMs {len(np.unique(sm))}, chunks a warp {cpw}, split {split}, "
+           f"SM clock {ghz:.2f} GHz",
            "| what (µs, median / p90 over warps) | value |", "|---|---|",
            f"| entry after the SM's first entry | {q(us(c0 - base))} |",
            f"| chunk 0: entry -> stage landed | {q(us(waits[:, 0] - c0))} |"]
@@ -112,7 +119,8 @@ def run(shapes, variant: str, R: int, reps: int):
         split = _cuda.tc_plan(N, K, 64, 4)[2]
         plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
-            x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro)
+            x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
+            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None)
         cpw = K // split // (32 * cb)
         nwarps = grid[0] // 32 * grid[1]
         header, body = timeline_text(variant)
@@ -121,10 +129,12 @@ def run(shapes, variant: str, R: int, reps: int):
                                 output_names=["out", "tl"], source=body, header=header,
                                 ensure_row_contiguous=True, shared_memory=plan[3])
         ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)
-        print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}")
+        print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}, "
+              f"ONE {dict(template)['ONE']}")
         runs = []
         for _ in range(reps):
-            mx.eval(flush + 1.0)       # evict L2 (the 256 MB write)
+            mx.eval(flush.sum())       # evict L2: a 256 MB read (a write leaves dirty lines
+                                       # whose write-back delayed the first stage by ~100 µs)
             y, tl = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
                       output_shapes=oshape + [(nwarps * (2 * cpw + 6),)],
                       output_dtypes=odtype + [mx.uint64], stream=gpu)

@@ -75,6 +75,8 @@
 #                                   # ONE off, the arithmetic alone, NT 1 and other splits
 #   bash bench/gpu_run.sh s23d      # chunks dealt to the warps in turn (il, DRAM locality; timing only)
 #   bash bench/gpu_run.sh s23e      # a warp's timeline: clock stamps at each stage wait and chunk
+#   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
+#    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
 #    8 / 16 rows and was removed with its modes; `FLOOR_VARIANTS=... bash bench/gpu_run.sh s22b`
 #    reruns the 4-block stagings and notail)
@@ -725,9 +727,10 @@ case "$1" in
     ;;
   s23e)     # issue 3: a warp's timeline (bench/gpu_cp_timeline.py: clock stamps at each stage
             # wait and after each chunk's arithmetic), the kernel and its copies alone
-    for v in full mem; do
-      TL_VARIANT=$v timeout 150 python3 bench/gpu_cp_timeline.py ${TL_SHAPES:-12288x4096 4096x12288} \
-          2>&1 | tee "$out/timeline23e_$v.md" | tail -40
+    # one launch a process: later launches in one process waited ~100-300 µs for their first stage
+    for v in full mem full full mem; do
+      TL_REPS=1 TL_VARIANT=$v timeout 60 python3 bench/gpu_cp_timeline.py ${TL_SHAPES:-12288x4096 4096x12288} \
+          2>&1 | tee -a "$out/timeline23e_$v.md" | tail -40
     done
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of

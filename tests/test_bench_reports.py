@@ -148,10 +148,12 @@ def test_cp_timeline_stamps_and_summary(monkeypatch):
     cpw = 2
     rows = []
     for e in (0, 1980):
-        rows.append([7, 0, e, e + 1980, e + 5940, e + 3960, e + 7920, e + 7920, e + 9900, 9000])
+        rows.append([7, 0, e, e + 1980, e + 5940, e + 3960, e + 7920, e + 7920, e + 9900, 4000])
     out = "\n".join(tlm.summarize(np.array(rows, dtype=np.uint64), cpw, 4))
     assert "| chunk 0: entry -> stage landed |   1.00 /   1.00 |" in out
     assert "| chunk 0: arithmetic |   1.00 /   1.00 |" in out
     assert "| chunk 1: arithmetic 0 done -> stage landed (wait) |   1.00 /   1.00 |" in out
     assert "| SM: first entry -> last loop done |   5.00 /   5.00 |" in out
     assert "| SM: last stage landed -> last loop done (tail) |   1.00 /   1.00 |" in out
+    assert "SM clock 1.98 GHz" in out      # 7920 cycles over the timers' 4000 ns
+    assert "| global: first entry -> last loop done (ns timer) | 4.00 |" in out
