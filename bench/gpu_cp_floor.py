@@ -80,7 +80,7 @@ _IL = [("const int blkw=warp*(KSL/32);", "const int blkw=warp*CB;"),
        ("wsrc[0]+(size_t)ci*CB*4;", "wsrc[0]+(size_t)ci*SPLIT*CB*4;"),
        ("wsrc[i]+(size_t)ci*CB*4);", "wsrc[i]+(size_t)ci*SPLIT*CB*4);"),
        ("xrow[mt]+(size_t)ci*CB*32+", "xrow[mt]+(size_t)ci*SPLIT*CB*32+")]
-# cuts that keep every bit (their results are asserted equal to the package's call)
+# cuts that keep every bit (their results are asserted equal to row_qmm_tc's)
 EXACT = {"full", "hi", "hi2"}
 
 
@@ -121,11 +121,25 @@ def variant_text(variant: str) -> tuple[str, str]:
     return S.pruned(header, body), body
 
 
-def kernel(variant: str, smem: int):
-    header, body = variant_text(variant)
-    return mx.fast.cuda_kernel(name="tfcp_" + variant.replace("+", "_"), input_names=["x", "w", "scales", "biases", "res"],
-                               output_names=["out"], source=body, header=header,
+def kernel(variant: str, smem: int, text=None, prefix: str = "tfcp_", outputs=("out",)):
+    """row_qmm_cp's inputs and launch with `variant`'s text (or `text`, a (header, body) pair)."""
+    header, body = text or variant_text(variant)
+    return mx.fast.cuda_kernel(name=prefix + variant.replace("+", "_"), input_names=["x", "w", "scales", "biases", "res"],
+                               output_names=list(outputs), source=body, header=header,
                                ensure_row_contiguous=True, shared_memory=smem)
+
+
+def inputs(N: int, K: int):
+    """A random N x K weight quantized as mlx-community's checkpoints (4 bits, group 64, bf16
+    scales), 16 bf16 x rows and the unused residual: (wq, scales, biases, x16, res), evaluated."""
+    w = mx.random.normal((N, K)) * 0.02
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    del w
+    x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
+    res = mx.zeros((1,), dtype=mx.bfloat16)
+    mx.eval(wq, s, b, x16, res)
+    return wq, s, b, x16, res
 
 
 VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
@@ -152,13 +166,7 @@ def run():
         _cuda.CP_SMEM_LIMIT = int(os.environ["TF_CP_SMEM_KB"]) * 1024
     gpu = mx.default_stream(mx.gpu)
     for N, K in SHAPES:
-        w = mx.random.normal((N, K)) * 0.02
-        wq, s, b = mx.quantize(w, group_size=64, bits=4)
-        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
-        del w
-        x16 = (mx.random.normal((16, K)) * 0.5).astype(mx.bfloat16)
-        res = mx.zeros((1,), dtype=mx.bfloat16)
-        mx.eval(wq, s, b, x16, res)
+        wq, s, b, x16, res = inputs(N, K)
         tc = _cuda.tc_plan(N, K, 64, 4)
         for R in ROWS:
             x = x16[:R]

@@ -21,7 +21,6 @@ alike): run TL_REPS=1 several times (bench/gpu_run.sh s23e does).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import mlx.core as mx
@@ -109,12 +108,8 @@ def run(shapes, variant: str, R: int, reps: int):
     gpu = mx.default_stream(mx.gpu)
     flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)
     for N, K in shapes:
-        w = mx.random.normal((N, K)) * 0.02
-        wq, s, b = mx.quantize(w, group_size=64, bits=4)
-        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
-        x = (mx.random.normal((R, K)) * 0.5).astype(mx.bfloat16)
-        res = mx.zeros((1,), dtype=mx.bfloat16)
-        mx.eval(wq, s, b, x, res)
+        wq, s, b, x16, res = fl.inputs(N, K)
+        x = x16[:R]
         cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
         split = _cuda.tc_plan(N, K, 64, 4)[2]
         plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
@@ -123,18 +118,13 @@ def run(shapes, variant: str, R: int, reps: int):
             int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None)
         cpw = K // split // (32 * cb)
         nwarps = grid[0] // 32 * grid[1]
-        header, body = timeline_text(variant)
-        k = mx.fast.cuda_kernel(name="tftl_" + variant.replace("+", "_"),
-                                input_names=["x", "w", "scales", "biases", "res"],
-                                output_names=["out", "tl"], source=body, header=header,
-                                ensure_row_contiguous=True, shared_memory=plan[3])
+        k = fl.kernel(variant, plan[3], timeline_text(variant), "tftl_", ("out", "tl"))
         ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)
         print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}, "
               f"ONE {dict(template)['ONE']}")
         runs = []
         for _ in range(reps):
-            mx.eval(flush.sum())       # evict L2: a 256 MB read (a write leaves dirty lines
-                                       # whose write-back delayed the first stage by ~100 µs)
+            mx.eval(flush.sum())       # evict L2: a 256 MB read
             y, tl = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
                       output_shapes=oshape + [(nwarps * (2 * cpw + 6),)],
                       output_dtypes=odtype + [mx.uint64], stream=gpu)

@@ -68,13 +68,15 @@
 #   (session 21's s21d, 8B decode at 2k / 32k, is now PROMPTS=2048,32768 OTHER_STEP= SERIAL_ONLY=1 ... decode)
 #   bash bench/gpu_run.sh s22a      # session 22: the 4-bit GEMM's warp stalls per SASS instruction
 #   bash bench/gpu_run.sh s22b      # the 4-bit GEMM against its own data movement / arithmetic alone
-#   bash bench/gpu_run.sh s23a      # next: twice the warps, half the arithmetic each (NT 1, split 8)
+#   bash bench/gpu_run.sh s23a      # twice the warps, half the arithmetic each (NT 1, split 8): its
+#                                   # one-row half ran inside s23c; its 16-row half never ran
 #   bash bench/gpu_run.sh s23b      # session 23: ONE (one row: the odd groups' X from the even
 #                                   # groups' X mmas): the cp == tc test, three processes
 #   bash bench/gpu_run.sh s23c      # ONE and hi / hi2 (shifts on the FMA pipe) at one row, against
 #                                   # ONE off, the arithmetic alone, NT 1 and other splits
 #   bash bench/gpu_run.sh s23d      # chunks dealt to the warps in turn (il, DRAM locality; timing only)
-#   bash bench/gpu_run.sh s23e      # a warp's timeline: clock stamps at each stage wait and chunk
+#   bash bench/gpu_run.sh s23e      # a warp's timeline: clock stamps at each stage wait and chunk,
+#                                   # three shapes at 1 and 16 rows, the kernel and its copies alone
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -728,9 +730,11 @@ case "$1" in
   s23e)     # issue 3: a warp's timeline (bench/gpu_cp_timeline.py: clock stamps at each stage
             # wait and after each chunk's arithmetic), the kernel and its copies alone
     # one launch a process: later launches in one process waited ~100-300 µs for their first stage
-    for v in full mem full full mem; do
-      TL_REPS=1 TL_VARIANT=$v timeout 60 python3 bench/gpu_cp_timeline.py ${TL_SHAPES:-12288x4096 4096x12288} \
-          2>&1 | tee -a "$out/timeline23e_$v.md" | tail -40
+    for r in 1 16; do
+      for v in full mem; do
+        TL_ROWS=$r TL_REPS=1 TL_VARIANT=$v timeout 60 python3 bench/gpu_cp_timeline.py \
+            ${TL_SHAPES:-12288x4096 4096x12288 4096x4096} 2>&1 | tee -a "$out/timeline23e_$r.md" | tail -40
+      done
     done
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
