@@ -18,9 +18,9 @@ package builds it, then cut:
          block's warps read each row's next bytes side by side (DRAM locality; timing only).
 
 Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `_nsN` / `_xeN` /
-`_ntN` / `_spN` / `_onN` change the staging: N blocks a stage / N stages / x-load timing N / N
-weight tiles a block / a K split of N / the one-row variant on or off (full_cb4_ns4,
-comp+nox_nt1_sp8, full_on0). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+`_ntN` / `_spN` / `_onN` / `_xsN` change the staging: N blocks a stage / N stages / x-load timing N / N
+weight tiles a block / a K split of N / the one-row variant on or off / x staged once or not (full_cb4_ns4,
+comp+nox_nt1_sp8, full_on0, full_xs1). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.
@@ -154,7 +154,7 @@ def cases():
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs"}, tag
         out.append((tag, v, o))
     return out
 
@@ -182,9 +182,13 @@ def run():
                     refs[st["sp"]] = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu,
                                                             plan=(tc[0], tc[1], st["sp"], tc[3]))
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
-                                          st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"))
+                                          st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"),
+                                          o.get("xs", 0))
                 _, template, grid, tg, oshape, odtype = call
-                k = kernel(variant, plan[3])
+                if o.get("xs") and not dict(template)["XS"]:
+                    print(N, K, R, tag, "XS does not apply", file=sys.stderr)
+                    continue
+                k = kernel(variant, plan[3] + (2 * K if dict(template)["XS"] else 0))
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 for _ in range(REPS):
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,

@@ -13,7 +13,8 @@ SM's first start, and how long each SM runs after its last stage landed (the tai
 
 On the H200 (no ncu needed):  python3 bench/gpu_cp_timeline.py [SHAPE ...]   (default 12288x4096)
 env: TL_VARIANT (default full), TL_ROWS (default 1), TL_REPS (default 5), TL_ONE (0: not the
-one-row variant). Only a process's first launch has given a clean timeline on the H200 (later
+one-row variant), TL_OPTS (a staging other than the default: cb4_ns3, xs1, as
+gpu_cp_floor's options). Only a process's first launch has given a clean timeline on the H200 (later
 ones waited ~100-300 µs for their first stage, after the L2 flush as a write and as a read
 alike): run TL_REPS=1 several times (bench/gpu_run.sh s23e does).
 """
@@ -111,17 +112,21 @@ def run(shapes, variant: str, R: int, reps: int):
         wq, s, b, x16, res = fl.inputs(N, K)
         x = x16[:R]
         cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
+        o = {k[:2]: int(k[2:]) for k in os.environ.get("TL_OPTS", "").split("_") if k}
+        assert set(o) <= {"cb", "ns", "xe", "xs"}, o
+        cb, ns, xe = o.get("cb", cb), o.get("ns", ns), o.get("xe", xe)
         split = _cuda.tc_plan(N, K, 64, 4)[2]
         plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
             x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
-            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None)
+            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs", 0))
+        smem = plan[3] + (2 * K if dict(template)["XS"] else 0)
         cpw = K // split // (32 * cb)
         nwarps = grid[0] // 32 * grid[1]
-        k = fl.kernel(variant, plan[3], timeline_text(variant), "tftl_", ("out", "tl"))
+        k = fl.kernel(variant, smem, timeline_text(variant), "tftl_", ("out", "tl"))
         ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)
         print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}, "
-              f"ONE {dict(template)['ONE']}")
+              f"ONE {dict(template)['ONE']}, XS {dict(template)['XS']}")
         runs = []
         for _ in range(reps):
             mx.eval(flush.sum())       # evict L2: a 256 MB read

@@ -77,6 +77,8 @@
 #   bash bench/gpu_run.sh s23d      # chunks dealt to the warps in turn (il, DRAM locality; timing only)
 #   bash bench/gpu_run.sh s23e      # a warp's timeline: clock stamps at each stage wait and chunk,
 #                                   # three shapes at 1 and 16 rows, the kernel and its copies alone
+#   bash bench/gpu_run.sh s24a      # XS (x staged once at one row) vs the default, timelines of
+#                                   # the default / XS / CB 4 NS 3, the pipes' utilisation
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -736,6 +738,32 @@ case "$1" in
             ${TL_SHAPES:-12288x4096 4096x12288 4096x4096} 2>&1 | tee -a "$out/timeline23e_$r.md" | tail -40
       done
     done
+    ;;
+  s24a)     # issue 3: XS (one row's x slice staged once in shared memory, as mma pairs: no x
+            # loads or pair moves in the chunks; the same bits, asserted) against the default at
+            # one row, with each x-load timing; then timelines (one launch a process) of the
+            # default, XS and 4-block stages with 3 stages; then the pipes' utilisation (ncu)
+    FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096} TF_CP_SMEM_KB=100 \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_xs1,full_xs1_xe0,full_xs1_xe2,full_xs1_xe1,comp+nox,comp_xs1} \
+        floor floor24a ${LIMIT:-300}
+    for o in "" xs1 xs1_xe0 cb4_ns3 cb4_ns3_xs1; do
+      TL_OPTS=$o TL_ROWS=1 TL_REPS=1 TF_CP_SMEM_KB=100 timeout 60 python3 bench/gpu_cp_timeline.py \
+          ${TL_SHAPES:-12288x4096} 2>&1 | tee -a "$out/timeline24a.md" | tail -30
+    done
+    m=sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
+    m=$m,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+    m=$m,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active
+    m=$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,smsp__inst_executed.sum
+    FLOOR_ROWS=1 FLOOR_SHAPES=12288x4096 FLOOR_REPS=1 FLOOR_VARIANTS=full,full_xs1,comp+nox,comp_xs1 \
+        timeout 120 ncu --clock-control none --metrics "$m" --csv --kernel-name regex:"tfcp" \
+        python3 bench/gpu_cp_floor.py > "$out/pipes24a.csv" 2> "$out/pipes24a.err" || tail -5 "$out/pipes24a.err"
+    python3 - "$out/pipes24a.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]; k, mn, mv = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value")
+for r in rows[1:]:
+    print(r[k][:40], r[mn], r[mv])
+PY
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

@@ -583,7 +583,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -595,10 +595,14 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // gi ^ 1's blocks, and the X mmas of an even group give, in column 1, the odd group's X -- the
 // same chain of mmas on the same values (a column depends on its own inputs only): the odd
 // group runs no X mma. The same bits; fewer mmas.
+// XS (a one-row launch): the warp's x slice is staged once in shared memory, already as the
+// pairs tf_xpairs makes (unit 4 b + t: block b, quad column t), while the first stage is in
+// flight; a chunk then reads its x with shared loads and no pair moves. The same values.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
-//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS))).
+//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
+//         + (XS ? 2 K : 0).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -613,6 +617,7 @@ static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
 static_assert(sizeof(S) == 2);   // 2-byte scales
 static_assert(!ONE || (GPC % 2 == 0 && !TWO));
+static_assert(!XS || (!TWO && sizeof(T) == 2));
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
@@ -628,6 +633,7 @@ const bool two = TWO && rows > 8;
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
+uint4* xsm = reinterpret_cast<uint4*>(ssc - warp * 32 * NT * NGW + SPLIT * 32 * NT * NGW) + warp * (KSL / 8);
 auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
 const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
@@ -689,6 +695,14 @@ const T tag = tf_from_float<T>(0.0f);
 xrow[0] += (size_t)blkw * 32;     // the warp's K slice: chunk ci's block b is at (ci CB + b) 32
 xrow[1] += (size_t)blkw * 32;
 const int xo = ONE && gq == 1 ? BPG * 32 : 0;   // ONE: lanes 4..7 read group gi ^ 1's blocks
+if constexpr (XS) {
+  for (int e = lane; e < KSL / 8; e += 32) {
+    unsigned int p[4];
+    tf_xpairs(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)blkw * 32 + e * 8)), p);
+    xsm[e] = make_uint4(p[0], p[1], p[2], p[3]);
+  }
+  __syncwarp();
+}
 unsigned int ones[4];
 #pragma unroll
 for (int i = 0; i < 4; ++i) ones[i] = tf_ones2(tag);
@@ -705,7 +719,9 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
   for (int b = 0; b < CB; ++b) {
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      if (mt == 0 || two) {
+      if (XS && mt == 0) {
+        dst[b][0] = xsm[(ci * CB + b + ((b / BPG) & 1 ? -xo : xo) / 32) * 4 + tq];
+      } else if (mt == 0 || two) {
         dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));
       } else {
         dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
@@ -755,7 +771,13 @@ for (int ci = 0; ci < CPW; ++ci) {
       const int b = gi * BPG + bb;
       unsigned int xb[2][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) tf_xpairs(xv[b][mt], xb[mt]);
+      for (int mt = 0; mt < 2; ++mt) {
+        if (XS && mt == 0) {
+          xb[0][0] = xv[b][0].x; xb[0][1] = xv[b][0].y; xb[0][2] = xv[b][0].z; xb[0][3] = xv[b][0].w;
+        } else {
+          tf_xpairs(xv[b][mt], xb[mt]);
+        }
+      }
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
 #pragma unroll

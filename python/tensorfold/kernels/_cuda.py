@@ -174,13 +174,14 @@ CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
-            nt: int = 1, split: int | None = None):
+            nt: int = 1, split: int | None = None, xs: bool = False):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
     of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
     only move data. A function of the weight shape only; cp_staging picks the default.
     `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
-    reduction order, the bits of row_qmm_tc with that split)."""
+    reduction order, the bits of row_qmm_tc with that split). `xs`: room for XS's staged x slice
+    (2 K bytes a block), within the same ceiling."""
     if bits != 4:
         return None
     SPLIT = split or tc_plan(N, K, group_size, bits)[2]
@@ -192,7 +193,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     cpw = ksl // (32 * cb)
 
     def smem(n):
-        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
+        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw)) + (2 * K if xs else 0)
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
         if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT:
@@ -281,20 +282,26 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
-                 ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None):
+                 ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
+                 xs: int | None = 0):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
-            or one not in (None, 0, 1):
-        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}")
+            or one not in (None, 0, 1) or xs not in (None, 0, 1):
+        raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, XS {xs}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
+    # XS: one row, and room for the staged x slice (else the same launch without it)
+    xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True) if xs != 0 and R == 1 else None
+    xs = xs_plan is not None
+    plan = xs_plan or plan
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     one = (one is None or bool(one)) and cp_one(R, CB, gs)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
-                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one)]
+                ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one),
+                ("XS", xs)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -375,10 +382,11 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
-    scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant),
+    scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS 1:
+    x staged once, at one row),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
