@@ -19,7 +19,8 @@ package builds it, then cut:
 
 Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `_nsN` / `_xeN` /
 `_ntN` / `_spN` / `_onN` / `_xsN` change the staging: N blocks a stage / N stages / x-load timing N / N
-weight tiles a block / a K split of N / the one-row variant on or off / x staged once or not (full_cb4_ns4,
+weight tiles a block / a K split of N / the one-row variant on or off / x staged once at one
+row or not (left out: the package's default, _cuda.cp_xs) (full_cb4_ns4,
 comp+nox_nt1_sp8, full_on0, full_xs1). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
@@ -183,7 +184,7 @@ def run():
                                                             plan=(tc[0], tc[1], st["sp"], tc[3]))
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"),
-                                          o.get("xs", 0))
+                                          o.get("xs"))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)

@@ -119,7 +119,7 @@ def run(shapes, variant: str, R: int, reps: int):
         plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
             x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
-            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs", 0))
+            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"))
         smem = plan[3] + (2 * K if dict(template)["XS"] else 0)
         cpw = K // split // (32 * cb)
         nwarps = grid[0] // 32 * grid[1]

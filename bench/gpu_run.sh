@@ -79,6 +79,8 @@
 #                                   # three shapes at 1 and 16 rows, the kernel and its copies alone
 #   bash bench/gpu_run.sh s24a      # XS (x staged once at one row) vs the default, timelines of
 #                                   # the default / XS / CB 4 NS 3, the pipes' utilisation
+#   bash bench/gpu_run.sh s24b      # XS the one-row default: cp == tc (small shapes, 12288), the
+#                                   # model shapes' row-exactness, the 4-bit GEMM table
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -764,6 +766,18 @@ h = rows[0]; k, mn, mv = h.index("Kernel Name"), h.index("Metric Name"), h.index
 for r in rows[1:]:
     print(r[k][:40], r[mn], r[mv])
 PY
+    ;;
+  s24b)     # issue 3, XS the one-row default (N <= CP_XS_MAX_N, XE 0): the cp == tc test on the
+            # small shapes and 12288 x 4096 (XS stagings), the model shapes' row-exactness at the
+            # defaults, four processes; then the 4-bit GEMM table at the defaults, M = 1..16 vs MLX
+    k="test_cuda_cp_pipeline_equals_register"
+    par_tests kern24 ${LIMIT:-300} "$k and (72-256-32 or 72-256-64)" "$k and (1152-384-64 or 384-1152)" \
+        "$k and 12288" "test_quantized_matmul_row_exact_model_shapes"
+    GEMM_REPS=5 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} GEMM_OPS=qmm \
+        gemm_table gemm24b ${GLIMIT:-240}
+    ;;
+  floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
+    floor "floor_${TAG:-x}" ${LIMIT:-300}
     ;;
   graphs)   # issues 4 / 7: MLX's CUDA graphs (its default: a graph per <= 100 kernels / 1000 MB of
             # inputs on the H200) against direct launches (MLX_USE_CUDA_GRAPHS=0) and against

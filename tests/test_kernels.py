@@ -272,6 +272,11 @@ def test_cuda_default_plans_apply_to_real_shapes():
                 assert plan is not None and plan[:2] == (cb, ns), (N, Kd, gs, two)
                 assert plan[2] == q[2] and plan[3] <= _cuda.CP_SMEM_LIMIT, (N, Kd, gs, two)
                 assert xe in (0, 1, 2) and nt in (1, 2) and ur in (1, 2, 4) and pro in (0, 1)
+                # one row stages x once (XS) up to CP_XS_MAX_N columns: its slice must fit
+                if not two and _cuda.cp_xs(N, 1):
+                    xs = _cuda.cp_plan(N, Kd, gs, 4, cb, ns, nt, xs=True)
+                    assert xs is not None and xs[3] == plan[3] + 2 * Kd, (N, Kd, gs)
+                    assert xs[3] <= max(_cuda.CP_SMEM_LIMIT, _cuda.CP_XS_SMEM_LIMIT), (N, Kd, gs)
         # the dense default: row_mm_cp applies to every real shape (else row_mm_tc, slower)
         staging = _cuda.mm_cp_staging(N, Kd)
         assert _cuda.mm_cp_plan(N, Kd, staging[0], staging[1], staging[3]) is not None, (N, Kd)

@@ -115,7 +115,7 @@ for T in (bf, f16):
             CA = cp_ca(N, CB, NT)    # as the default call
             for XS in (False, True) if not TWO else (False,):   # XS: x staged once (one row)
                 CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                                 RES=N == 4096, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR,
+                                                 RES=N == 4096, TWO=TWO, XE=0 if XS else XE, NT=NT, CA=CA, UR=UR,
                                                  PRO=bool(PRO), ONE=not TWO and cp_one(1, CB, GS), XS=XS),
                               dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the

@@ -597,7 +597,8 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // group runs no X mma. The same bits; fewer mmas.
 // XS (a one-row launch): the warp's x slice is staged once in shared memory, already as the
 // pairs tf_xpairs makes (unit 4 b + t: block b, quad column t), while the first stage is in
-// flight; a chunk then reads its x with shared loads and no pair moves. The same values.
+// flight; a chunk then reads its x with shared loads after its stage wait (XE 0) and makes no
+// pair moves. The same values.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
@@ -617,7 +618,7 @@ static_assert(KSL % (32 * CB) == 0 && CB % BPG == 0 && CB % 2 == 0 && STAGE % 32
 static_assert(NG % 2 == 0 && NGW % 2 == 0 && NS >= 2);   // 4-byte scale copies at least
 static_assert(sizeof(S) == 2);   // 2-byte scales
 static_assert(!ONE || (GPC % 2 == 0 && !TWO));
-static_assert(!XS || (!TWO && sizeof(T) == 2));
+static_assert(!XS || (!TWO && XE == 0 && sizeof(T) == 2));
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];

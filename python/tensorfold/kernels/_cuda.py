@@ -181,7 +181,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     only move data. A function of the weight shape only; cp_staging picks the default.
     `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
     reduction order, the bits of row_qmm_tc with that split). `xs`: room for XS's staged x slice
-    (2 K bytes a block), within the same ceiling."""
+    (2 K bytes a block) too, which may go past CP_SMEM_LIMIT up to CP_XS_SMEM_LIMIT."""
     if bits != 4:
         return None
     SPLIT = split or tc_plan(N, K, group_size, bits)[2]
@@ -196,7 +196,8 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
         return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw)) + (2 * K if xs else 0)
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
-        if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT:
+        if n <= max(2, cpw) and smem(n) - (2 * K if xs else 0) <= CP_SMEM_LIMIT \
+                and smem(n) <= max(CP_SMEM_LIMIT, CP_XS_SMEM_LIMIT if xs else 0):
             return cb, n, SPLIT, smem(n)
     return None
 
@@ -272,6 +273,23 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
     return (cb >= CP_CA_MIN_CB if ca is None else bool(ca)) and N % (16 * nt) == 0 and 32 % cb == 0
 
 
+# XS: a one-row launch stages its warps' x slices once in shared memory as mma pairs, so a chunk
+# reads x with 8 shared loads and no pair moves (ALU-pipe instructions a chunk on 12288 x 4096:
+# 280 -> 242). Measured on the H200 (bench/gpu_run.sh s24a and floorx, ncu medians of 5, M = 1;
+# docs/benchmarks.md "Session 24"): 12288 x 4096 12.29 -> 11.55-11.71 us, 4096 x 12288 12.35 ->
+# 11.55-11.71, 6144 x 4096 8.42 -> 7.74, 4096 x 4096 6.78-6.88 -> 6.46-6.56, 24576 x 4096 19.62 ->
+# 19.14, but the LM head 151936 x 4096 127.6 -> 135-137 (37 waves of blocks each staging its x):
+# so up to CP_XS_MAX_N columns. The x slice (2 K bytes a block) may take a block past
+# CP_SMEM_LIMIT, up to CP_XS_SMEM_LIMIT (4096 x 12288: 75 KB, 2 blocks a SM).
+CP_XS_MAX_N = 24576
+CP_XS_SMEM_LIMIT = 100 * 1024
+
+
+def cp_xs(N: int, R: int) -> bool:
+    """Whether a row_qmm_cp launch of R rows stages x once (XS) by default."""
+    return R == 1 and N <= CP_XS_MAX_N
+
+
 def cp_one(R: int, cb: int, gs: int) -> bool:
     """Whether a row_qmm_cp launch of R rows takes the ONE variant: one row, and an even number
     of groups a stage (each odd group's X comes from the even group's X mmas, in the column no
@@ -283,17 +301,19 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
-                 xs: int | None = 0):
+                 xs: int | None = None):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
             or one not in (None, 0, 1) or xs not in (None, 0, 1):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, XS {xs}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
-    # XS: one row, and room for the staged x slice (else the same launch without it)
-    xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True) if xs != 0 and R == 1 else None
+    # XS (None: cp_xs's default): one row, and room for the staged x slice (else the same launch
+    # without it). Its x loads are shared loads after the stage wait: XE does not apply (0).
+    want = cp_xs(N, R) if xs is None else bool(xs) and R == 1
+    xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True) if want else None
     xs = xs_plan is not None
-    plan = xs_plan or plan
+    plan, xe = (xs_plan, 0) if xs else (plan, xe)
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
@@ -385,8 +405,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
-    scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS 1:
-    x staged once, at one row),
+    scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS: x staged
+    once at one row, 1 / 0 / None: cp_xs's default),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
