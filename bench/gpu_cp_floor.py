@@ -20,7 +20,8 @@ package builds it, then cut:
 Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `_nsN` / `_xeN` /
 `_ntN` / `_spN` / `_onN` / `_xsN` change the staging: N blocks a stage / N stages / x-load timing N / N
 weight tiles a block / a K split of N / the one-row variant on or off / x staged once at one
-row or not (left out: the package's default, _cuda.cp_xs) (full_cb4_ns4,
+row or not (left out: the package's default, _cuda.cp_xs); `_sfN` / `_c0N`: scales as floats
+converted once / the one-row fold of column 0 only, on or off (full_cb4_ns4,
 comp+nox_nt1_sp8, full_on0, full_xs1). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
@@ -68,7 +69,7 @@ _MEM_CONSUME = _min("""{
 }""")
 _X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));")
 _X_REG = _min("dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);")
-_FOLD_LOOP = _min("for (int i = 0; i < 4; ++i) {\nconst float2 v = sb(nt, i >> 1);")
+_FOLD_LOOP = _min("for (int i = 0; i < 4; i += C0 ? 2 : 1) {\nconst float2 v = sb(nt, i >> 1);")
 # the 4-bit pairs' shifts (nibbles j, j + 4 down to bits 0 / 16): `hi` takes j = 1, 3 as the high
 # word of a multiply (IMAD.HI, on the FMA pipe, not the ALU pipe's SHF), `hi2` every j > 0
 _Q4_SHIFT = _min("return tf_nib_or<0x43004300u>(w >> (4 * j));")
@@ -111,7 +112,7 @@ def variant_text(variant: str) -> tuple[str, str]:
         elif cut == "nox":
             body = _replace(body, _X_LOAD, _X_REG)
         elif cut == "even":
-            header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("++i", "i+=2"))
+            header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("C0?2:1", "2"))
         elif cut == "il":
             for a, b in _IL:
                 body = _replace(body, a, b)
@@ -155,7 +156,7 @@ def cases():
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "sf", "c0"}, tag
         out.append((tag, v, o))
     return out
 
@@ -184,12 +185,14 @@ def run():
                                                             plan=(tc[0], tc[1], st["sp"], tc[3]))
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"),
-                                          o.get("xs"))
+                                          o.get("xs"), o.get("sf"), o.get("c0"))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)
                     continue
-                k = kernel(variant, plan[3] + (2 * K if dict(template)["XS"] else 0))
+                t = dict(template)
+                k = kernel(variant, _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"],
+                                                  t["XS"], t["SF"])[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 for _ in range(REPS):
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
