@@ -314,7 +314,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
         return None
     # XS (None: cp_xs's default): one row, and room for the staged x slice (else the same launch
     # without it). Its x loads are shared loads after the stage wait: XE does not apply (0).
-    # SF (None: off) and C0 (None: off; one row only) likewise
+    # SF (None: off) likewise; C0 (None: on) at one row only
     want = cp_xs(N, R) if xs is None else bool(xs) and R == 1
     sf = bool(sf)
     xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, want, sf) if want or sf else None
@@ -322,7 +322,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
         sf, xs_plan = False, cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True)
     xs, sf = want and xs_plan is not None, sf and xs_plan is not None
     plan, xe = (xs_plan or plan, 0 if xs else xe)
-    c0 = bool(c0) and R == 1
+    c0 = (c0 is None or bool(c0)) and R == 1
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
