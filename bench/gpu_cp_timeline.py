@@ -113,15 +113,15 @@ def run(shapes, variant: str, R: int, reps: int):
         x = x16[:R]
         cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
         o = {k[:2]: int(k[2:]) for k in os.environ.get("TL_OPTS", "").split("_") if k}
-        assert set(o) <= {"cb", "ns", "xe", "xs", "sf", "c0"}, o
+        assert set(o) <= {"cb", "ns", "xe", "xs", "c0"}, o
         cb, ns, xe = o.get("cb", cb), o.get("ns", ns), o.get("xe", xe)
         split = _cuda.tc_plan(N, K, 64, 4)[2]
         plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
             x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
-            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"), o.get("sf"), o.get("c0"))
+            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"), o.get("c0"))
         t = dict(template)
-        smem = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split, t["XS"], t["SF"])[3]
+        smem = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split, t["XS"])[3]
         cpw = K // split // (32 * cb)
         nwarps = grid[0] // 32 * grid[1]
         k = fl.kernel(variant, smem, timeline_text(variant), "tftl_", ("out", "tl"))

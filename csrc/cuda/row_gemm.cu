@@ -584,7 +584,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, SF, C0, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -600,15 +600,13 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // pairs tf_xpairs makes (unit 4 b + t: block b, quad column t), while the first stage is in
 // flight; a chunk then reads its x with shared loads after its stage wait (XE 0) and makes no
 // pair moves. The same values.
-// SF: the warp's scales and biases converted once, after the first stage wait, to float pairs
-// (scale, bias') in shared memory ([group][row]), so a group's fold reads one 8-byte pair a
-// weight row instead of two 2-byte values, two conversions and the bias' fma (the same
-// operations, done once). C0 (a one-row launch): the fold of column 0 only (tf_tc_fold).
+// C0 (a one-row launch): the group fold of column 0 only (tf_tc_fold): the other columns are
+// never stored. Row 0's operations are the same.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
-//         + (XS ? 2 K : 0) + (SF ? 128 NT K / GS : 0).
+//         + (XS ? 2 K : 0).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -641,7 +639,6 @@ uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
 uint4* xsm = reinterpret_cast<uint4*>(ssc - warp * 32 * NT * NGW + SPLIT * 32 * NT * NGW) + warp * (KSL / 8);
-float2* sf = reinterpret_cast<float2*>(xsm - warp * (KSL / 8) + (XS ? SPLIT * KSL / 8 : 0)) + warp * 16 * NT * NGW;
 auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
 const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
@@ -751,14 +748,6 @@ for (int ci = 0; ci < CPW; ++ci) {
   __syncwarp();
   if (ci + NS - 1 < CPW) issue(ci + NS - 1);
   tf_cp_async_commit();
-  if (SF && ci == 0) {
-    for (int e = lane; e < 16 * NT * NGW; e += 32) {
-      const int r = e % (16 * NT), g = e / (16 * NT);
-      const float sc = tf_to_float(ssc[r * NGW + g]);
-      sf[e] = make_float2(sc, tf_q4_bias(sc, tf_to_float(sbi[r * NGW + g]), tag));
-    }
-    __syncwarp();
-  }
   if constexpr (XE == 0) loadx(ci, xv);
   const uint4* st = ring + (ci % NS) * STAGE;
   unsigned int wq[CB][NT][2];
@@ -815,7 +804,6 @@ for (int ci = 0; ci < CPW; ++ci) {
     const int g = ci * GPC + gi;
     tf_tc_fold<NT, C0>(acc, P, X, two, [&](int nt, int h) {
       const int r = 16 * nt + 8 * h + gq;
-      if constexpr (SF) return sf[g * 16 * NT + r];
       const float sc = tf_to_float(ssc[r * NGW + g]);
       return make_float2(sc, tf_q4_bias(sc, tf_to_float(sbi[r * NGW + g]), tag));
     });

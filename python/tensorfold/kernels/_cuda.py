@@ -174,15 +174,14 @@ CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
-            nt: int = 1, split: int | None = None, xs: bool = False, sf: bool = False):
+            nt: int = 1, split: int | None = None, xs: bool = False):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
     of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
     only move data. A function of the weight shape only; cp_staging picks the default.
     `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
-    reduction order, the bits of row_qmm_tc with that split). `xs` / `sf`: room for XS's staged x slice
-    (2 K bytes a block) / SF's float scales (128 NT K / group_size) too, which may go past
-    CP_SMEM_LIMIT up to CP_XS_SMEM_LIMIT."""
+    reduction order, the bits of row_qmm_tc with that split). `xs`: room for XS's staged x slice
+    (2 K bytes a block) too, which may take a block past CP_SMEM_LIMIT up to CP_XS_SMEM_LIMIT."""
     if bits != 4:
         return None
     SPLIT = split or tc_plan(N, K, group_size, bits)[2]
@@ -193,7 +192,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
         return None
     cpw = ksl // (32 * cb)
 
-    extra = (2 * K if xs else 0) + (128 * nt * ng if sf else 0)
+    extra = 2 * K if xs else 0
 
     def smem(n):
         return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
@@ -304,24 +303,21 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
-                 xs: int | None = None, sf: int | None = None, c0: int | None = None):
+                 xs: int | None = None, c0: int | None = None):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
-            or any(v not in (None, 0, 1) for v in (one, xs, sf, c0)):
+            or any(v not in (None, 0, 1) for v in (one, xs, c0)):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, "
-                         f"XS {xs}, SF {sf}, C0 {c0}")
+                         f"XS {xs}, C0 {c0}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     # XS (None: cp_xs's default): one row, and room for the staged x slice (else the same launch
     # without it). Its x loads are shared loads after the stage wait: XE does not apply (0).
-    # SF (None: off) likewise; C0 (None: on) at one row only
     want = cp_xs(N, R) if xs is None else bool(xs) and R == 1
-    sf = bool(sf)
-    xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, want, sf) if want or sf else None
-    if xs_plan is None and want and sf:     # both do not fit: XS alone
-        sf, xs_plan = False, cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True)
-    xs, sf = want and xs_plan is not None, sf and xs_plan is not None
-    plan, xe = (xs_plan or plan, 0 if xs else xe)
+    xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True) if want else None
+    xs = xs_plan is not None
+    plan, xe = (xs_plan, 0) if xs else (plan, xe)
+    # C0 (None: on): at one row, the group fold of column 0 only (the rest is never stored)
     c0 = (c0 is None or bool(c0)) and R == 1
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
@@ -330,7 +326,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
                 ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one),
-                ("XS", xs), ("SF", sf), ("C0", c0)]
+                ("XS", xs), ("C0", c0)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -411,11 +407,11 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
     scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS: x staged
-    once at one row, 1 / 0 / None: cp_xs's default),
+    once at one row, 1 / 0 / None: cp_xs's default; C0 0: at one row, every column folded),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
