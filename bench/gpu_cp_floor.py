@@ -21,8 +21,9 @@ Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `
 `_ntN` / `_spN` / `_onN` / `_xsN` / `_c0N` change the staging: N blocks a stage / N stages /
 x-load timing N / N weight tiles a block / a K split of N / the one-row variant on or off / x
 staged once at one row or not (left out: the package's default, _cuda.cp_xs) / the one-row fold
-of column 0 only or not (left out: on) (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1,
-full_c00). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+of column 0 only or not (left out: on); `_urN` / `_prN`: N chunks a loop turn / the first weight
+stage before the scales (1) or not (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1,
+full_c00, full_ur2_pr1). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.
@@ -156,7 +157,7 @@ def cases():
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr"}, tag
         out.append((tag, v, o))
     return out
 
@@ -184,7 +185,8 @@ def run():
                     refs[st["sp"]] = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu,
                                                             plan=(tc[0], tc[1], st["sp"], tc[3]))
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
-                                          st["xe"], st["nt"], st["sp"], None, ur, pro, o.get("on"),
+                                          st["xe"], st["nt"], st["sp"], None, o.get("ur", ur),
+                                          o.get("pr", pro), o.get("on"),
                                           o.get("xs"), o.get("c0"))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
