@@ -277,12 +277,14 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 
 # XS: a one-row launch stages its warps' x slices once in shared memory as mma pairs, so a chunk
 # reads x with 8 shared loads and no pair moves (nvcc sm_90, 12288 x 4096's chunk loop: 523 -> 494
-# instructions, ALU-pipe ones 277 -> 246). Measured on the H200 (bench/gpu_run.sh s24a and
-# floorx, ncu medians of 5, M = 1, before C0; docs/benchmarks.md "Session 24"): 12288 x 4096 12.29 -> 11.55-11.71 us, 4096 x 12288 12.35 ->
-# 11.55-11.71, 6144 x 4096 8.42 -> 7.74, 4096 x 4096 6.78-6.88 -> 6.46-6.56, 24576 x 4096 19.62 ->
-# 19.14, but the LM head 151936 x 4096 127.6 -> 135-137 (37 waves of blocks each staging its x):
-# so up to CP_XS_MAX_N columns. The x slice (2 K bytes a block) may take a block past
-# CP_SMEM_LIMIT, up to CP_XS_SMEM_LIMIT (4096 x 12288: 75 KB, 2 blocks a SM).
+# instructions, ALU-pipe ones 277 -> 246). Measured on the H200 (bench/gpu_run.sh s24a and floorx,
+# ncu medians of 5, M = 1, before C0; docs/benchmarks.md "Session 24"): 12288 x 4096 12.29 ->
+# 11.55-11.71 us, 4096 x 12288 12.35 -> 11.55-11.71, 6144 x 4096 8.42 -> 7.74, 4096 x 4096
+# 6.78-6.88 -> 6.46-6.56, 24576 x 4096 19.62 -> 19.14, but the LM head 151936 x 4096 127.6 ->
+# 135-137 (37 waves of blocks, each staging its x): so up to CP_XS_MAX_N columns. The x slice
+# (2 K bytes a block) may take a block past CP_SMEM_LIMIT, up to CP_XS_SMEM_LIMIT (4096 x 12288:
+# 75 KB, 2 blocks a SM). With C0 as well (the one-row fold of column 0 only, _qmm_cp_call):
+# 12288 x 4096 11.23 us (2.52 TB/s), 4096 x 12288 11.38, 24576 x 4096 18.37.
 CP_XS_MAX_N = 24576
 CP_XS_SMEM_LIMIT = 100 * 1024
 
