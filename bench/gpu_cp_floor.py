@@ -21,9 +21,9 @@ Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `
 `_ntN` / `_spN` / `_onN` / `_xsN` / `_c0N` change the staging: N blocks a stage / N stages /
 x-load timing N / N weight tiles a block / a K split of N / the one-row variant on or off / x
 staged once at one row or not (left out: the package's default, _cuda.cp_xs) / the one-row fold
-of column 0 only or not (left out: on); `_urN` / `_prN`: N chunks a loop turn / the first weight
-stage before the scales (1) or not (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1,
-full_c00, full_ur2_pr1). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+of column 0 only or not (left out: on); `_urN` / `_prN` / `_f2N`: N chunks a loop turn / the
+first weight stage before the scales (1) or not / at 9..16 rows the second tile constant (1) or
+not (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.
@@ -157,7 +157,7 @@ def cases():
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr", "f2"}, tag
         out.append((tag, v, o))
     return out
 
@@ -187,7 +187,7 @@ def run():
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, o.get("ur", ur),
                                           o.get("pr", pro), o.get("on"),
-                                          o.get("xs"), o.get("c0"))
+                                          o.get("xs"), o.get("c0"), o.get("f2", 0))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)

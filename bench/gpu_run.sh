@@ -82,7 +82,7 @@
 #   bash bench/gpu_run.sh s24b      # XS the one-row default: cp == tc (small shapes, 12288), the
 #                                   # model shapes' row-exactness, the 4-bit GEMM table
 #   bash bench/gpu_run.sh s25a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
-#                                   # LM head with C0, then the whole CUDA kernel suite
+#                                   # LM head with C0, F2 at 9 / 16 rows, the CUDA kernel suite
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -780,11 +780,13 @@ PY
     ;;
   s25a)     # prepared in session 24, not run: at one row with XS + C0 (the defaults), two chunks a
             # loop turn (UR 2) and the first weight stage before the scales (PRO) on the shapes
-            # near 2.5 TB/s, the LM head with C0 (XS off there) against C0 off; then the whole
-            # CUDA kernel suite at the defaults (four processes)
+            # near 2.5 TB/s, the LM head with C0 (XS off there) against C0 off; F2 at 9 / 16 rows;
+            # then the whole CUDA kernel suite at the defaults (four processes)
     FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} FLOOR_REPS=9 \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor25a 150
     FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor25b 120
+    FLOOR_ROWS=9,16 FLOOR_SHAPES=12288x4096,4096x12288,4096x4096,6144x4096 FLOOR_REPS=9 \
+        FLOOR_VARIANTS=full,full_f21 floor floor25c 200
     LIMIT=${LIMIT:-420} bash "$0" s21c
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given

@@ -202,7 +202,7 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     with either copy addressing (CA), with one, two or four chunks a loop turn (UR), and with the
     first weight stage copied before the scales (PRO), at one row with and without the ONE
     variant (odd groups' X from the even groups' X mmas), with x staged once (XS) and with and
-    without the fold of column 0 alone (C0); at 20 rows too (the second block's
+    without the fold of column 0 alone (C0), and with the second tile constant (F2); at 20 rows too (the second block's
     second tile has no rows)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
@@ -234,6 +234,8 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     stagings += [(*st, 0, None, 1, 0, one, 1) for st in (first, last) for one in (None, 0)]
     # one row folds column 0 only (C0, the default there): the first staging without it too
     stagings += [(*first, 0, None, 1, 0, None, None, 0)]
+    # F2 (9..16 rows: the second tile's branches constant) on the first and the last staging
+    stagings += [(*st, 0, None, 1, 0, None, None, None, 1) for st in (first, last)]
     for M in (1, 3, 9, 16, 20):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)

@@ -584,7 +584,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, F2, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -602,6 +602,8 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // pair moves. The same values.
 // C0 (a one-row launch): the group fold of column 0 only (tf_tc_fold): the other columns are
 // never stored. Row 0's operations are the same.
+// F2 (a launch of 9..16 rows): the second tile always has rows, so `two` is a constant and its
+// branches and accumulator zeroing compile away. The same operations.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17.)
 // launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
@@ -623,6 +625,7 @@ static_assert(sizeof(S) == 2);   // 2-byte scales
 static_assert(!ONE || (GPC % 2 == 0 && !TWO));
 static_assert(!XS || (!TWO && XE == 0 && sizeof(T) == 2));
 static_assert(!C0 || !TWO);
+static_assert(!F2 || TWO);
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
 constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
@@ -634,7 +637,7 @@ const int gq = lane >> 2, tq = lane & 3;
 const int nbase = blockIdx.x * (16 * NT);
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
-const bool two = TWO && rows > 8;
+const bool two = TWO && (F2 || rows > 8);
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;

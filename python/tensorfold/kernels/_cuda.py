@@ -305,11 +305,11 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
-                 xs: int | None = None, c0: int | None = None):
+                 xs: int | None = None, c0: int | None = None, f2: int | None = 0):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
-            or any(v not in (None, 0, 1) for v in (one, xs, c0)):
+            or any(v not in (None, 0, 1) for v in (one, xs, c0, f2)):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, "
-                         f"XS {xs}, C0 {c0}")
+                         f"XS {xs}, C0 {c0}, F2 {f2}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
@@ -321,6 +321,9 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     plan, xe = (xs_plan, 0) if xs else (plan, xe)
     # C0 (None: on): at one row, the group fold of column 0 only (the rest is never stored)
     c0 = (c0 is None or bool(c0)) and R == 1
+    # F2 (0 / None: off; prepared in session 24, not measured): 9..16 rows, the second tile's
+    # branches constant
+    f2 = bool(f2) and 8 < R <= 16
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
@@ -328,7 +331,7 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
                 ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one),
-                ("XS", xs), ("C0", c0)]
+                ("XS", xs), ("C0", c0), ("F2", f2)]
     grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
@@ -409,11 +412,12 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0, F2])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
     scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS: x staged
-    once at one row, 1 / 0 / None: cp_xs's default; C0 0: at one row, every column folded),
+    once at one row, 1 / 0 / None: cp_xs's default; C0 0: at one row, every column folded; F2 1: 9..16 rows, the second tile's
+    branches constant),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
