@@ -780,13 +780,17 @@ PY
     ;;
   s25a)     # prepared in session 24, not run: at one row with XS + C0 (the defaults), two chunks a
             # loop turn (UR 2) and the first weight stage before the scales (PRO) on the shapes
-            # near 2.5 TB/s, the LM head with C0 (XS off there) against C0 off; F2 at 9 / 16 rows;
+            # near 2.5 TB/s, the LM head with C0 (XS off there) against C0 off; F2 at 9 / 16 rows; x's
+            # loads at 16 rows (nox);
             # then the whole CUDA kernel suite at the defaults (four processes)
     FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} FLOOR_REPS=9 \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor25a 150
     FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor25b 120
     FLOOR_ROWS=9,16 FLOOR_SHAPES=12288x4096,4096x12288,4096x4096,6144x4096 FLOOR_REPS=9 \
         FLOOR_VARIANTS=full,full_f21 floor floor25c 200
+    # at 16 rows every block reads all 16 x rows (12288 x 4096: 384 blocks x 128 KB, ~50 MB from
+    # L2 against 28 MB of weights from DRAM): what x's loads cost there (nox: none)
+    FLOOR_ROWS=16 FLOOR_SHAPES=12288x4096,4096x12288 FLOOR_VARIANTS=full,nox,comp+nox,mem floor floor25d 150
     LIMIT=${LIMIT:-420} bash "$0" s21c
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
