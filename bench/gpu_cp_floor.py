@@ -68,7 +68,7 @@ _MEM_CONSUME = _min("""{
   }
   acc[0][0][0] = __fadd_rn(acc[0][0][0], __uint_as_float(h & 0x3f7fffffu));
 }""")
-_X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));")
+_X_LOAD = _min("dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + xof));")
 _X_REG = _min("dst[b][mt] = make_uint4(0x3f803f80u ^ (ci * 77u + b), lane * 0x10001u, 0x3f80u + b, 0x40003f80u ^ lane);")
 _FOLD_LOOP = _min("for (int i = 0; i < 4; i += C0 ? 2 : 1) {\nconst float2 v = sb(nt, i >> 1);")
 # the 4-bit pairs' shifts (nibbles j, j + 4 down to bits 0 / 16): `hi` takes j = 1, 3 as the high
@@ -149,10 +149,9 @@ VARIANTS = "full,mem,comp,full_ns3,mem_ns3,full_ns4,mem_ns4"
 
 
 def cases():
-    """(tag, variant, options) of each FLOOR_VARIANTS entry: `_cbN` / `_nsN` / `_xeN` / `_ntN` /
-    `_spN` / `_onN` give N blocks a stage / N stages / x-load timing N / N weight tiles a block / a
-    K split of N (another reduction order: checked against row_qmm_tc with that split) / the
-    one-row variant on (1) or off (0); the default staging's value otherwise."""
+    """(tag, variant, options) of each FLOOR_VARIANTS entry: the staging options of the module's
+    docstring (`_cbN`, `_spN`, ...; a K split is another reduction order, checked against
+    row_qmm_tc with that split); the default staging's value where one is left out."""
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
@@ -192,9 +191,7 @@ def run():
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)
                     continue
-                t = dict(template)
-                k = kernel(variant, _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"],
-                                                  t["XS"])[3])
+                k = kernel(variant, plan[3] + (2 * K if dict(template)["XS"] else 0))   # cp_plan's xs room
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 for _ in range(REPS):
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,

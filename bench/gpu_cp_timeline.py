@@ -33,9 +33,6 @@ import gpu_cp_floor as fl
 SM, G0, C0 = 0, 1, 2      # SM id, global timer at entry (ns), clock at entry
 # then CPW wait stamps, CPW compute stamps, the loop's end, warp 0's end (clock), global timer at end
 
-_STAMP = "asm volatile(\"mov.u64 %0, %%clock64;\" : \"=l\"(tl[TLB + {slot}]));"
-
-
 def timeline_text(variant: str) -> tuple[str, str]:
     header, body = fl.variant_text(variant)
     head = ("const int lane=threadIdx.x&31;\nconst int warp=threadIdx.x>>5;\n")
@@ -116,7 +113,6 @@ def run(shapes, variant: str, R: int, reps: int):
         assert set(o) <= {"cb", "ns", "xe", "xs", "c0"}, o
         cb, ns, xe = o.get("cb", cb), o.get("ns", ns), o.get("xe", xe)
         split = _cuda.tc_plan(N, K, 64, 4)[2]
-        plan = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split)
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
             x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
             int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"), o.get("c0"))
@@ -127,7 +123,7 @@ def run(shapes, variant: str, R: int, reps: int):
         k = fl.kernel(variant, smem, timeline_text(variant), "tftl_", ("out", "tl"))
         ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)
         print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}, "
-              f"ONE {dict(template)['ONE']}, XS {dict(template)['XS']}")
+              f"ONE {t['ONE']}, XS {t['XS']}")
         runs = []
         for _ in range(reps):
             mx.eval(flush.sum())       # evict L2: a 256 MB read

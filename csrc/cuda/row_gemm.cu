@@ -639,9 +639,10 @@ const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
 const bool two = TWO && (F2 || rows > 8);
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
-S* ssc = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE) + warp * 32 * NT * NGW;
+S* sall = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE);   // every warp's scales
+S* ssc = sall + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
-uint4* xsm = reinterpret_cast<uint4*>(ssc - warp * 32 * NT * NGW + SPLIT * 32 * NT * NGW) + warp * (KSL / 8);
+uint4* xsm = reinterpret_cast<uint4*>(sall + SPLIT * 32 * NT * NGW) + warp * (KSL / 8);   // XS
 auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
 const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
@@ -725,12 +726,13 @@ const int lrow = 8 * (lm & 1) + (lane & 7);
 auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
 #pragma unroll
   for (int b = 0; b < CB; ++b) {
+    const int xof = (b / BPG) & 1 ? -xo : xo;   // ONE's other group (0 otherwise)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       if (XS && mt == 0) {
-        dst[b][0] = xsm[(ci * CB + b + ((b / BPG) & 1 ? -xo : xo) / 32) * 4 + tq];
+        dst[b][0] = xsm[(ci * CB + b + xof / 32) * 4 + tq];
       } else if (mt == 0 || two) {
-        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + ((b / BPG) & 1 ? -xo : xo)));
+        dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + xof));
       } else {
         dst[b][mt] = make_uint4(0u, 0u, 0u, 0u);
       }

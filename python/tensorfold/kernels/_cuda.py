@@ -193,13 +193,13 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     cpw = ksl // (32 * cb)
 
     extra = 2 * K if xs else 0
+    limit = max(CP_SMEM_LIMIT, CP_XS_SMEM_LIMIT) if xs else CP_SMEM_LIMIT
 
     def smem(n):
         return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
-        if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT \
-                and smem(n) + extra <= max(CP_SMEM_LIMIT, CP_XS_SMEM_LIMIT if extra else 0):
+        if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT and smem(n) + extra <= limit:
             return cb, n, SPLIT, smem(n) + extra
     return None
 
