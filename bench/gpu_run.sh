@@ -81,6 +81,7 @@
 #                                   # the default / XS / CB 4 NS 3, the pipes' utilisation
 #   bash bench/gpu_run.sh s24b      # XS the one-row default: cp == tc (small shapes, 12288), the
 #                                   # model shapes' row-exactness, the 4-bit GEMM table
+#   bash bench/gpu_run.sh s25b      # H8 (16-row launches as 8-row blocks) against 16-row blocks, F2
 #   bash bench/gpu_run.sh s25a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0, F2 at 9 / 16 rows, the CUDA kernel suite
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -792,6 +793,13 @@ PY
     # L2 against 28 MB of weights from DRAM): what x's loads cost there (nox: none)
     FLOOR_ROWS=16 FLOOR_SHAPES=12288x4096,4096x12288 FLOOR_VARIANTS=full,nox,comp+nox,mem floor floor25d 150
     LIMIT=${LIMIT:-420} bash "$0" s21c
+    ;;
+  s25b)     # issue 3, the 16-row ratio: 16-row launches as 8-row blocks of the one-tile kernel (H8,
+            # twice the blocks; each block reads its weights again, from L2) at its default staging,
+            # CB 4, NT 1 / 2, against the 16-row blocks (the default) and F2
+    FLOOR_ROWS=${FLOOR_ROWS:-16} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_h81,full_h81_cb4,full_h81_nt1,full_h81_nt2,full_f21} \
+        floor floor25h ${LIMIT:-420}
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}
