@@ -128,7 +128,11 @@ for T in (bf, f16):
             (4096, 12288, 64, 8, 2, 1, 1, 2, False, False, False),
             (12288, 4096, 64, 8, 2, 1, 2, 1, False, True, True),
             (4096, 12288, 64, 4, 2, 2, 2, 2, True, False, True),
-            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True)):
+            (4096, 4096, 128, 4, 2, 2, 1, 1, False, False, True),
+            # three and four weight tiles a block (16 rows; CA where every block is full)
+            (12288, 4096, 64, 4, 2, 1, 3, 1, True, False, True),
+            (12288, 4096, 64, 8, 2, 1, 3, 1, True, True, True),
+            (12288, 4096, 64, 4, 2, 1, 4, 1, True, False, False)):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                          RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO,

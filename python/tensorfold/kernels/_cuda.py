@@ -188,7 +188,7 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     bpg = group_size // 32
     ksl = K // SPLIT
     ng, ngw = K // group_size, ksl // group_size
-    if nt not in (1, 2) or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
+    if nt not in (1, 2, 3, 4) or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
         return None
     cpw = ksl // (32 * cb)
 
