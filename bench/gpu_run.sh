@@ -82,6 +82,7 @@
 #   bash bench/gpu_run.sh s24b      # XS the one-row default: cp == tc (small shapes, 12288), the
 #                                   # model shapes' row-exactness, the 4-bit GEMM table
 #   bash bench/gpu_run.sh s25b      # H8 (16-row launches as 8-row blocks) against 16-row blocks, F2
+#   bash bench/gpu_run.sh s25c      # NT 3 / 4 at 16 rows (less x from L2), F2; ncu cache counters
 #   bash bench/gpu_run.sh s25a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0, F2 at 9 / 16 rows, the CUDA kernel suite
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -800,6 +801,21 @@ PY
     FLOOR_ROWS=${FLOOR_ROWS:-16} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_h81,full_h81_cb4,full_h81_nt1,full_h81_nt2,full_f21} \
         floor floor25h ${LIMIT:-420}
+    ;;
+  s25c)     # issue 3, the 16-row ratio: x's reads from L2 (every block reads all 16 rows: 12288 x 4096
+            # ~50 MB against 28 MB of weights) fall with more weight rows a block: NT 3 / 4 (and 2
+            # where the default is 1), each with and without F2; then ncu's cache / occupancy
+            # counters on the defaults and NT 3 at 1 / 16 rows
+    FLOOR_ROWS=16 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_f21,full_nt3,full_nt3_f21,full_nt4,full_nt4_f21,full_nt2,full_nt2_f21} \
+        floor floor25c ${LIMIT:-300}
+    FLOOR_REPS=1 FLOOR_ROWS=1,16 FLOOR_SHAPES=12288x4096,4096x4096 FLOOR_VARIANTS=full,full_nt3 \
+    timeout 200 ncu --clock-control none --csv --kernel-name regex:"tfcp" --metrics \
+l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_hit.sum,\
+lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,\
+launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,\
+launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \
+        python3 bench/gpu_cp_floor.py > "$out/ncu25c.csv" 2> "$out/ncu25c.err"; tail -3 "$out/ncu25c.err"
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}
