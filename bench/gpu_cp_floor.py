@@ -176,7 +176,7 @@ def run():
             for tag, variant, o in cases():
                 # H8 (8-row blocks past 8 rows) takes the one-tile kernel's default staging
                 h8 = _cuda.cp_h8(N, K, R) if "h8" not in o else R > 8 and bool(o["h8"])
-                cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8 and not h8)
+                cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8 and not h8)
                 st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
                 plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
                 if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
@@ -188,7 +188,7 @@ def run():
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, o.get("ur", ur),
                                           o.get("pr", pro), o.get("on"),
-                                          o.get("xs"), o.get("c0"), o.get("f2", 0), int(h8))
+                                          o.get("xs"), o.get("c0"), o.get("f2", f2), int(h8))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)

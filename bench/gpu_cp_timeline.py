@@ -108,14 +108,14 @@ def run(shapes, variant: str, R: int, reps: int):
     for N, K in shapes:
         wq, s, b, x16, res = fl.inputs(N, K)
         x = x16[:R]
-        cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, K, 64, R > 8)
+        cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8)
         o = {k[:2]: int(k[2:]) for k in os.environ.get("TL_OPTS", "").split("_") if k}
         assert set(o) <= {"cb", "ns", "xe", "xs", "c0"}, o
         cb, ns, xe = o.get("cb", cb), o.get("ns", ns), o.get("xe", xe)
         split = _cuda.tc_plan(N, K, 64, 4)[2]
         _, template, grid, tg, oshape, odtype = _cuda._qmm_cp_call(
             x.dtype, s.dtype, K, N, 64, R, False, cb, ns, xe, nt, split, None, ur, pro,
-            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"), o.get("c0"))
+            int(os.environ["TL_ONE"]) if os.environ.get("TL_ONE") else None, o.get("xs"), o.get("c0"), f2)
         t = dict(template)
         smem = _cuda.cp_plan(N, K, 64, 4, cb, ns, nt, split, t["XS"])[3]
         cpw = K // split // (32 * cb)

@@ -83,6 +83,8 @@
 #                                   # model shapes' row-exactness, the 4-bit GEMM table
 #   bash bench/gpu_run.sh s25b      # H8 (16-row launches as 8-row blocks) against 16-row blocks, F2
 #   bash bench/gpu_run.sh s25c      # NT 3 / 4 at 16 rows (less x from L2), F2; ncu cache counters
+#   bash bench/gpu_run.sh s25d      # session 25's 16-row defaults against the old ones; GEMM table
+#   bash bench/gpu_run.sh s25e      # tests/test_kernels.py on CUDA, six processes
 #   bash bench/gpu_run.sh s25a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0, F2 at 9 / 16 rows, the CUDA kernel suite
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -816,6 +818,22 @@ lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__warps_active.avg
 launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,\
 launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \
         python3 bench/gpu_cp_floor.py > "$out/ncu25c.csv" 2> "$out/ncu25c.err"; tail -3 "$out/ncu25c.err"
+    ;;
+  s25d)     # issue 3, session 25's defaults past 8 rows (F2 on 12288 x 4096, two tiles + F2 on 4096 x
+            # 4096, three tiles on 24576 x 4096) against the old ones (f20, nt1_f20, nt2), and NT 1 /
+            # XE 1, XE 2 on the shapes left as they were; medians of 9; then the 4-bit GEMM table at
+            # the defaults, M = 1, 2, 4, 8, 9, 12, 16, against MLX's op
+    FLOOR_ROWS=16 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_f20,full_nt1_f20,full_nt2,full_nt1_xe1,full_xe2} \
+        floor floor25d ${LIMIT:-240}
+    GEMM_REPS=5 GEMM_MS=1,2,4,8,9,12,16 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
+        GEMM_OPS=qmm gemm_table gemm25d ${GLIMIT:-240}
+    ;;
+  s25e)     # the whole of tests/test_kernels.py on CUDA at session 25's defaults, in six processes
+            # (the cp == tc test has H8, NT 3 and F2 stagings now: its large shapes in three)
+    k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
+    par_tests kern25 ${LIMIT:-420} "$k and $small" "$k and (4096-4096-128 or 20000)" "$k and 12288-4096" \
+        "$k and (6144 or 4096-12288)" "quantized_matmul and not $k" "not quantized_matmul and not $k"
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

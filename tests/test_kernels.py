@@ -203,7 +203,7 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     first weight stage copied before the scales (PRO), at one row with and without the ONE
     variant (odd groups' X from the even groups' X mmas), with x staged once (XS) and with and
     without the fold of column 0 alone (C0), with the second tile constant (F2), and past 8 rows
-    with 8-row blocks (H8) and 16-row ones; at 20 rows too (the second block's second tile has no
+    with 8-row blocks (H8) and 16-row ones, and with three weight tiles a block; at 20 rows too (the second block's second tile has no
     rows)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
@@ -240,6 +240,9 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # H8 (past 8 rows: 8-row blocks of the one-tile kernel; 20 rows: blocks of 8, 8 and 4) and
     # its opposite (16-row blocks), on the first and the last staging
     stagings += [(*st, 0, None, 1, 0, None, None, None, 0, h8) for st in (first, last) for h8 in (0, 1)]
+    # three weight tiles a block (24576 x 4096's default past 8 rows), with F2 at 9..16 rows
+    if _cuda.cp_plan(N, Kd, group_size, 4, 8, 2, 3) is not None:
+        stagings += [(8, 2, 1, 3, 0, None, 1, 0, None, None, None, 1)]
     for M in (1, 3, 9, 16, 20):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)
@@ -276,11 +279,12 @@ def test_cuda_default_plans_apply_to_real_shapes():
                 assert gs != 64, (N, Kd)
                 continue
             for two in (False, True):
-                cb, ns, xe, nt, ur, pro = _cuda.cp_staging(N, Kd, gs, two)
+                cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, Kd, gs, two)
                 plan = _cuda.cp_plan(N, Kd, gs, 4, cb, ns, nt)
                 assert plan is not None and plan[:2] == (cb, ns), (N, Kd, gs, two)
                 assert plan[2] == q[2] and plan[3] <= _cuda.CP_SMEM_LIMIT, (N, Kd, gs, two)
-                assert xe in (0, 1, 2) and nt in (1, 2) and ur in (1, 2, 4) and pro in (0, 1)
+                assert xe in (0, 1, 2) and nt in (1, 2, 3) and ur in (1, 2, 4) and pro in (0, 1)
+                assert f2 in (0, 1) and (two or not f2), (N, Kd, gs)
                 # one row stages x once (XS) up to CP_XS_MAX_N columns: its slice must fit
                 if not two and _cuda.cp_xs(N, 1):
                     xs = _cuda.cp_plan(N, Kd, gs, 4, cb, ns, nt, xs=True)

@@ -109,15 +109,15 @@ for T in (bf, f16):
         # 8); every x-load timing x tile count on one shape (bf16)
         combos = [(two, *cp_staging(N, K, GS, two)) for two in (False, True)]
         if (N, K, GS) == (1152, 384, 64) and T == bf:
-            combos = [(two, 4, 2, x, t, 1, 0) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
-        for TWO, cb, ns, XE, NT, UR, PRO in combos:
+            combos = [(two, 4, 2, x, t, 1, 0, 0) for two in (False, True) for x in (0, 1, 2) for t in (1, 2)]
+        for TWO, cb, ns, XE, NT, UR, PRO, F2 in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CA = cp_ca(N, CB, NT)    # as the default call
             for XS in (False, True) if not TWO else (False,):   # XS: x staged once (one row)
                 CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                                  RES=N == 4096, TWO=TWO, XE=0 if XS else XE, NT=NT, CA=CA, UR=UR,
                                                  PRO=bool(PRO), ONE=not TWO and cp_one(1, CB, GS), XS=XS,
-                                                 C0=not TWO, F2=TWO),
+                                                 C0=not TWO, F2=TWO and (F2 or T != bf)),
                               dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:

@@ -208,12 +208,13 @@ CP_WIDE_N = 16384   # from this many output columns: 8 blocks a stage, two weigh
 CP_MID_N = 8192     # from this many: two weight tiles a block (past 48 KB with split 8)
 CP_LONG_K = 8192    # from this many input columns: CB 8 up to 8 rows, two weight tiles past them
 CP_TWO_XE1_N = 6144  # past 8 rows, from this many columns: x loaded before the wait (XE 1), one tile
+CP_TWO_NT3_MAX_N = 24576   # past 8 rows, wide shapes up to this many columns: three weight tiles
 
 
 @functools.lru_cache(maxsize=4096)
 def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int, ...]:
-    """row_qmm_cp's default staging (CB, NS, XE, NT, UR, PRO), a function of the weight shape and of
-    `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
+    """row_qmm_cp's default staging (CB, NS, XE, NT, UR, PRO, F2), a function of the weight shape and
+    of `two` (the launch has more than 8 rows: the TWO variant, already a kernel of its own). Each
     staging moves data, never a row's bits: every staging == row_qmm_tc bitwise at M = 1..16
     (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel, and the sweep), so
     rows 0..7 of a 16-row call keep the bits of the 1-row call whichever staging each takes.
@@ -243,20 +244,31 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         same staging, 8.7 both). Not where it measured slower or the same: 4096 x 4096 past 8
         rows 9.4 -> 9.8, 24576 x 4096 past 8 rows 28.4 -> 28.8, CB 8 at one row (12288 /
         24576 x 4096 12.4 / 20.0 both), 4096 x 12288 and 6144 x 4096 past 8 rows (16.7 both,
-        11.3 -> 11.4)."""
+        11.3 -> 11.4);
+      - session 25, past 8 rows (bench/gpu_run.sh s25b / s25c / floorx, ncu medians of 5, M = 16;
+        docs/benchmarks.md "Session 25"): F2 (the second tile's branches constant) where three
+        runs measured it faster: 12288 x 4096 15.90-16.16 -> 14.91-15.23 us and 4096 x 4096 9.41-9.57
+        -> 8.70-8.90, and with two tiles there 8.22; not on 4096 x 12288 (16.6-17.2 -> 19.0-19.4),
+        6144 x 4096 (11.3 -> 12.5-12.7) or 24576 x 4096 (28.2 -> 28.1-28.8). Three tiles a block on
+        24576 x 4096 (CB 8: 512 blocks of 2 warps against 768; x read from L2 a third less):
+        28.22 -> 26.91; not on 12288 x 4096 (15.9 -> 20.0, 256 blocks of 4 warps)."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
+    if two and CP_WIDE_N <= N <= CP_TWO_NT3_MAX_N and N % 48 == 0 and fits(8, 3):
+        return 8, 2, 1, 3, 1, 0, 0
     if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
-        return 8, 2, 1, 2, 1, 0
+        return 8, 2, 1, 2, 1, 0, 0
     if N >= CP_MID_N and fits(4, 2):
-        return 4, 2, 1, 2, 1, 1
+        return 4, 2, 1, 2, 1, 1, int(two)
     if two and K >= CP_LONG_K and fits(4, 2):
-        return 4, 2, 2, 2, 2, 0
+        return 4, 2, 2, 2, 2, 0, 0
     if not two and K >= CP_LONG_K and N >= 4096 and fits(8, 1):     # (measured at N = 4096)
-        return 8, 2, 1, 1, 1, 1
+        return 8, 2, 1, 1, 1, 1, 0
     if two and N >= CP_TWO_XE1_N:
-        return 4, 2, 1, 1, 1, 0
-    return 4, 2, 2, 1, 1, 0
+        return 4, 2, 1, 1, 1, 0, 0
+    if two and N >= 4096 and fits(4, 2):     # (measured at N = 4096)
+        return 4, 2, 2, 2, 1, 0, 1
+    return 4, 2, 2, 1, 1, 0, 0
 
 
 # row_qmm_cp's copies of a stage from one pointer and constant offsets (CA: data movement only,
@@ -335,8 +347,8 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     plan, xe = (xs_plan, 0) if xs else (plan, xe)
     # C0 (None: on): at one row, the group fold of column 0 only (the rest is never stored)
     c0 = (c0 is None or bool(c0)) and R == 1
-    # F2 (0 / None: off; prepared in session 24, not measured): 9..16 rows, the second tile's
-    # branches constant
+    # F2 (0 / None: off; cp_staging's default turns it on where measured faster): 9..16 rows,
+    # the second tile's branches constant
     # H8 (None: cp_h8's default): past 8 rows, 8-row blocks of the one-tile kernel (TWO off)
     two = R > 8 and not (cp_h8(N, K, R) if h8 is None else bool(h8))
     f2 = bool(f2) and 8 < R <= 16 and two
@@ -452,8 +464,8 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         if plan is None:
-            cb, ns, xe, nt, ur, pro = cp_staging(N, K, group_size, R > 8 and not cp_h8(N, K, R))
-            plan = ("cp", cb, ns, xe, nt, 0, None, ur, pro)
+            cb, ns, xe, nt, ur, pro, f2 = cp_staging(N, K, group_size, R > 8 and not cp_h8(N, K, R))
+            plan = ("cp", cb, ns, xe, nt, 0, None, ur, pro, None, None, None, f2)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *plan[1:])
     if cp_call is not None:
         kern, template, grid, tg, oshape, odtype = cp_call
