@@ -21,9 +21,9 @@ Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `
 `_ntN` / `_spN` / `_onN` / `_xsN` / `_c0N` change the staging: N blocks a stage / N stages /
 x-load timing N / N weight tiles a block / a K split of N / the one-row variant on or off / x
 staged once at one row or not (left out: the package's default, _cuda.cp_xs) / the one-row fold
-of column 0 only or not (left out: on); `_urN` / `_prN` / `_f2N` / `_h8N`: N chunks a loop turn / the
+of column 0 only or not (left out: on); `_urN` / `_prN` / `_f2N`: N chunks a loop turn / the
 first weight stage before the scales (1) or not / at 9..16 rows the second tile constant (1) or
-not / past 8 rows 8-row blocks of the one-tile kernel, at its staging (1) or 16-row ones (0) (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+not (left out: the default staging's) (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.
@@ -156,7 +156,7 @@ def cases():
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
         o = {k[:2]: int(k[2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr", "f2", "h8"}, tag
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr", "f2"}, tag
         out.append((tag, v, o))
     return out
 
@@ -174,9 +174,7 @@ def run():
             x = x16[:R]
             refs = {}     # row_qmm_tc's bits with each split (the package's call has them)
             for tag, variant, o in cases():
-                # H8 (8-row blocks past 8 rows) takes the one-tile kernel's default staging
-                h8 = _cuda.cp_h8(N, K, R) if "h8" not in o else R > 8 and bool(o["h8"])
-                cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8 and not h8)
+                cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8)
                 st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
                 plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
                 if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
@@ -188,7 +186,7 @@ def run():
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, o.get("ur", ur),
                                           o.get("pr", pro), o.get("on"),
-                                          o.get("xs"), o.get("c0"), o.get("f2", f2), int(h8))
+                                          o.get("xs"), o.get("c0"), o.get("f2", f2))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)

@@ -81,12 +81,13 @@
 #                                   # the default / XS / CB 4 NS 3, the pipes' utilisation
 #   bash bench/gpu_run.sh s24b      # XS the one-row default: cp == tc (small shapes, 12288), the
 #                                   # model shapes' row-exactness, the 4-bit GEMM table
-#   bash bench/gpu_run.sh s25b      # H8 (16-row launches as 8-row blocks) against 16-row blocks, F2
+#   (session 25's s25b, H8 -- a launch past 8 rows as 8-row blocks of the one-tile kernel, twice the
+#    blocks -- measured 26-51% slower on five shapes at 16 rows and was removed with its mode)
 #   bash bench/gpu_run.sh s25c      # NT 3 / 4 at 16 rows (less x from L2), F2; ncu cache counters
 #   bash bench/gpu_run.sh s25d      # session 25's 16-row defaults against the old ones; GEMM table
 #   bash bench/gpu_run.sh s25e      # tests/test_kernels.py on CUDA, six processes
-#   bash bench/gpu_run.sh s25a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
-#                                   # LM head with C0, F2 at 9 / 16 rows, the CUDA kernel suite
+#   bash bench/gpu_run.sh s26a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
+#                                   # LM head with C0
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -782,27 +783,13 @@ PY
     GEMM_REPS=5 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} GEMM_OPS=qmm \
         gemm_table gemm24b ${GLIMIT:-240}
     ;;
-  s25a)     # prepared in session 24, not run: at one row with XS + C0 (the defaults), two chunks a
-            # loop turn (UR 2) and the first weight stage before the scales (PRO) on the shapes
-            # near 2.5 TB/s, the LM head with C0 (XS off there) against C0 off; F2 at 9 / 16 rows; x's
-            # loads at 16 rows (nox);
-            # then the whole CUDA kernel suite at the defaults (four processes)
+  s26a)     # prepared in session 24, not run (its F2 and nox parts ran in session 25: s25c, floorx
+            # 25d): at one row with XS + C0 (the defaults), two chunks a loop turn (UR 2) and the
+            # first weight stage before the scales (PRO) on the shapes near 2.5 TB/s, the LM head
+            # with C0 (XS off there) against C0 off
     FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} FLOOR_REPS=9 \
-    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor25a 150
-    FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor25b 120
-    FLOOR_ROWS=9,16 FLOOR_SHAPES=12288x4096,4096x12288,4096x4096,6144x4096 FLOOR_REPS=9 \
-        FLOOR_VARIANTS=full,full_f21 floor floor25c 200
-    # at 16 rows every block reads all 16 x rows (12288 x 4096: 384 blocks x 128 KB, ~50 MB from
-    # L2 against 28 MB of weights from DRAM): what x's loads cost there (nox: none)
-    FLOOR_ROWS=16 FLOOR_SHAPES=12288x4096,4096x12288 FLOOR_VARIANTS=full,nox,comp+nox,mem floor floor25d 150
-    LIMIT=${LIMIT:-420} bash "$0" s21c
-    ;;
-  s25b)     # issue 3, the 16-row ratio: 16-row launches as 8-row blocks of the one-tile kernel (H8,
-            # twice the blocks; each block reads its weights again, from L2) at its default staging,
-            # CB 4, NT 1 / 2, against the 16-row blocks (the default) and F2
-    FLOOR_ROWS=${FLOOR_ROWS:-16} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} \
-    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_h81,full_h81_cb4,full_h81_nt1,full_h81_nt2,full_f21} \
-        floor floor25h ${LIMIT:-420}
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor26a 150
+    FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor26b 120
     ;;
   s25c)     # issue 3, the 16-row ratio: x's reads from L2 (every block reads all 16 rows: 12288 x 4096
             # ~50 MB against 28 MB of weights) fall with more weight rows a block: NT 3 / 4 (and 2
@@ -830,7 +817,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         GEMM_OPS=qmm gemm_table gemm25d ${GLIMIT:-240}
     ;;
   s25e)     # the whole of tests/test_kernels.py on CUDA at session 25's defaults, in six processes
-            # (the cp == tc test has H8, NT 3 and F2 stagings now: its large shapes in three)
+            # (the cp == tc test has NT 3 and F2 stagings now: its large shapes in three)
     k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
     par_tests kern25 ${LIMIT:-420} "$k and $small" "$k and (4096-4096-128 or 20000)" "$k and 12288-4096" \
         "$k and (6144 or 4096-12288)" "quantized_matmul and not $k" "not quantized_matmul and not $k"

@@ -584,9 +584,8 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, F2, TWO (false: a
-// block takes 8 rows, r0 = 8 blockIdx.y, and the second 8-row mma tile is compiled out; true: 16
-// rows a block, two tiles; a row runs the same operations either way), XE (when
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, F2, TWO (false: the launch has at most 8 rows, so the
+// second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
 // (16-row weight tiles per block: each x fragment and each X = sum x mma serve NT tiles, as in
@@ -606,8 +605,9 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // F2 (a launch of 9..16 rows): the second tile always has rows, so `two` is a constant and its
 // branches and accumulator zeroing compile away. The same operations.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
-// stages asked of L2 ahead of the ring, session 17.)
-// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / (TWO ? 16 : 8)), 1), threadgroup (32 SPLIT, 1, 1),
+// stages asked of L2 ahead of the ring, session 17. Session 25: H8, a launch past 8 rows as
+// 8-row blocks of this kernel without TWO, 26-51% slower at 16 rows.)
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
 //         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
 //         + (XS ? 2 K : 0).
 constexpr int KW = K / 8;
@@ -636,9 +636,8 @@ const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int gq = lane >> 2, tq = lane & 3;
 const int nbase = blockIdx.x * (16 * NT);
-constexpr int RB = TWO ? 16 : 8;   // rows a block
-const int r0 = blockIdx.y * RB;
-const int rows = min(RB, R - r0);
+const int r0 = blockIdx.y * 16;
+const int rows = min(16, R - r0);
 const bool two = TWO && (F2 || rows > 8);
 uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
 S* sall = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE);   // every warp's scales

@@ -306,19 +306,6 @@ def cp_xs(N: int, R: int) -> bool:
     return R == 1 and N <= CP_XS_MAX_N
 
 
-# H8: a launch of more than 8 rows as 8-row blocks (the one-tile kernel, TWO off, twice the blocks
-# along y: each block reads its weights again, from L2 while the other half runs) instead of
-# 16-row blocks with two mma tiles. Data movement and scheduling only: a row runs the same
-# operations in either (tests/test_kernels.py::test_cuda_cp_pipeline_equals_register_kernel).
-# Prepared in session 25; off until measured.
-CP_H8_DEFAULT = False
-
-
-def cp_h8(N: int, K: int, R: int) -> bool:
-    """Whether a row_qmm_cp launch of R rows (> 8) takes 8-row blocks by default (H8)."""
-    return R > 8 and CP_H8_DEFAULT
-
-
 def cp_one(R: int, cb: int, gs: int) -> bool:
     """Whether a row_qmm_cp launch of R rows takes the ONE variant: one row, and an even number
     of groups a stage (each odd group's X comes from the even group's X mmas, in the column no
@@ -330,12 +317,11 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
-                 xs: int | None = None, c0: int | None = None, f2: int | None = 0,
-                 h8: int | None = None):
+                 xs: int | None = None, c0: int | None = None, f2: int | None = 0):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
-            or any(v not in (None, 0, 1) for v in (one, xs, c0, f2, h8)):
+            or any(v not in (None, 0, 1) for v in (one, xs, c0, f2)):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, "
-                         f"XS {xs}, C0 {c0}, F2 {f2}, H8 {h8}")
+                         f"XS {xs}, C0 {c0}, F2 {f2}")
     plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
@@ -349,18 +335,16 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     c0 = (c0 is None or bool(c0)) and R == 1
     # F2 (0 / None: off; cp_staging's default turns it on where measured faster): 9..16 rows,
     # the second tile's branches constant
-    # H8 (None: cp_h8's default): past 8 rows, 8-row blocks of the one-tile kernel (TWO off)
-    two = R > 8 and not (cp_h8(N, K, R) if h8 is None else bool(h8))
-    f2 = bool(f2) and 8 < R <= 16 and two
+    f2 = bool(f2) and 8 < R <= 16
     ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     one = (one is None or bool(one)) and cp_one(R, CB, gs)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
-                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", two),
+                ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
                 ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one),
                 ("XS", xs), ("C0", c0), ("F2", f2)]
-    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // (16 if two else 8)), 1)
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
     return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
@@ -440,12 +424,12 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0, F2, H8])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0, F2])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
     scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS: x staged
     once at one row, 1 / 0 / None: cp_xs's default; C0 0: at one row, every column folded; F2 1: 9..16 rows, the second tile's
-    branches constant; H8: past 8 rows, 8-row blocks (1) or 16-row ones (0), None: cp_h8's default),
+    branches constant),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
@@ -464,7 +448,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, 
     if tc and bits == 4 and (plan is None or plan[0] == "cp"):
         fused = residual is not None and residual.dtype == x.dtype and residual.shape == (*lead, N)
         if plan is None:
-            cb, ns, xe, nt, ur, pro, f2 = cp_staging(N, K, group_size, R > 8 and not cp_h8(N, K, R))
+            cb, ns, xe, nt, ur, pro, f2 = cp_staging(N, K, group_size, R > 8)
             plan = ("cp", cb, ns, xe, nt, 0, None, ur, pro, None, None, None, f2)
         cp_call = _qmm_cp_call(x.dtype, scales.dtype, K, N, group_size, R, fused, *plan[1:])
     if cp_call is not None:
