@@ -88,6 +88,7 @@
 #   bash bench/gpu_run.sh s25e      # tests/test_kernels.py on CUDA, six processes
 #   bash bench/gpu_run.sh s26a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0
+#   bash bench/gpu_run.sh s26b      # (prepared, not run) at 16 rows: hi / hi2, CB 8, NS 3
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -790,6 +791,13 @@ PY
     FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} FLOOR_REPS=9 \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor26a 150
     FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor26b 120
+    ;;
+  s26b)     # prepared in session 25, not run: at 16 rows (latency-bound: ~11 warps an SM, issue
+            # active 42%), the shifts of the 4-bit pairs on the FMA pipe (hi: j = 1, 3; hi2: every
+            # j > 0), 8-block stages (12288 x 4096's 16-row chunk loop: 688 instructions for 8
+            # blocks against 371 for 4), a third stage
+    FLOOR_ROWS=16 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,6144x4096,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,hi,hi2,full_cb8,full_ns3,full} floor floor26c ${LIMIT:-240}
     ;;
   s25c)     # issue 3, the 16-row ratio: x's reads from L2 (every block reads all 16 rows: 12288 x 4096
             # ~50 MB against 28 MB of weights) fall with more weight rows a block: NT 3 / 4 (and 2
