@@ -23,7 +23,7 @@ x-load timing N / N weight tiles a block / a K split of N / the one-row variant 
 staged once at one row or not (left out: the package's default, _cuda.cp_xs) / the one-row fold
 of column 0 only or not (left out: on); `_urN` / `_prN` / `_f2N`: N chunks a loop turn / the
 first weight stage before the scales (1) or not / at 9..16 rows the second tile constant (1) or
-not (left out: the default staging's) (full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21). `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+not (left out: the default staging's). For example full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21. `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.

@@ -251,7 +251,9 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         -> 8.70-8.90, and with two tiles there 8.22; not on 4096 x 12288 (16.6-17.2 -> 19.0-19.4),
         6144 x 4096 (11.3 -> 12.5-12.7) or 24576 x 4096 (28.2 -> 28.1-28.8). Three tiles a block on
         24576 x 4096 (CB 8: 512 blocks of 2 warps against 768; x read from L2 a third less):
-        28.22 -> 26.91; not on 12288 x 4096 (15.9 -> 20.0, 256 blocks of 4 warps)."""
+        28.22 -> 26.91, and 28.06 -> 27.30 in medians of 9; not on 12288 x 4096 (15.9 -> 20.0,
+        256 blocks of 4 warps). In medians of 9 (s25d) the new defaults against the old at 16 rows:
+        12288 x 4096 16.16 -> 15.04, 4096 x 4096 9.54 -> 8.26."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if two and CP_WIDE_N <= N <= CP_TWO_NT3_MAX_N and N % 48 == 0 and fits(8, 3):
