@@ -172,9 +172,9 @@ def run():
         tc = _cuda.tc_plan(N, K, 64, 4)
         for R in ROWS:
             x = x16[:R]
+            cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8)
             refs = {}     # row_qmm_tc's bits with each split (the package's call has them)
             for tag, variant, o in cases():
-                cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8)
                 st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
                 plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
                 if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
@@ -191,7 +191,8 @@ def run():
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)
                     continue
-                k = kernel(variant, plan[3] + (2 * K if dict(template)["XS"] else 0))   # cp_plan's xs room
+                k = kernel(variant, _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"],
+                                                  dict(template)["XS"])[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 for _ in range(REPS):
                     y = k(inputs=[x, wq, s, b, res], template=template, grid=grid, threadgroup=tg,
@@ -199,7 +200,7 @@ def run():
                     mx.eval(y)
                 if set(variant.split("+")) <= EXACT:   # row_qmm_tc's bits (for that split)
                     assert mx.array_equal(y, refs[st["sp"]]).item(), (N, K, R, tag)
-            print(N, K, R, "staging", _cuda.cp_staging(N, K, 64, R > 8), "split", tc[2],
+            print(N, K, R, "staging", (cb, ns, xe, nt, ur, pro, f2), "split", tc[2],
                   file=sys.stderr, flush=True)
     marker("end")
 

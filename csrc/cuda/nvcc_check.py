@@ -117,7 +117,7 @@ for T in (bf, f16):
                 CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                                  RES=N == 4096, TWO=TWO, XE=0 if XS else XE, NT=NT, CA=CA, UR=UR,
                                                  PRO=bool(PRO), ONE=not TWO and cp_one(1, CB, GS), XS=XS,
-                                                 C0=not TWO, F2=TWO and (F2 or T != bf)),
+                                                 C0=not TWO, F2=TWO and (F2 or T != bf)),   # fp16: F2 always
                               dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:

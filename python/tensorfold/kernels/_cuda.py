@@ -256,7 +256,7 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         12288 x 4096 16.16 -> 15.04, 4096 x 4096 9.54 -> 8.26."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
-    if two and CP_WIDE_N <= N <= CP_TWO_NT3_MAX_N and N % 48 == 0 and fits(8, 3):
+    if two and CP_WIDE_N <= N <= CP_TWO_NT3_MAX_N and N % (16 * 3) == 0 and fits(8, 3):   # full blocks
         return 8, 2, 1, 3, 1, 0, 0
     if (N >= CP_WIDE_N or (N >= CP_MID_N and not two)) and fits(8, 2):
         return 8, 2, 1, 2, 1, 0, 0
