@@ -89,6 +89,8 @@
 #   bash bench/gpu_run.sh s26a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0
 #   bash bench/gpu_run.sh s26b      # (prepared, not run) at 16 rows: hi / hi2, CB 8, NS 3
+#   bash bench/gpu_run.sh s26c      # session 26: G (x staged once, shared by a block's weight-row
+#                                   # groups) at 16 rows, swept; the cp == tc test's G stagings
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -829,6 +831,16 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     k="test_cuda_cp_pipeline_equals_register"; small="(72-256 or 1152-384-64 or 384-1152)"
     par_tests kern25 ${LIMIT:-420} "$k and $small" "$k and (4096-4096-128 or 20000)" "$k and 12288-4096" \
         "$k and (6144 or 4096-12288)" "quantized_matmul and not $k" "not quantized_matmul and not $k"
+    ;;
+  s26c)     # session 26: G (the 16 x rows staged once in shared memory, shared by a block's G
+            # weight-row groups) at 16 rows: the floor's sweep (bits checked against row_qmm_tc,
+            # mismatches named), then the cp == tc test (its G stagings) on the small shapes and
+            # 12288 x 4096
+    FLOOR_ROWS=16 FLOOR_REPS=5 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,6144x4096,4096x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_g3,full_xe0_g3,full_xe2_g3,full_f20_g3,full_g2,full_xe0_g2,full_nt1_g2,full_nt1_xe0_g2} \
+        floor floor26c ${LIMIT:-240}
+    k="test_cuda_cp_pipeline_equals_register"
+    par_tests kern26c 240 "$k and (72-256 or 1152-384-64 or 384-1152)" "$k and 12288-4096"
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

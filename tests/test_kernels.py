@@ -203,7 +203,8 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     first weight stage copied before the scales (PRO), at one row with and without the ONE
     variant (odd groups' X from the even groups' X mmas), with x staged once (XS) and with and
     without the fold of column 0 alone (C0), with the second tile constant (F2), and with three
-    weight tiles a block; at 20 rows too (the second block's second tile has no rows)."""
+    weight tiles a block, with G weight-row groups a block sharing x staged in shared memory; at 20 rows
+    too (the second block's second tile has no rows)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
@@ -239,6 +240,12 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # three weight tiles a block (24576 x 4096's default past 8 rows), with F2 at 9..16 rows
     if _cuda.cp_plan(N, Kd, group_size, 4, 8, 2, 3) is not None:
         stagings += [(8, 2, 1, 3, 0, None, 1, 0, None, None, None, 1)]
+    # G: at 9..16 rows, the 16 x rows staged once in shared memory, shared by a block's G
+    # weight-row groups, with and without F2; a partial last block where the groups do not
+    # divide the tiles (72 x 256: 5 tiles; 1152 x 384: 72 tiles in groups of 5)
+    stagings += [(*st[:3], st[3], 0, None, 1, 0, None, None, None, f2, g)
+                 for st, g, f2 in ((first, 2, 0), (last, 3, 1), (first, 5, 1))
+                 if _cuda.cp_plan(N, Kd, group_size, 4, st[0], st[1], st[3], g=g) is not None]
     for M in (1, 3, 9, 16, 20):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)
