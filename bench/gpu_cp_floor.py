@@ -21,10 +21,9 @@ Cuts combine with "+" (comp+nox: the arithmetic with no load at all). `_cbN` / `
 `_ntN` / `_spN` / `_onN` / `_xsN` / `_c0N` change the staging: N blocks a stage / N stages /
 x-load timing N / N weight tiles a block / a K split of N / the one-row variant on or off / x
 staged once at one row or not (left out: the package's default, _cuda.cp_xs) / the one-row fold
-of column 0 only or not (left out: on); `_urN` / `_prN` / `_f2N`: N chunks a loop turn / the
+of column 0 only or not (left out: with XS); `_urN` / `_prN` / `_f2N`: N chunks a loop turn / the
 first weight stage before the scales (1) or not / at 9..16 rows the second tile constant (1) or
-not (left out: the default staging's); `_gN`: at 9..16 rows, N weight-row groups a block sharing
-x in shared memory (G; x loaded after the stage wait). For example full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21. `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
+not (left out: the default staging's). For example full_cb4_ns4, comp+nox_nt1_sp8, full_on0, full_xs1, full_c00, full_ur2_pr1, full_f21. `hi` / `hi2` keep every bit: they move the 4-bit pairs' shifts
 from the ALU pipe to the FMA pipe (the high word of a multiply), for j = 1, 3 / every j > 0. If full ~ mem, the copies'
 pattern is the limit; if full ~ comp, the arithmetic is. Every variant but full, hi and hi2 is
 for timing only.
@@ -157,8 +156,8 @@ def cases():
     out = []
     for tag in os.environ.get("FLOOR_VARIANTS", VARIANTS).split(","):
         v, *opts = tag.split("_")
-        o = {k[:1 if k[0] == "g" else 2]: int(k[1 if k[0] == "g" else 2:]) for k in opts}
-        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr", "f2", "g"}, tag
+        o = {k[:2]: int(k[2:]) for k in opts}
+        assert set(o) <= {"cb", "ns", "xe", "nt", "sp", "on", "xs", "c0", "ur", "pr", "f2"}, tag
         out.append((tag, v, o))
     return out
 
@@ -177,10 +176,8 @@ def run():
             cb, ns, xe, nt, ur, pro, f2 = _cuda.cp_staging(N, K, 64, R > 8)
             refs = {}     # row_qmm_tc's bits with each split (the package's call has them)
             for tag, variant, o in cases():
-                st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2], g=1) | o
-                if R > 16 or R <= 8:
-                    st["g"] = 1
-                plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"], g=st["g"])
+                st = dict(cb=cb, ns=ns, xe=xe, nt=nt, sp=tc[2]) | o
+                plan = _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"])
                 if plan is None or plan[1] != st["ns"] or (K // 32 // tc[1]) % st["sp"]:
                     print(N, K, R, tag, "does not apply", file=sys.stderr)
                     continue
@@ -190,13 +187,13 @@ def run():
                 call = _cuda._qmm_cp_call(x.dtype, s.dtype, K, N, 64, R, False, st["cb"], st["ns"],
                                           st["xe"], st["nt"], st["sp"], None, o.get("ur", ur),
                                           o.get("pr", pro), o.get("on"),
-                                          o.get("xs"), o.get("c0"), o.get("f2", f2), st["g"])
+                                          o.get("xs"), o.get("c0"), o.get("f2", f2))
                 _, template, grid, tg, oshape, odtype = call
                 if o.get("xs") and not dict(template)["XS"]:
                     print(N, K, R, tag, "XS does not apply", file=sys.stderr)
                     continue
                 k = kernel(variant, _cuda.cp_plan(N, K, 64, 4, st["cb"], st["ns"], st["nt"], st["sp"],
-                                                  dict(template)["XS"], st["g"])[3])
+                                                  dict(template)["XS"])[3])
                 marker(f"{N}x{K}_M{R}_{tag.replace('+', '_')}")   # "+" is no C name
                 try:
                     for _ in range(REPS):

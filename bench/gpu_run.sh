@@ -89,8 +89,11 @@
 #   bash bench/gpu_run.sh s26a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
 #                                   # LM head with C0
 #   bash bench/gpu_run.sh s26b      # (prepared, not run) at 16 rows: hi / hi2, CB 8, NS 3
-#   bash bench/gpu_run.sh s26c      # session 26: G (x staged once, shared by a block's weight-row
-#                                   # groups) at 16 rows, swept; the cp == tc test's G stagings
+#   (session 26's s26c -- G, a block's weight-row groups sharing x in shared memory, as a ring or
+#    staged once -- measured slower on every shape and was removed with its mode: `git show
+#    bf3b26f:bench/gpu_run.sh`)
+#   bash bench/gpu_run.sh s26d      # session 26: XE 2 + UR 2 (+ F2), NS 3, hi / hi2, CB 8 at 16 rows; s26a
+#   bash bench/gpu_run.sh s26e      # session 26: C0 against C0 off at one row (LM head, 24576, 12288)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -832,15 +835,18 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     par_tests kern25 ${LIMIT:-420} "$k and $small" "$k and (4096-4096-128 or 20000)" "$k and 12288-4096" \
         "$k and (6144 or 4096-12288)" "quantized_matmul and not $k" "not quantized_matmul and not $k"
     ;;
-  s26c)     # session 26: G (the 16 x rows staged once in shared memory, shared by a block's G
-            # weight-row groups) at 16 rows: the floor's sweep (bits checked against row_qmm_tc,
-            # mismatches named), then the cp == tc test (its G stagings) on the small shapes and
-            # 12288 x 4096
-    FLOOR_ROWS=16 FLOOR_REPS=5 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,6144x4096,4096x4096} \
-    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_g3,full_xe0_g3,full_xe2_g3,full_f20_g3,full_g2,full_xe0_g2,full_nt1_g2,full_nt1_xe0_g2} \
-        floor floor26c ${LIMIT:-240}
-    k="test_cuda_cp_pipeline_equals_register"
-    par_tests kern26c 240 "$k and (72-256 or 1152-384-64 or 384-1152)" "$k and 12288-4096"
+  s26d)     # session 26, 16 rows: x loaded one chunk ahead in two-chunk loop turns (XE 2 + UR 2: the
+            # hand-over is register renaming) with and without F2 where x's L2 latency is paid each
+            # chunk (XE 1), with a third stage; s26b's hi / hi2 / CB 8; then s26a (one row)
+    FLOOR_ROWS=16 FLOOR_REPS=7 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,6144x4096,24576x4096,4096x12288} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_xe2_ur2,full_xe2_ur2_f21,full_xe2_ur2_f20,full_xe2_f21,full_ns3_xe2_ur2,hi,hi2,full_cb8,full_ns3,full} \
+        floor floor26d ${LIMIT:-300}
+    bash "$0" s26a
+    ;;
+  s26e)     # session 26: C0 (the one-row fold of column 0 only, on by default) against C0 off, two
+            # interleaved passes of 9: the LM head measured 129.5 with C0 against 127.5 without in s26a
+    FLOOR_ROWS=1 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-151936x4096,24576x4096,12288x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_c00,full,full_c00} floor floor26e ${LIMIT:-240}
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

@@ -97,12 +97,14 @@ def test_quantized_matmul_accuracy(device, bits_, group_size, dtype):
 
 
 @pytest.mark.parametrize("N,Kd", [(128, 384), (1024, 384), (384, 1024), (8192, 384), (200, 2048),
-                                  (512, 8192)],
-                         ids=["128x384", "1024x384", "384x1024", "8192x384", "200x2048", "512x8192"])
+                                  (512, 8192), (32768, 384)],
+                         ids=["128x384", "1024x384", "384x1024", "8192x384", "200x2048", "512x8192",
+                              "32768x384"])
 def test_quantized_matmul_row_exact_model_shapes(device, N, Kd):
     """Model-like shapes: on CUDA these take other tensor-core plans (split 3, 8, ...) than the
     small case above (tinycode's hidden size is 384); 512 x 8192 past 8 rows the staging with two
-    chunks a loop turn (UR 2)."""
+    chunks a loop turn (UR 2); 32768 x 384 (wider than CP_XS_MAX_N, like an LM head) one row
+    without x staged once, and so without C0."""
     rng = _rng("qmm-shapes", N, Kd)
     wq, s, b = make_quantized(rng, N, Kd, 64, 4, mx.bfloat16)
     x = rand(rng, (MAX_M, Kd), mx.bfloat16)
@@ -203,8 +205,7 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     first weight stage copied before the scales (PRO), at one row with and without the ONE
     variant (odd groups' X from the even groups' X mmas), with x staged once (XS) and with and
     without the fold of column 0 alone (C0), with the second tile constant (F2), and with three
-    weight tiles a block, with G weight-row groups a block sharing x staged in shared memory; at 20 rows
-    too (the second block's second tile has no rows)."""
+    weight tiles a block; at 20 rows too (the second block's second tile has no rows)."""
     from tensorfold.kernels import _cuda
     rng = _rng("qmm-cp", N, Kd, group_size)
     wq, s, b = make_quantized(rng, N, Kd, group_size, 4, mx.bfloat16)
@@ -233,19 +234,15 @@ def test_cuda_cp_pipeline_equals_register_kernel(N, Kd, group_size):
     # XS: one row's x slice staged once in shared memory (with and without ONE; at more rows
     # the same launch without it)
     stagings += [(*st, 0, None, 1, 0, one, 1) for st in (first, last) for one in (None, 0)]
-    # one row folds column 0 only (C0, the default there): the first staging without it too
+    # one row folds column 0 only (C0, the default where x is staged once): the first staging
+    # without it too, and without XS with C0's default (off there) and with C0
     stagings += [(*first, 0, None, 1, 0, None, None, 0)]
+    stagings += [(*first, 0, None, 1, 0, None, 0, c0) for c0 in (None, 1)]
     # F2 (9..16 rows: the second tile's branches constant) on the first and the last staging
     stagings += [(*st, 0, None, 1, 0, None, None, None, 1) for st in (first, last)]
     # three weight tiles a block (24576 x 4096's default past 8 rows), with F2 at 9..16 rows
     if _cuda.cp_plan(N, Kd, group_size, 4, 8, 2, 3) is not None:
         stagings += [(8, 2, 1, 3, 0, None, 1, 0, None, None, None, 1)]
-    # G: at 9..16 rows, the 16 x rows staged once in shared memory, shared by a block's G
-    # weight-row groups, with and without F2; a partial last block where the groups do not
-    # divide the tiles (72 x 256: 5 tiles; 1152 x 384: 72 tiles in groups of 5)
-    stagings += [(*st[:3], st[3], 0, None, 1, 0, None, None, None, f2, g)
-                 for st, g, f2 in ((first, 2, 0), (last, 3, 1), (first, 5, 1))
-                 if _cuda.cp_plan(N, Kd, group_size, 4, st[0], st[1], st[3], g=g) is not None]
     for M in (1, 3, 9, 16, 20):
         ref = bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st, plan=tc))
         assert np.array_equal(bits(run(_cuda.quantized_matmul, x[:M], wq, s, b, group_size, 4, st)), ref)

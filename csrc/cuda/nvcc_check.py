@@ -113,11 +113,12 @@ for T in (bf, f16):
         for TWO, cb, ns, XE, NT, UR, PRO, F2 in combos:
             CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
             CA = cp_ca(N, CB, NT)    # as the default call
-            for XS in (False, True) if not TWO else (False,):   # XS: x staged once (one row)
+            # one row: x staged once (XS) or not, column 0 folded alone (C0: the default with XS)
+            for XS, C0 in ((False, False), (False, True), (True, True)) if not TWO else ((False, False),):
                 CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                                  RES=N == 4096, TWO=TWO, XE=0 if XS else XE, NT=NT, CA=CA, UR=UR,
                                                  PRO=bool(PRO), ONE=not TWO and cp_one(1, CB, GS), XS=XS,
-                                                 C0=not TWO, F2=TWO and (F2 or T != bf), G=1),   # fp16: F2 always
+                                                 C0=C0, F2=TWO and (F2 or T != bf)),   # fp16: F2 always
                               dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     # per-copy pointers on CB 8 (CA off), two chunks a loop turn (UR 2; with 16 rows too), the
     # first weight stage before the scales (PRO; 16-byte scale copies where NG, NGW % 8 == 0:
@@ -136,21 +137,7 @@ for T in (bf, f16):
         CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, ns, NT)
         CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
                                          RES=False, TWO=TWO, XE=XE, NT=NT, CA=CA, UR=UR, PRO=PRO,
-                                         ONE=False, XS=False, C0=False, F2=False, G=1),
-                      dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
-    # G: the 16 x rows staged once in shared memory, shared by a block's G weight-row groups
-    # (16 rows), every x-load timing, with and without F2, CA where every block is full, a
-    # partial last block (1152 x 384: 72 tiles in groups of 5)
-    for N, K, GS, cb, NT, G, XE, F2, PRO in ((12288, 4096, 64, 4, 2, 3, 0, True, True),
-                                             (12288, 4096, 64, 4, 2, 3, 1, True, True),
-                                             (12288, 4096, 64, 4, 2, 3, 2, False, False),
-                                             (6144, 4096, 64, 4, 1, 2, 1, False, False),
-                                             (24576, 4096, 64, 8, 1, 2, 1, True, False),
-                                             (1152, 384, 64, 4, 1, 5, 0, False, True)):
-        CB, NS, SPLIT, _ = cp_plan(N, K, GS, 4, cb, 2, NT, g=G)
-        CASES.append(("row_qmm_cp", dict(T=T, S=T, K=K, N=N, GS=GS, SPLIT=SPLIT, CB=CB, NS=NS,
-                                         RES=N == 6144, TWO=True, XE=XE, NT=NT, CA=cp_ca(N, CB, NT * G),
-                                         UR=1, PRO=PRO, ONE=False, XS=False, C0=False, F2=F2, G=G),
+                                         ONE=False, XS=False, C0=False, F2=False),
                       dict(x=T, w=u32, scales=T, biases=T, res=T), dict(out=T)))
     for N, K in ((4096, 4096), (151936, 4096), (72, 256)):
         NT, CB, SPLIT, DB = tc_plan(N, K)

@@ -584,7 +584,7 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // global memory. The warp's scales and biases are copied once, with the first stage.
 // inputs: as row_qmm_tc (BITS = 4), and res [R, N] (T; read only with RES: out = T(T(acc) + res),
 // the layer's residual add in the same launch)   output: out [R, N] (T).
-// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, F2, G, TWO (false: the launch has at most 8 rows, so the
+// template: T, S, K, N, GS, SPLIT, CB, NS, RES, NT, XE, CA, UR, PRO, ONE, XS, C0, F2, TWO (false: the launch has at most 8 rows, so the
 // second 8-row mma tile is compiled out; rows 0..7 run the same operations either way), XE (when
 // a chunk's x rows are loaded: 0 after its weight stage has landed, 1 before waiting for it,
 // 2 one chunk ahead, during the previous chunk's mmas; data movement only, the same bits), NT
@@ -604,16 +604,12 @@ tf_tc_finish<T, NT, SPLIT>(acc, red, out, warp, lane, two, rows, r0, nbase, N);
 // never stored. Row 0's operations are the same.
 // F2 (a launch of 9..16 rows): the second tile always has rows, so `two` is a constant and its
 // branches and accumulator zeroing compile away. The same operations.
-// G (a launch of 9..16 rows): a block holds G groups of SPLIT warps, each group 16 NT weight
-// rows; the block stages all 16 x rows once in shared memory as XS does one (as pairs, each
-// warp a 1/G share of its K slice, while the first stages are in flight; one __syncthreads), so
-// x is read from L2 once per G weight tiles and a chunk reads it with shared loads. The same values.
 // (Removed in session 18, measured slower: XE 3, rows 8..15's x at their use, session 15; PF,
 // stages asked of L2 ahead of the ring, session 17. Session 25: H8, a launch past 8 rows as
 // 8-row blocks of this kernel without TWO, 26-51% slower at 16 rows.)
-// launch: grid (ceil(N / (16 NT G)) * 32 SPLIT G, ceil(R / 16), 1), threadgroup (32 SPLIT G, 1, 1),
-//         dynamic shared memory G NT ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
-//         + (XS ? 2 K : 0) + (G > 1 ? 32 K : 0).
+// launch: grid (ceil(N / (16 NT)) * 32 SPLIT, ceil(R / 16), 1), threadgroup (32 SPLIT, 1, 1),
+//         dynamic shared memory NT * ((SPLIT - 1) * 1024 + SPLIT * (NS * CB * 256 + 64 * (K / SPLIT / GS)))
+//         + (XS ? 2 K : 0).
 constexpr int KW = K / 8;
 constexpr int NG = K / GS;
 constexpr int BPG = GS / 32;
@@ -631,32 +627,25 @@ static_assert(!ONE || (GPC % 2 == 0 && !TWO));
 static_assert(!XS || (!TWO && XE == 0 && sizeof(T) == 2));
 static_assert(!C0 || !TWO);
 static_assert(!F2 || TWO);
-static_assert(G == 1 || TWO);
-constexpr int W = SPLIT * G;   // warps a block
 // every block full (the real shapes): no row clamp, so the copies of a stage are constant strides apart
-constexpr bool NFULL = N % (16 * NT * G) == 0;
+constexpr bool NFULL = N % (16 * NT) == 0;
 extern __shared__ uint4 smem_cp[];
 float* red = reinterpret_cast<float*>(smem_cp);
 const int R = x_shape[0];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
-const int ks = G > 1 ? warp % SPLIT : warp, wg = G > 1 ? warp / SPLIT : 0;   // K slice, weight-row group
 const int gq = lane >> 2, tq = lane & 3;
-const int nbase = (blockIdx.x * G + wg) * (16 * NT);
+const int nbase = blockIdx.x * (16 * NT);
 const int r0 = blockIdx.y * 16;
 const int rows = min(16, R - r0);
 const bool two = TWO && (F2 || rows > 8);
-uint4* ring = smem_cp + G * (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
-S* sall = reinterpret_cast<S*>(smem_cp + G * (SPLIT - 1) * 64 * NT + W * NS * STAGE);   // every warp's scales
+uint4* ring = smem_cp + (SPLIT - 1) * 64 * NT + warp * NS * STAGE;
+S* sall = reinterpret_cast<S*>(smem_cp + (SPLIT - 1) * 64 * NT + SPLIT * NS * STAGE);   // every warp's scales
 S* ssc = sall + warp * 32 * NT * NGW;
 S* sbi = ssc + 16 * NT * NGW;
-// XS: the warp's x slice; G: its K slice's 16 rows
-uint4* xsm = reinterpret_cast<uint4*>(sall + W * 32 * NT * NGW) + (G > 1 ? ks * 2 * KSL : warp * (KSL / 8));
+uint4* xsm = reinterpret_cast<uint4*>(sall + SPLIT * 32 * NT * NGW) + warp * (KSL / 8);   // XS
 auto wrow = [&](int r) { return NFULL ? nbase + r : min(nbase + r, N - 1); };
-const int blkw = ks * (KSL / 32);
-// G: unit u of x row r, 4 units apart on odd rows (the 8 lanes of a shared load's phase read two
-// rows: other banks)
-auto xsw = [&](int r, int u) { return r * (KSL / 8) + (u ^ (r & 1) * 4); };
+const int blkw = warp * (KSL / 32);
 // this lane's copies of every stage: unit e = lane + 32 i -> row e / UPR, unit e % UPR
 const unsigned int* wsrc[CPL];
 int wdst[CPL];
@@ -697,7 +686,7 @@ auto scp = [&]() {
   for (int e = lane; e < 32 * NT * SC; e += 32) {
     const int a = e / (16 * NT * SC), rem = e % (16 * NT * SC);
     const int r = rem / SC, p = rem % SC;
-    tf_cp_async_ca<2 * SE>((a ? sbi : ssc) + r * NGW + SE * p, (a ? biases : scales) + (size_t)wrow(r) * NG + ks * NGW + SE * p);
+    tf_cp_async_ca<2 * SE>((a ? sbi : ssc) + r * NGW + SE * p, (a ? biases : scales) + (size_t)wrow(r) * NG + warp * NGW + SE * p);
   }
 };
 // PRO: the first stage's weight copies go out before the scale copies (the same group: the
@@ -716,16 +705,13 @@ const T tag = tf_from_float<T>(0.0f);
 xrow[0] += (size_t)blkw * 32;     // the warp's K slice: chunk ci's block b is at (ci CB + b) 32
 xrow[1] += (size_t)blkw * 32;
 const int xo = ONE && gq == 1 ? BPG * 32 : 0;   // ONE: lanes 4..7 read group gi ^ 1's blocks
-if constexpr (XS || G > 1) {
-#pragma unroll 4
-  for (int e = lane + 32 * wg; e < (G > 1 ? 2 * KSL : KSL / 8); e += 32 * G) {
-    const int r = G > 1 ? e / (KSL / 8) : 0, c = G > 1 ? e % (KSL / 8) : e;
+if constexpr (XS) {
+  for (int e = lane; e < KSL / 8; e += 32) {
     unsigned int p[4];
-    tf_xpairs(__ldg(reinterpret_cast<const uint4*>(x + (size_t)(r0 + min(r, rows - 1)) * K + (size_t)blkw * 32 + c * 8)), p);
-    xsm[G > 1 ? xsw(r, c) : e] = make_uint4(p[0], p[1], p[2], p[3]);
+    tf_xpairs(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)blkw * 32 + e * 8)), p);
+    xsm[e] = make_uint4(p[0], p[1], p[2], p[3]);
   }
-  if (G > 1) __syncthreads();
-  else __syncwarp();
+  __syncwarp();
 }
 unsigned int ones[4];
 #pragma unroll
@@ -746,8 +732,6 @@ auto loadx = [&](int ci, uint4 (&dst)[CB][2]) {
     for (int mt = 0; mt < 2; ++mt) {
       if (XS && mt == 0) {
         dst[b][0] = xsm[(ci * CB + b + xof / 32) * 4 + tq];
-      } else if (G > 1) {
-        dst[b][mt] = xsm[xsw(8 * mt + gq, (ci * CB + b) * 4 + tq)];
       } else if (mt == 0 || two) {
         dst[b][mt] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + (size_t)ci * CB * 32 + b * 32 + xof));
       } else {
@@ -799,7 +783,7 @@ for (int ci = 0; ci < CPW; ++ci) {
       unsigned int xb[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        if ((XS && mt == 0) || G > 1) memcpy(xb[mt], &xv[b][mt], 16);
+        if (XS && mt == 0) memcpy(xb[0], &xv[b][0], 16);
         else tf_xpairs(xv[b][mt], xb[mt]);
       }
 #pragma unroll
@@ -828,7 +812,7 @@ for (int ci = 0; ci < CPW; ++ci) {
     });
   }
 }
-tf_tc_finish<T, NT, SPLIT, RES>(acc, red + wg * (SPLIT - 1) * NT * 256, out, ks, lane, two, rows, r0, nbase, N, res);
+tf_tc_finish<T, NT, SPLIT, RES>(acc, red, out, warp, lane, two, rows, r0, nbase, N, res);
 
 // @@body row_mm_tc
 // inputs: x [R, K] (T = bf16 / fp16), w [N, K] (T)   output: out [R, N] (T).

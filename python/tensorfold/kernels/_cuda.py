@@ -174,24 +174,21 @@ CP_SMEM_LIMIT = 72 * 1024
 
 
 def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | None = None,
-            nt: int = 1, split: int | None = None, xs: bool = False, g: int = 1):
+            nt: int = 1, split: int | None = None, xs: bool = False):
     """(CB, NS, SPLIT, dynamic shared memory) of row_qmm_cp (4-bit weights through a cp.async
     pipeline), or None where it does not apply. SPLIT is tc_plan's, so the output has the bits
     of row_qmm_tc; CB (blocks per stage), NS (stages) and NT (16-row weight tiles per block)
     only move data. A function of the weight shape only; cp_staging picks the default.
     `split` overrides tc_plan's SPLIT (bench/gpu_tc_sweep.py only: another split is another
     reduction order, the bits of row_qmm_tc with that split). `xs`: room for XS's staged x slice
-    (2 K bytes a block) too, which may take a block past CP_SMEM_LIMIT up to CP_XS_SMEM_LIMIT.
-    `g`: G groups of SPLIT warps a block sharing x, staged once in shared memory (launches of
-    9..16 rows), up to CP_G_SMEM_LIMIT and 16 warps a block (128 registers a thread)."""
+    (2 K bytes a block) too, which may take a block past CP_SMEM_LIMIT up to CP_XS_SMEM_LIMIT."""
     if bits != 4:
         return None
     SPLIT = split or tc_plan(N, K, group_size, bits)[2]
     bpg = group_size // 32
     ksl = K // SPLIT
     ng, ngw = K // group_size, ksl // group_size
-    if nt not in (1, 2, 3, 4) or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2 \
-            or g < 1 or SPLIT * g > 16 or (g > 1 and xs):
+    if nt not in (1, 2, 3, 4) or K % SPLIT or cb % bpg or cb % 2 or ksl % (32 * cb) or ng % 2 or ngw % 2:
         return None
     cpw = ksl // (32 * cb)
 
@@ -199,21 +196,13 @@ def cp_plan(N: int, K: int, group_size: int, bits: int, cb: int = 4, ns: int | N
     limit = max(CP_SMEM_LIMIT, CP_XS_SMEM_LIMIT) if xs else CP_SMEM_LIMIT
 
     def smem(n):
-        return g * nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
+        return nt * ((SPLIT - 1) * 1024 + SPLIT * (n * cb * 256 + 64 * ngw))
 
     for n in ((ns,) if ns else (2,)):   # H200 sweep: 2 stages fastest on 4 of 5 shapes
-        if g > 1:   # the 16 x rows, staged once
-            total = smem(n) + 32 * K
-            if n <= max(2, cpw) and total <= CP_G_SMEM_LIMIT:
-                return cb, n, SPLIT, total
-        elif n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT and smem(n) + extra <= limit:
+        if n <= max(2, cpw) and smem(n) <= CP_SMEM_LIMIT and smem(n) + extra <= limit:
             return cb, n, SPLIT, smem(n) + extra
     return None
 
-
-# G > 1 (x staged once, shared by a block's weight-row groups): one block a SM, up to the H200's
-# 227 KB a block
-CP_G_SMEM_LIMIT = 227 * 1024
 
 CP_WIDE_N = 16384   # from this many output columns: 8 blocks a stage, two weight tiles a block
 CP_MID_N = 8192     # from this many: two weight tiles a block (past 48 KB with split 8)
@@ -264,7 +253,10 @@ def cp_staging(N: int, K: int, group_size: int, two: bool = False) -> tuple[int,
         24576 x 4096 (CB 8: 512 blocks of 2 warps against 768; x read from L2 a third less):
         28.22 -> 26.91, and 28.06 -> 27.30 in medians of 9; not on 12288 x 4096 (15.9 -> 20.0,
         256 blocks of 4 warps). In medians of 9 (s25d) the new defaults against the old at 16 rows:
-        12288 x 4096 16.16 -> 15.04, 4096 x 4096 9.54 -> 8.26."""
+        12288 x 4096 16.16 -> 15.04, 4096 x 4096 9.54 -> 8.26;
+      - session 26 (bench/gpu_run.sh s26d, floorx 26e, medians of 7, M = 16): no staging beat
+        these: XE 2 + UR 2 with or without F2 (12288 x 4096 14.94 -> 20.5-24.6 us), hi / hi2, CB 8,
+        NS 3, another K split (12288 x 4096 split 8 20.6 against 15.0)."""
     def fits(cb, nt):
         return cp_plan(N, K, group_size, 4, cb, 2, nt) is not None
     if two and CP_WIDE_N <= N <= CP_TWO_NT3_MAX_N and N % (16 * 3) == 0 and fits(8, 3):   # full blocks
@@ -308,7 +300,10 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 # 6.78-6.88 -> 6.46-6.56, 24576 x 4096 19.62 -> 19.14, but the LM head 151936 x 4096 127.6 ->
 # 135-137 (37 waves of blocks, each staging its x): so up to CP_XS_MAX_N columns. The x slice
 # (2 K bytes a block) may take a block past CP_SMEM_LIMIT, up to CP_XS_SMEM_LIMIT (4096 x 12288:
-# 75 KB, 2 blocks a SM). With C0 as well (the one-row fold of column 0 only, _qmm_cp_call):
+# 75 KB, 2 blocks a SM). With C0 as well (the one-row fold of column 0 only, _qmm_cp_call; by
+# default where XS is on: session 26's s26a / s26e, ncu medians of 18, C0 against C0 off:
+# 12288 x 4096 11.39 / 11.63 us, 24576 x 4096 18.58 / 19.10, but the LM head 151936 x 4096,
+# where XS is off, 129.01 / 127.55, and 129.54 / 127.46 in another run):
 # 12288 x 4096 11.23 us (2.52 TB/s), 4096 x 12288 11.38, 24576 x 4096 18.37.
 CP_XS_MAX_N = 24576
 CP_XS_SMEM_LIMIT = 100 * 1024
@@ -330,14 +325,12 @@ def cp_one(R: int, cb: int, gs: int) -> bool:
 def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: int = 4,
                  ns: int | None = None, xe: int = 0, nt: int = 1, split: int | None = None,
                  ca: int | None = None, ur: int = 1, pro: int = 0, one: int | None = None,
-                 xs: int | None = None, c0: int | None = None, f2: int | None = 0, g: int = 1):
+                 xs: int | None = None, c0: int | None = None, f2: int | None = 0):
     if xe not in (0, 1, 2) or ca not in (None, 0, 1) or ur not in (1, 2, 4) or pro not in (0, 1) \
             or any(v not in (None, 0, 1) for v in (one, xs, c0, f2)):
         raise ValueError(f"row_qmm_cp: no staging XE {xe}, CA {ca}, UR {ur}, PRO {pro}, ONE {one}, "
                          f"XS {xs}, C0 {c0}, F2 {f2}")
-    # G (9..16 rows): x staged once, shared by G weight-row groups a block
-    g = g if 8 < R <= 16 else 1
-    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, g=g)
+    plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None)
     if plan is None:
         return None
     # XS (None: cp_xs's default): one row, and room for the staged x slice (else the same launch
@@ -346,21 +339,22 @@ def _qmm_cp_call(T, S, K: int, N: int, gs: int, R: int, res: bool = False, cb: i
     xs_plan = cp_plan(N, K, gs, 4, cb, ns, nt, split or None, True) if want else None
     xs = xs_plan is not None
     plan, xe = (xs_plan, 0) if xs else (plan, xe)
-    # C0 (None: on): at one row, the group fold of column 0 only (the rest is never stored)
-    c0 = (c0 is None or bool(c0)) and R == 1
+    # C0 (None: with XS, as measured; see above): at one row, the group fold of column 0 only (the
+    # rest is never stored)
+    c0 = (xs if c0 is None else bool(c0)) and R == 1
     # F2 (0 / None: off; cp_staging's default turns it on where measured faster): 9..16 rows,
     # the second tile's branches constant
     f2 = bool(f2) and 8 < R <= 16
-    ca = cp_ca(N, cb, nt * g, ca)
+    ca = cp_ca(N, cb, nt, ca)
     CB, NS, SPLIT, smem = plan
     kern = _kernel("row_qmm_cp", smem)
     one = (one is None or bool(one)) and cp_one(R, CB, gs)
     template = [("T", T), ("S", S), ("K", K), ("N", N), ("GS", gs), ("SPLIT", SPLIT),
                 ("CB", CB), ("NS", NS), ("RES", res), ("TWO", R > 8),
                 ("XE", xe), ("NT", nt), ("CA", ca), ("UR", ur), ("PRO", bool(pro)), ("ONE", one),
-                ("XS", xs), ("C0", c0), ("F2", f2), ("G", g)]
-    grid = (-(-N // (16 * nt * g)) * 32 * SPLIT * g, -(-R // 16), 1)
-    return kern, template, grid, (32 * SPLIT * g, 1, 1), [(R, N)], [T]
+                ("XS", xs), ("C0", c0), ("F2", f2)]
+    grid = (-(-N // (16 * nt)) * 32 * SPLIT, -(-R // 16), 1)
+    return kern, template, grid, (32 * SPLIT, 1, 1), [(R, N)], [T]
 
 
 def mm_cp_plan(N: int, K: int, cb: int = 2, ns: int = 3, nt: int = 1, split: int | None = None):
@@ -439,12 +433,12 @@ def matmul_tc_ok(x_dtype, w_dtype, K: int) -> bool:
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, stream, plan=None, residual=None,
                      out_float=False):
-    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0, F2, G])
+    """plan: override, for benchmarks that sweep plans only: ("cp", CB, NS[, XE, NT, SPLIT, CA, UR, PRO, ONE, XS, C0, F2])
     for row_qmm_cp (SPLIT 0 or None: tc_plan's; CA: constant-offset copies, 0 / 1, left out:
     from CB 8; UR: chunks a loop turn, 1, 2 or 4; PRO 1: the first weight stage copied before the
     scales, the scales in 16-byte copies where they allow; ONE 0: not the one-row variant; XS: x staged
-    once at one row, 1 / 0 / None: cp_xs's default; C0 0: at one row, every column folded; F2 1: 9..16 rows, the second tile's
-    branches constant; G: 9..16 rows, G weight-row groups a block sharing x in shared memory),
+    once at one row, 1 / 0 / None: cp_xs's default; C0: at one row, column 0 folded alone, 1 / 0 / None: with XS; F2 1: 9..16 rows, the second tile's
+    branches constant),
     (NT, CB, SPLIT, DB) for row_qmm_tc (the 4-bit default is row_qmm_cp where cp_plan applies).
     residual: added to the product -- in row_qmm_cp's store where its dtype and shape allow,
     else by MLX's add after the kernel. out_float: a float32 result with the bits of this op on
