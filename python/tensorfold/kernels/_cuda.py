@@ -300,11 +300,11 @@ def cp_ca(N: int, cb: int, nt: int, ca: int | None = None) -> bool:
 # 6.78-6.88 -> 6.46-6.56, 24576 x 4096 19.62 -> 19.14, but the LM head 151936 x 4096 127.6 ->
 # 135-137 (37 waves of blocks, each staging its x): so up to CP_XS_MAX_N columns. The x slice
 # (2 K bytes a block) may take a block past CP_SMEM_LIMIT, up to CP_XS_SMEM_LIMIT (4096 x 12288:
-# 75 KB, 2 blocks a SM). With C0 as well (the one-row fold of column 0 only, _qmm_cp_call; by
-# default where XS is on: session 26's s26a / s26e, ncu medians of 18, C0 against C0 off:
-# 12288 x 4096 11.39 / 11.63 us, 24576 x 4096 18.58 / 19.10, but the LM head 151936 x 4096,
-# where XS is off, 129.01 / 127.55, and 129.54 / 127.46 in another run):
-# 12288 x 4096 11.23 us (2.52 TB/s), 4096 x 12288 11.38, 24576 x 4096 18.37.
+# 75 KB, 2 blocks a SM). With C0 as well (the one-row fold of column 0 only, _qmm_cp_call):
+# 12288 x 4096 11.23 us (2.52 TB/s), 4096 x 12288 11.38, 24576 x 4096 18.37. C0 is the default
+# only where XS is on: session 26 (bench/gpu_run.sh s26e, ncu medians of 18, C0 against C0 off)
+# 12288 x 4096 11.39 / 11.63 us, 24576 x 4096 18.58 / 19.10, but on the LM head 151936 x 4096,
+# where XS is off, 129.01 / 127.55 (and 129.54 / 127.46 in s26a).
 CP_XS_MAX_N = 24576
 CP_XS_SMEM_LIMIT = 100 * 1024
 
