@@ -122,7 +122,7 @@ def run(shapes, variant: str, R: int, reps: int):
         nwarps = grid[0] // 32 * grid[1]
         k = fl.kernel(variant, smem, timeline_text(variant), "tftl_", ("out", "tl"))
         ref = _cuda.quantized_matmul(x, wq, s, b, 64, 4, gpu)
-        print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro)}, "
+        print(f"\n### {N} x {K}, {R} row(s), {variant}, staging {(cb, ns, xe, nt, ur, pro, f2)}, "
               f"ONE {t['ONE']}, XS {t['XS']}")
         runs = []
         for _ in range(reps):

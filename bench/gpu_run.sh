@@ -86,9 +86,8 @@
 #   bash bench/gpu_run.sh s25c      # NT 3 / 4 at 16 rows (less x from L2), F2; ncu cache counters
 #   bash bench/gpu_run.sh s25d      # session 25's 16-row defaults against the old ones; GEMM table
 #   bash bench/gpu_run.sh s25e      # tests/test_kernels.py on CUDA, six processes
-#   bash bench/gpu_run.sh s26a      # (prepared, not run) UR 2 / PRO with XS + C0 at one row, the
-#                                   # LM head with C0
-#   bash bench/gpu_run.sh s26b      # (prepared, not run) at 16 rows: hi / hi2, CB 8, NS 3
+#   bash bench/gpu_run.sh s26a      # UR 2 / PRO with XS + C0 at one row, the LM head with C0 (ran
+#                                   # in session 26 inside s26d; session 25's s26b is part of s26d)
 #   (session 26's s26c -- G, a block's weight-row groups sharing x in shared memory, as a ring or
 #    staged once -- measured slower on every shape and was removed with its mode: `git show
 #    bf3b26f:bench/gpu_run.sh`)
@@ -789,20 +788,13 @@ PY
     GEMM_REPS=5 GEMM_SHAPES=${GEMM_SHAPES:-12288x4096,4096x12288,4096x4096,6144x4096,24576x4096} GEMM_OPS=qmm \
         gemm_table gemm24b ${GLIMIT:-240}
     ;;
-  s26a)     # prepared in session 24, not run (its F2 and nox parts ran in session 25: s25c, floorx
-            # 25d): at one row with XS + C0 (the defaults), two chunks a loop turn (UR 2) and the
+  s26a)     # prepared in session 24 (its F2 and nox parts ran in session 25: s25c, floorx 25d): at
+            # one row with XS + C0 (the defaults), two chunks a loop turn (UR 2) and the
             # first weight stage before the scales (PRO) on the shapes near 2.5 TB/s, the LM head
             # with C0 (XS off there) against C0 off
     FLOOR_ROWS=1 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288} FLOOR_REPS=9 \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_ur2,full_pr1,full_pr0,full} floor floor26a 150
-    FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor26b 120
-    ;;
-  s26b)     # prepared in session 25, not run: at 16 rows (latency-bound: ~11 warps an SM, issue
-            # active 42%), the shifts of the 4-bit pairs on the FMA pipe (hi: j = 1, 3; hi2: every
-            # j > 0), 8-block stages (12288 x 4096's 16-row chunk loop: 688 instructions for 8
-            # blocks against 371 for 4), a third stage
-    FLOOR_ROWS=16 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,6144x4096,24576x4096} \
-    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,hi,hi2,full_cb8,full_ns3,full} floor floor26c ${LIMIT:-240}
+    FLOOR_ROWS=1 FLOOR_SHAPES=151936x4096 FLOOR_VARIANTS=full,full_c00 floor floor26a_lm 120
     ;;
   s25c)     # issue 3, the 16-row ratio: x's reads from L2 (every block reads all 16 rows: 12288 x 4096
             # ~50 MB against 28 MB of weights) fall with more weight rows a block: NT 3 / 4 (and 2
@@ -837,14 +829,16 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s26d)     # session 26, 16 rows: x loaded one chunk ahead in two-chunk loop turns (XE 2 + UR 2: the
             # hand-over is register renaming) with and without F2 where x's L2 latency is paid each
-            # chunk (XE 1), with a third stage; s26b's hi / hi2 / CB 8; then s26a (one row)
+            # chunk (XE 1), with a third stage; hi / hi2 (the 4-bit pairs' shifts on the FMA pipe),
+            # CB 8, NS 3 (session 25's unrun s26b); then s26a (one row)
     FLOOR_ROWS=16 FLOOR_REPS=7 FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,6144x4096,24576x4096,4096x12288} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_xe2_ur2,full_xe2_ur2_f21,full_xe2_ur2_f20,full_xe2_f21,full_ns3_xe2_ur2,hi,hi2,full_cb8,full_ns3,full} \
         floor floor26d ${LIMIT:-300}
     bash "$0" s26a
     ;;
-  s26e)     # session 26: C0 (the one-row fold of column 0 only, on by default) against C0 off, two
-            # interleaved passes of 9: the LM head measured 129.5 with C0 against 127.5 without in s26a
+  s26e)     # session 26: C0 (the one-row fold of column 0 only; the default where XS is on, since
+            # this run) against C0 off, two interleaved passes of 9: the LM head measured 129.5 with
+            # C0 against 127.5 without in s26a
     FLOOR_ROWS=1 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-151936x4096,24576x4096,12288x4096} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_c00,full,full_c00} floor floor26e ${LIMIT:-240}
     ;;
