@@ -93,6 +93,9 @@
 #    bf3b26f:bench/gpu_run.sh`)
 #   bash bench/gpu_run.sh s26d      # session 26: XE 2 + UR 2 (+ F2), NS 3, hi / hi2, CB 8 at 16 rows; s26a
 #   bash bench/gpu_run.sh s26e      # session 26: C0 against C0 off at one row (LM head, 24576, 12288)
+#   bash bench/gpu_run.sh s27a      # session 27: bench/wg_probe.cu (wgmma, sm_90a, nvcc; needs no MLX):
+#                                   # its bits against row_qmm_tc's mma.sync arithmetic, its times
+#   bash bench/gpu_run.sh s27b      # session 27: the floor with nxm (no X = sum x mmas) and mem / nox / comp
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -841,6 +844,21 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # C0 against 127.5 without in s26a
     FLOOR_ROWS=1 FLOOR_REPS=9 FLOOR_SHAPES=${FLOOR_SHAPES:-151936x4096,24576x4096,12288x4096} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,full_c00,full,full_c00} floor floor26e ${LIMIT:-240}
+    ;;
+  s27a)     # session 27: Hopper's wgmma (sm_90a: a standalone nvcc program, not cuda_kernel) with the
+            # bits of row_qmm_tc? Its mismatch counts and ncu times (WG_CASES: e.g. batch,12288)
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
+    timeout ${LIMIT:-300} ncu --clock-control none --metrics gpu__time_duration.sum --csv /tmp/wgp 6 ${WG_CASES:-} \
+        > "$out/wg27a.csv" 2> "$out/wg27a.err"
+    tail -3 "$out/wg27a.err"; grep -v '^"' "$out/wg27a.csv" | grep -v "^==" > "$out/wg27a.txt"
+    python3 bench/wg_probe_report.py "$out/wg27a.txt" "$out/wg27a.csv" | tee "$out/wg27a.md"
+    ;;
+  s27b)     # session 27: row_qmm_cp without its X = sum x mmas (nxm: the bound on precomputed group
+            # sums), with and without the arithmetic-only cut; then mem / nox / comp at the defaults
+    FLOOR_ROWS=1,16 FLOOR_REPS=7 FLOOR_SHAPES=12288x4096,24576x4096,4096x12288,6144x4096 \
+        FLOOR_VARIANTS=full,nxm,comp+nox,comp+nox+nxm floor floor27a ${LIMIT:-330}
+    FLOOR_ROWS=1,16 FLOOR_REPS=7 FLOOR_SHAPES=12288x4096,24576x4096 FLOOR_VARIANTS=full,mem,nox,comp \
+        floor floor27b ${LIMIT:-200}
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

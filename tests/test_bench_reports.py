@@ -124,6 +124,10 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     assert "__umulhi(" not in fl.variant_text("full")[0]
     assert "j&1?__umulhi(w,1u<<(32-4*j)):w>>(4*j)" in hi and "j?__umulhi(" in hi2
     assert {"full", "hi", "hi2"} == fl.EXACT
+    # nxm: no X = sum x mma left, the X values set from the x pairs instead (timing only)
+    nxm = fl.variant_text("comp+nox+nxm")[1]
+    assert "tf_mma(X[" in full and "tf_mma(X[" not in nxm and "tf_mma(P[" in nxm
+    assert "X[0][s]=__uint_as_float(xb[0][s]&0x3f7fffffu);" in nxm and "nxm" not in fl.EXACT
     il = fl.variant_text("mem+il")[1]
     assert "blkw=warp*CB;" in il and il.count("ci*SPLIT*CB*") == 3 and "tf_mma(" not in il
     monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2_nt1_sp8,hi_on0")
@@ -157,3 +161,32 @@ def test_cp_timeline_stamps_and_summary(monkeypatch):
     assert "| SM: last stage landed -> last loop done (tail) |   1.00 /   1.00 |" in out
     assert "SM clock 1.98 GHz" in out      # 7920 cycles over the timers' 4000 ns
     assert "| global: first entry -> last loop done (ns timer) | 4.00 |" in out
+
+
+def test_wg_probe_report_pairs_runs_with_lines(tmp_path, capsys, monkeypatch):
+    """bench/wg_probe_report.py: each run of consecutive wg_q4 / wg_comp launches in ncu's CSV is
+    one of the probe's result lines, in order; the first launch (the bit check) is left out of the
+    median; other kernels (ref_q4, ref_sum) end a run."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("wg_probe_report", None)
+    rep = importlib.import_module("wg_probe_report")
+    events = tmp_path / "events.txt"
+    events.write_text("H200\n"
+                      "12288x4096 N 12288 K 4096 split 4 QPB 2 R  1: mismatches 0 of 12288, 30.0 us (events)\n"
+                      "12288x4096 N 12288 K 4096 split 4 QPB 2 R 16: mismatches 3 of 196608, 40.0 us (events)\n")
+    path = tmp_path / "wg.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"])
+        rows = [("ref_q4<4096, 4>", 90.0), ("ref_sum<4>", 3.0),
+                ("wg_q4<4096, 4, 2, 8, 4, false, 1, 0>", 99.0), ("wg_q4<4096, 4, 2, 8, 4, false, 1, 0>", 24.0),
+                ("wg_q4<4096, 4, 2, 8, 4, false, 1, 0>", 26.0), ("wg_q4<4096, 4, 2, 8, 4, false, 1, 0>", 25.0),
+                ("ref_q4<4096, 4>", 90.0), ("ref_sum<4>", 3.0),
+                ("wg_q4<4096, 4, 2, 16, 4, false, 1, 0>", 99.0), ("wg_q4<4096, 4, 2, 16, 4, false, 1, 0>", 32.0)]
+        for i, (name, us) in enumerate(rows):
+            w.writerow([str(i), f"void {name}(const __nv_bfloat16 *)", "gpu__time_duration.sum", "us", str(us)])
+    rep.main(str(events), str(path))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "warning" not in " ".join(out)
+    assert out[0].endswith("R  1: 0 bad; ncu median 25.00 us (n=3, min 24.00)")
+    assert out[1].endswith("R 16: 3 bad; ncu median 32.00 us (n=1, min 32.00)")
