@@ -15,6 +15,7 @@ package builds it, then cut:
   notail no arithmetic on the last chunk (full - notail: what the last chunk's arithmetic, done
          after the last copy has landed, adds);
   nxm    no X = sum x mmas (X from the x pairs' bits): what precomputed group sums would save;
+  xw0    every warp reads K slice 0's x (a block's warps share x through L1; timing only);
   il     chunks dealt to the warps in turn (w, w + SPLIT, ...), not as contiguous K slices: the
          block's warps read each row's next bytes side by side (DRAM locality; timing only).
 
@@ -81,6 +82,10 @@ _Q4_HI = {"hi": _min("return tf_nib_or<0x43004300u>(j & 1 ? __umulhi(w, 1u << (3
 # group sums came precomputed (the bound on what X computed once a launch, not once a warp, gives)
 _X_MMA = _min("if (xmma) tf_mma(X[0], ones, &xb[0][2 * s], tag);\nif (two) tf_mma(X[1], ones, &xb[1][2 * s], tag);")
 _X_FAKE = _min("X[0][s] = __uint_as_float(xb[0][s] & 0x3f7fffffu);\nif (two) X[1][s] = __uint_as_float(xb[1][s] & 0x3f7fffffu);")
+# xw0 (timing only): every warp of a block reads K slice 0's x, so a block's warps share their x
+# loads through L1 (4x fewer distinct x bytes a block): the bound on blocks that each take one K
+# slice of SPLIT row tiles (the slices then summed across blocks)
+_X_SLICE = _min("xrow[0] += (size_t)blkw * 32;\nxrow[1] += (size_t)blkw * 32;")
 # il (timing only): warp w takes the block's chunks w, w + SPLIT, ... instead of a contiguous K
 # slice, so the warps of a block read each weight row's next SPLIT * CB * 16 bytes side by side
 # (the scales stay the contiguous slice's: the same bytes, not the right groups)
@@ -100,7 +105,7 @@ def _replace(text: str, old: str, new: str) -> str:
 
 def variant_text(variant: str) -> tuple[str, str]:
     """(header, body) of row_qmm_cp cut to `variant` (full, or cuts joined by "+": mem, comp, nox,
-    notail, even, nxm, il, hi, hi2): the package's minified sections (`_sources.sections`), cut, then pruned as
+    notail, even, nxm, xw0, il, hi, hi2): the package's minified sections (`_sources.sections`), cut, then pruned as
     `_sources.kernel_text` prunes them."""
     from tensorfold.kernels import _sources as S
     sec = S.sections("cuda", "row_gemm.cu")
@@ -121,6 +126,8 @@ def variant_text(variant: str) -> tuple[str, str]:
             header = _replace(header, _FOLD_LOOP, _FOLD_LOOP.replace("C0?2:1", "2"))
         elif cut == "nxm":
             body = _replace(body, _X_MMA, _X_FAKE)
+        elif cut == "xw0":
+            body = _replace(body, _X_SLICE, "")
         elif cut == "il":
             for a, b in _IL:
                 body = _replace(body, a, b)

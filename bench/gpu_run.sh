@@ -96,6 +96,7 @@
 #   bash bench/gpu_run.sh s27a      # session 27: bench/wg_probe.cu (wgmma, sm_90a, nvcc; needs no MLX):
 #                                   # its bits against row_qmm_tc's mma.sync arithmetic, its times
 #   bash bench/gpu_run.sh s27b      # session 27: the floor with nxm (no X = sum x mmas) and mem / nox / comp
+#   bash bench/gpu_run.sh s27c      # session 27: xw0 (a block's warps share x through L1) at 16 rows
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -859,6 +860,11 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         FLOOR_VARIANTS=full,nxm,comp+nox,comp+nox+nxm floor floor27a ${LIMIT:-330}
     FLOOR_ROWS=1,16 FLOOR_REPS=7 FLOOR_SHAPES=12288x4096,24576x4096 FLOOR_VARIANTS=full,mem,nox,comp \
         floor floor27b ${LIMIT:-200}
+    ;;
+  s27c)     # session 27: xw0 (every warp of a block reads K slice 0's x: 4x fewer distinct x bytes
+            # a block, shared through L1; timing only) against full and nox, 16 rows
+    FLOOR_ROWS=16 FLOOR_REPS=7 FLOOR_SHAPES=12288x4096,24576x4096,4096x12288,6144x4096,4096x4096 \
+        FLOOR_VARIANTS=full,xw0,nox,comp+xw0,full floor floor27c ${LIMIT:-300}
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

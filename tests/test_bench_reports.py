@@ -128,6 +128,8 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     nxm = fl.variant_text("comp+nox+nxm")[1]
     assert "tf_mma(X[" in full and "tf_mma(X[" not in nxm and "tf_mma(P[" in nxm
     assert "X[0][s]=__uint_as_float(xb[0][s]&0x3f7fffffu);" in nxm and "nxm" not in fl.EXACT
+    xw0 = fl.variant_text("xw0")[1]
+    assert "xrow[0]+=(size_t)blkw*32;" in full and "xrow[0]+=(size_t)blkw*32;" not in xw0
     il = fl.variant_text("mem+il")[1]
     assert "blkw=warp*CB;" in il and il.count("ci*SPLIT*CB*") == 3 and "tf_mma(" not in il
     monkeypatch.setenv("FLOOR_VARIANTS", "full,notail_cb4_ns4,comp+nox_ns3_xe2_nt1_sp8,hi_on0")
