@@ -97,6 +97,8 @@
 #                                   # its bits against row_qmm_tc's mma.sync arithmetic, its times
 #   bash bench/gpu_run.sh s27b      # session 27: the floor with nxm (no X = sum x mmas) and mem / nox / comp
 #   bash bench/gpu_run.sh s27c      # session 27: xw0 (a block's warps share x through L1) at 16 rows
+#   bash bench/gpu_run.sh s27d      # session 27: wg_probe's wgmma kernel against the package's own
+#                                   # row_qmm_tc / row_qmm_cp outputs (bench/wg_probe_data.py)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -865,6 +867,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # a block, shared through L1; timing only) against full and nox, 16 rows
     FLOOR_ROWS=16 FLOOR_REPS=7 FLOOR_SHAPES=12288x4096,24576x4096,4096x12288,6144x4096,4096x4096 \
         FLOOR_VARIANTS=full,xw0,nox,comp+xw0,full floor floor27c ${LIMIT:-300}
+    ;;
+  s27d)     # session 27: the wgmma probe against the package's launches, bit for bit
+    shapes=${WG_SHAPES:-12288x4096 24576x4096 4096x12288 6144x4096 4096x4096}
+    timeout ${LIMIT:-200} python3 bench/wg_probe_data.py /tmp/wgd $shapes 2>&1 | tee "$out/wg27d.txt"
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
+    for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}

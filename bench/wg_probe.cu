@@ -15,11 +15,13 @@
 //            barrier): its arithmetic alone (those bits are not the GEMM's).
 //   wg_comp: arithmetic alone with NP groups' chains issued before one wait.
 // Measured on the H200 (docs/benchmarks.md, "Session 27"): wg_q4 == ref bit for bit on six shapes
-// at 1, 8, 9 and 16 rows; wgmma's arithmetic alone is no faster than row_qmm_cp's mma.sync.
+// at 1, 8, 9 and 16 rows, and == the package's own row_qmm_tc / row_qmm_cp outputs on five (`file`
+// mode); wgmma's arithmetic alone is no faster than row_qmm_cp's mma.sync.
 // A chain's first step writes its accumulators only (wgmma0): with a read-write first step under
 // a scale-d predicate, ptxas moved in-flight accumulators and serialized every wgmma (C7514/C7517).
 // Build (on the H200): nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wg_probe wg_probe.cu
-// Run: ./wg_probe [reps] [cases]   (cases: comma-separated of layout, 12288, comp, batch, 24576,
+// Run: ./wg_probe file DIR N K   (inputs and the package's outputs from bench/wg_probe_data.py)
+//      ./wg_probe [reps] [cases]   (cases: comma-separated of layout, 12288, comp, batch, 24576,
 //      6144, 4096x4096, 4096x12288; all by default). Prints bit checks and event times; device
 //      times under ncu: bash bench/gpu_run.sh s27a.
 #include <cuda_bf16.h>
@@ -27,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 #include <algorithm>
 
@@ -503,7 +506,57 @@ static void run_comp(Bufs& b, int reps) {
   }
 }
 
+
+// `file` mode: the package's inputs and outputs (bench/wg_probe_data.py) against wg_q4 at tc_plan's split.
+static std::vector<char> slurp(const std::string& path) {
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) { printf("cannot open %s\n", path.c_str()); exit(1); }
+  fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<char> v(n);
+  if (fread(v.data(), 1, n, f) != (size_t)n) { printf("short read %s\n", path.c_str()); exit(1); }
+  fclose(f);
+  return v;
+}
+template <int K, int SPLIT>
+static void run_file(const std::string& dir, int N) {
+  Bufs b = make_bufs(N, K, 1);
+  auto up = [&](const char* name, void* dst, size_t bytes) {
+    std::vector<char> v = slurp(dir + "/" + name);
+    if (v.size() != bytes) { printf("%s: %zu bytes, expected %zu\n", name, v.size(), bytes); exit(1); }
+    CK(cudaMemcpy(dst, v.data(), bytes, cudaMemcpyHostToDevice));
+  };
+  up("x.bin", b.x, (size_t)16 * K * 2); up("w.bin", b.w, b.wsz * 4);
+  up("s.bin", b.sc, b.ssz * 2); up("b.bin", b.bi, b.ssz * 2);
+  for (int R : {1, 8, 9, 16}) {
+    CK(cudaMemset(b.out, 0xFF, (size_t)16 * N * 2));
+    if (R <= 8) launch_wg<K, SPLIT, 1, 8, 4, false, 1>(b, 0, R);
+    else launch_wg<K, SPLIT, 1, 16, 4, false, 1>(b, 0, R);
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> o((size_t)R * N);
+    CK(cudaMemcpy(o.data(), b.out, o.size() * 2, cudaMemcpyDeviceToHost));
+    for (const char* which : {"tc", "cp"}) {
+      std::vector<char> ref = slurp(dir + "/out_" + which + "_" + std::to_string(R) + ".bin");
+      const uint16_t* r = reinterpret_cast<const uint16_t*>(ref.data());
+      long bad = 0;
+      for (size_t i = 0; i < o.size(); ++i) bad += o[i] != r[i];
+      printf("file %s N %d K %d split %d R %2d: wgmma vs the package's row_qmm_%s: %ld of %zu differ\n",
+             dir.c_str(), N, K, SPLIT, R, which, bad, o.size());
+    }
+  }
+  free_bufs(b);
+}
+
 int main(int argc, char** argv) {
+  if (argc > 4 && !strcmp(argv[1], "file")) {   // file DIR N K
+    const std::string dir = argv[2];
+    const int N = atoi(argv[3]), K = atoi(argv[4]);
+    if (K == 4096 && N == 12288) run_file<4096, 4>(dir, N);
+    else if (K == 4096 && N == 24576) run_file<4096, 2>(dir, N);
+    else if (K == 4096 && (N == 6144 || N == 4096)) run_file<4096, 8>(dir, N);
+    else if (K == 12288 && N == 4096) run_file<12288, 8>(dir, N);
+    else printf("file: no instantiation for %dx%d\n", N, K);
+    return 0;
+  }
   const int reps = argc > 1 ? atoi(argv[1]) : 30;
   const char* only = argc > 2 ? argv[2] : "";
   int dev; CK(cudaGetDevice(&dev));
