@@ -623,7 +623,10 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
-#else
+#else   // -DWG_KERNEL_ONLY: one kernel alone, for ptxas's report and the SASS (-DWG_MINB=N)
+#ifndef WG_MINB
+#define WG_MINB 1
+#endif
 template __global__ void wg_q4<4096, 4, 2, 16, 4, false, WG_MINB>(const __nv_bfloat16*, const unsigned int*, const __nv_bfloat16*,
     const __nv_bfloat16*, float*, int*, __nv_bfloat16*, int, int);
 #endif
