@@ -229,7 +229,7 @@ def run():
 
 
 def report(path: str):
-    from gpu_kernel_time import ncu_rows, ncu_us
+    from ncu_csv import ncu_rows, ncu_us
     times: dict[str, list[float]] = {}
     tag = None
     for r in ncu_rows(path):

@@ -15,29 +15,19 @@ tiny marker kernel named after the case, which is how --report groups the kernel
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import sys
 
 import mlx.core as mx
 
+from ncu_csv import ncu_rows, ncu_us
+
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288),
           (151936, 4096)]
 MS = [int(m) for m in os.environ.get("GEMM_MS", "1,2,4,8,16").split(",")]   # e.g. GEMM_MS=1,8,9,16
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
-
-
-def ncu_rows(path: str):
-    """The metric rows of an `ncu --csv` report (its log lines left out), as dicts by column."""
-    return list(csv.DictReader(l for l in open(path) if l.startswith('"')))
-
-
-def ncu_us(r) -> float:
-    """A row's gpu__time_duration value in microseconds (ncu writes ns or us)."""
-    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0}[r["Metric Unit"]]
-    return float(r["Metric Value"].replace(",", "")) * scale
 
 
 def marker(tag: str):

@@ -20,7 +20,8 @@ import sys
 
 import mlx.core as mx
 # the one-thread kernel that names each case, and the ncu report's rows (bench/ on the path)
-from gpu_kernel_time import marker, ncu_rows, ncu_us
+from gpu_kernel_time import marker
+from ncu_csv import ncu_rows, ncu_us
 
 # bytes a 4-bit (group 64, bf16 scales + biases) N x K weight moves at M = 1
 SHAPES = [(4096, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (151936, 4096)]

@@ -202,7 +202,7 @@ def run(cp=False):
 
 
 def report(path, dense=False):
-    from gpu_kernel_time import ncu_rows, ncu_us
+    from ncu_csv import ncu_rows, ncu_us
     cur, t = None, {}
     for r in ncu_rows(path):
         n = r.get("Kernel Name") or ""

@@ -161,17 +161,17 @@ __device__ __forceinline__ void wgmma0(WgAcc<8>& d, const unsigned int (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 // No-swizzle K-major descriptor: core matrices (8 rows x 16 bytes, contiguous 128 bytes); LBO the
-// step between core matrices along K, SBO along N (SWAP exchanges the two, a layout check).
-template <bool SWAP>
+// step between core matrices along K (128 bytes), SBO along N (256). The two swapped is an illegal
+// memory access on the H200 (session 27).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
-  const uint64_t lbo = SWAP ? 256 : 128, sbo = SWAP ? 128 : 256;
+  const uint64_t lbo = 128, sbo = 256;
   return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32);
 }
 
 // One 64-row tile, quarters blockIdx.y * QPB .. + QPB - 1, a group (64 k) a loop turn, D groups of
 // loads in flight. B tile of k16 step S in shared memory: element (x row r, kk) at
 // S * NX * 32 + ((r / 8) * 2 + kk / 8) * 128 + (r % 8) * 16 + (kk % 8) * 2.
-template <int K, int SPLIT, int QPB, int NX, int D, bool SWAP, int MINB = 1, int COMP = 0>
+template <int K, int SPLIT, int QPB, int NX, int D, int MINB = 1, int COMP = 0>
 __global__ void __launch_bounds__(128, MINB) wg_q4(const __nv_bfloat16* x, const unsigned int* w,
                                              const __nv_bfloat16* sc, const __nv_bfloat16* bi,
                                              float* ws, int* cnt, __nv_bfloat16* out, int R, int N) {
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(128, MINB) wg_q4(const __nv_bfloat16* x, const
       wg_fence();
 #pragma unroll
       for (int S = 0; S < 4; ++S) {
-        const uint64_t desc = wg_desc<SWAP>(bb + S * NX * 32);
+        const uint64_t desc = wg_desc(bb + S * NX * 32);
         if (S == 0) { wgmma0(P, f.a[S], desc); wgmma0(X, ones, desc); }
         else { wgmma(P, f.a[S], desc, 1); wgmma(X, ones, desc, 1); }
       }
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(128, MINB) wg_comp(const __nv_bfloat16* x, con
       const uint32_t bb = xs_base + (j & 1) * GB;
 #pragma unroll
       for (int S = 0; S < 4; ++S) {
-        const uint64_t desc = wg_desc<false>(bb + S * NX * 32);
+        const uint64_t desc = wg_desc(bb + S * NX * 32);
         if (S == 0) { wgmma0(P[j], a[j][S], desc); wgmma0(X[j], ones, desc); }
         else { wgmma(P[j], a[j][S], desc, 1); wgmma(X[j], ones, desc, 1); }
       }
@@ -405,10 +405,10 @@ struct Bufs {
   size_t wsz, ssz;
 };
 
-template <int K, int SPLIT, int QPB, int NX, int D, bool SWAP, int MINB, int COMP = 0>
+template <int K, int SPLIT, int QPB, int NX, int D, int MINB, int COMP = 0>
 static void launch_wg(Bufs& b, int copy, int R) {
   dim3 grid(b.N / 64, SPLIT / QPB);
-  wg_q4<K, SPLIT, QPB, NX, D, SWAP, MINB, COMP><<<grid, 128>>>(b.x, b.w + copy * b.wsz, b.sc + copy * b.ssz, b.bi + copy * b.ssz,
+  wg_q4<K, SPLIT, QPB, NX, D, MINB, COMP><<<grid, 128>>>(b.x, b.w + copy * b.wsz, b.sc + copy * b.ssz, b.bi + copy * b.ssz,
                                                    b.ws, b.cnt, b.out, R, b.N);
 }
 template <int K, int SPLIT>
@@ -471,7 +471,7 @@ static float time_us(Bufs& b, int R, int reps, F run) {
   return ts[ts.size() / 2];
 }
 
-template <int K, int SPLIT, int QPB, int D, bool SWAP, int MINB = 1, int COMP = 0>
+template <int K, int SPLIT, int QPB, int D, int MINB = 1, int COMP = 0>
 static void run_wg(Bufs& b, const char* label, int reps) {
   for (int R : {1, 8, 9, 16}) {
     long bad;
@@ -480,15 +480,15 @@ static void run_wg(Bufs& b, const char* label, int reps) {
     ref(0, R);
     CK(cudaDeviceSynchronize());
     if (R <= 8) {
-      auto f = [&](int c, int r) { launch_wg<K, SPLIT, QPB, 8, D, SWAP, MINB, COMP>(b, c, r); };
+      auto f = [&](int c, int r) { launch_wg<K, SPLIT, QPB, 8, D, MINB, COMP>(b, c, r); };
       bad = check(b, R, f); us = time_us(b, R, reps, f);
     } else {
-      auto f = [&](int c, int r) { launch_wg<K, SPLIT, QPB, 16, D, SWAP, MINB, COMP>(b, c, r); };
+      auto f = [&](int c, int r) { launch_wg<K, SPLIT, QPB, 16, D, MINB, COMP>(b, c, r); };
       bad = check(b, R, f); us = time_us(b, R, reps, f);
     }
     CK(cudaGetLastError());
-    printf("%-24s N %6d K %5d split %d QPB %d D %d swap %d minb %d comp %d R %2d: mismatches %ld of %d, %.2f us (events)\n",
-           label, b.N, K, SPLIT, QPB, D, (int)SWAP, MINB, COMP, R, bad, R * b.N, us);
+    printf("%-24s N %6d K %5d split %d QPB %d D %d minb %d comp %d R %2d: mismatches %ld of %d, %.2f us (events)\n",
+           label, b.N, K, SPLIT, QPB, D, MINB, COMP, R, bad, R * b.N, us);
   }
 }
 
@@ -529,8 +529,8 @@ static void run_file(const std::string& dir, int N) {
   up("s.bin", b.sc, b.ssz * 2); up("b.bin", b.bi, b.ssz * 2);
   for (int R : {1, 8, 9, 16}) {
     CK(cudaMemset(b.out, 0xFF, (size_t)16 * N * 2));
-    if (R <= 8) launch_wg<K, SPLIT, 1, 8, 4, false, 1>(b, 0, R);
-    else launch_wg<K, SPLIT, 1, 16, 4, false, 1>(b, 0, R);
+    if (R <= 8) launch_wg<K, SPLIT, 1, 8, 4, 1>(b, 0, R);
+    else launch_wg<K, SPLIT, 1, 16, 4, 1>(b, 0, R);
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> o((size_t)R * N);
     CK(cudaMemcpy(o.data(), b.out, o.size() * 2, cudaMemcpyDeviceToHost));
@@ -565,29 +565,28 @@ int main(int argc, char** argv) {
   auto want = [&](const char* s) { return !*only || strstr(only, s); };
   if (want("layout")) {   // the descriptor reading, small
     Bufs b = make_bufs(1024, 4096, 1);
-    run_wg<4096, 4, 4, 2, false>(b, "layout lbo=K", 3);
-    // (LBO and SBO swapped: an illegal memory access on the H200, session 27)
+    run_wg<4096, 4, 4, 2>(b, "layout lbo=K", 3);
     free_bufs(b);
   }
   if (want("12288")) {
     Bufs b = make_bufs(12288, 4096, 6);
     for (int R : {1, 16}) { printf("ref 12288 R %d: %.2f us (events)\n", R, time_us(b, R, reps, [&](int c, int r) { launch_ref<4096, 4>(b, c, r); })); }
-    run_wg<4096, 4, 1, 4, false>(b, "12288x4096", reps);
-    run_wg<4096, 4, 2, 4, false>(b, "12288x4096", reps);
-    run_wg<4096, 4, 4, 4, false>(b, "12288x4096", reps);
-    run_wg<4096, 4, 2, 2, false>(b, "12288x4096", reps);
-    run_wg<4096, 4, 1, 4, false, 3>(b, "12288x4096", reps);
-    run_wg<4096, 4, 2, 4, false, 3>(b, "12288x4096", reps);
-    run_wg<4096, 4, 1, 2, false, 4>(b, "12288x4096", reps);
+    run_wg<4096, 4, 1, 4>(b, "12288x4096", reps);
+    run_wg<4096, 4, 2, 4>(b, "12288x4096", reps);
+    run_wg<4096, 4, 4, 4>(b, "12288x4096", reps);
+    run_wg<4096, 4, 2, 2>(b, "12288x4096", reps);
+    run_wg<4096, 4, 1, 4, 3>(b, "12288x4096", reps);
+    run_wg<4096, 4, 2, 4, 3>(b, "12288x4096", reps);
+    run_wg<4096, 4, 1, 2, 4>(b, "12288x4096", reps);
     free_bufs(b);
   }
   if (want("comp")) {   // arithmetic alone: no loads past the first D groups, no x staging (COMP 1),
                         // nor the barrier a group (COMP 2); the bits are then not the GEMM's
     Bufs b = make_bufs(12288, 4096, 6);
-    run_wg<4096, 4, 2, 4, false, 3, 1>(b, "comp 12288x4096", reps);
-    run_wg<4096, 4, 2, 4, false, 3, 2>(b, "comp 12288x4096", reps);
-    run_wg<4096, 4, 1, 4, false, 3, 2>(b, "comp 12288x4096", reps);
-    run_wg<4096, 4, 4, 4, false, 3, 2>(b, "comp 12288x4096", reps);
+    run_wg<4096, 4, 2, 4, 3, 1>(b, "comp 12288x4096", reps);
+    run_wg<4096, 4, 2, 4, 3, 2>(b, "comp 12288x4096", reps);
+    run_wg<4096, 4, 1, 4, 3, 2>(b, "comp 12288x4096", reps);
+    run_wg<4096, 4, 4, 4, 3, 2>(b, "comp 12288x4096", reps);
     free_bufs(b);
   }
   if (want("batch")) {
@@ -598,27 +597,27 @@ int main(int argc, char** argv) {
   }
   if (want("24576")) {
     Bufs b = make_bufs(24576, 4096, 3);
-    run_wg<4096, 2, 1, 4, false>(b, "24576x4096", reps);
-    run_wg<4096, 2, 2, 4, false>(b, "24576x4096", reps);
+    run_wg<4096, 2, 1, 4>(b, "24576x4096", reps);
+    run_wg<4096, 2, 2, 4>(b, "24576x4096", reps);
     free_bufs(b);
   }
   if (want("6144")) {
     Bufs b = make_bufs(6144, 4096, 8);
-    run_wg<4096, 8, 1, 4, false>(b, "6144x4096", reps);
-    run_wg<4096, 8, 2, 4, false>(b, "6144x4096", reps);
-    run_wg<4096, 8, 4, 4, false>(b, "6144x4096", reps);
+    run_wg<4096, 8, 1, 4>(b, "6144x4096", reps);
+    run_wg<4096, 8, 2, 4>(b, "6144x4096", reps);
+    run_wg<4096, 8, 4, 4>(b, "6144x4096", reps);
     free_bufs(b);
   }
   if (want("4096x4096")) {
     Bufs b = make_bufs(4096, 4096, 8);
-    run_wg<4096, 8, 1, 4, false>(b, "4096x4096", reps);
-    run_wg<4096, 8, 2, 4, false>(b, "4096x4096", reps);
+    run_wg<4096, 8, 1, 4>(b, "4096x4096", reps);
+    run_wg<4096, 8, 2, 4>(b, "4096x4096", reps);
     free_bufs(b);
   }
   if (want("4096x12288")) {
     Bufs b = make_bufs(4096, 12288, 6);
-    run_wg<12288, 8, 1, 4, false>(b, "4096x12288", reps);
-    run_wg<12288, 8, 2, 4, false>(b, "4096x12288", reps);
+    run_wg<12288, 8, 1, 4>(b, "4096x12288", reps);
+    run_wg<12288, 8, 2, 4>(b, "4096x12288", reps);
     free_bufs(b);
   }
   return 0;
@@ -627,6 +626,6 @@ int main(int argc, char** argv) {
 #ifndef WG_MINB
 #define WG_MINB 1
 #endif
-template __global__ void wg_q4<4096, 4, 2, 16, 4, false, WG_MINB>(const __nv_bfloat16*, const unsigned int*, const __nv_bfloat16*,
+template __global__ void wg_q4<4096, 4, 2, 16, 4, WG_MINB>(const __nv_bfloat16*, const unsigned int*, const __nv_bfloat16*,
     const __nv_bfloat16*, float*, int*, __nv_bfloat16*, int, int);
 #endif

@@ -5,24 +5,17 @@
 EVENTS.txt is the probe's stdout under ncu (its "mismatches" lines, in launch order); each maximal
 run of consecutive wg_q4 launches in the CSV is one of those lines: the first launch is the bit
 check, the rest are the timed ones (median reported, µs)."""
-import csv
 import re
 import statistics
 import sys
 
+from ncu_csv import ncu_rows, ncu_us
+
 
 def main(events: str, path: str) -> None:
     lines = [l.rstrip() for l in open(events) if "mismatches" in l]
-    rows = []
-    with open(path) as f:
-        text = [l for l in f if l.startswith('"')]
-    for r in csv.DictReader(text):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        v = float(r["Metric Value"].replace(",", ""))
-        unit = r.get("Metric Unit", "ns")
-        us = v / 1000.0 if unit in ("ns", "nsecond") else v * (1000.0 if unit in ("ms", "msecond") else 1.0)
-        rows.append((r["Kernel Name"], us))
+    rows = [(r["Kernel Name"], ncu_us(r)) for r in ncu_rows(path)
+            if r["Metric Name"] == "gpu__time_duration.sum"]
     runs, last = [], None
     for name, us in rows:
         if name.startswith(("void wg_q4", "wg_q4", "void wg_comp", "wg_comp")):
