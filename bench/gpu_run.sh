@@ -874,6 +874,21 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
+  s28a)     # session 28: row_attn_tcg (each warp its own rows; group blocks fold 16 spans) -- its
+            # bit-identity test and the attention tests on CUDA (TLIMIT), then launch plans timed at
+            # 1k / 8k / 32k keys (ncu writes its CSV at exit only: LIMIT must cover the whole run)
+    timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "attention and (group_blocks or row_exact or split or merge)" 2>&1 | tee "$out/test_attn28.log" | tail -4
+    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,g2,g4,g8} TAG=attn28 LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  attn-rows)   # issue 3: row_attention (partials + merge) against MLX's sdpa at 1k / 8k / 32k keys and
+               # M = 1, 2, 4, 8, 16, device time by ncu (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL, ATTN_REPS)
+    timeout ${LIMIT:-300} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
+        python3 bench/gpu_attn_rows.py > "$out/${TAG:-attn_rows}.csv" 2> "$out/${TAG:-attn_rows}.err"
+    tail -5 "$out/${TAG:-attn_rows}.err"
+    python3 bench/gpu_attn_rows.py --report "$out/${TAG:-attn_rows}.csv" | tee "$out/${TAG:-attn_rows}.md"
+    ;;
   floorx)   # bench/gpu_cp_floor.py with FLOOR_VARIANTS / FLOOR_ROWS / FLOOR_SHAPES as given
     floor "floor_${TAG:-x}" ${LIMIT:-300}
     ;;

@@ -123,7 +123,7 @@ def test_moe_ops_take_the_composition_where_the_kernels_do_not_fit(launches):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_decode_step_launches_match_their_kernels(launches, dtype):
+def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     """The dense decode step's CUDA wrappers (GEMMs with and without the residual, attention,
     q/k norm + RoPE with and without the in-place KV write): the same checks, across the plans
     the wrappers pick for a tensor-core dtype and for fp32."""
@@ -139,6 +139,10 @@ def test_decode_step_launches_match_their_kernels(launches, dtype):
     q = mx.ones((1, H, 2, hd), dtype)
     kc, vc = mx.zeros((1, Hk, cap, hd), dtype), mx.zeros((1, Hk, cap, hd), dtype)
     K.row_attention(q, kc, vc, 5, hd ** -0.5)
+    for plan in ("g4", "s2"):       # row_attn_tcg's group and span blocks (bit-identical plans)
+        monkeypatch.setattr(_cuda, "attn_impl", plan)
+        K.row_attention(mx.ones((1, H, 16, hd), dtype), kc, vc, 5, hd ** -0.5)
+    monkeypatch.setattr(_cuda, "attn_impl", None)
     qkv = mx.ones((1, 2, (H + 2 * Hk) * hd), dtype)
     inv = mx.ones((hd // 2,), mx.float32)
     norm = mx.ones((hd,), dtype)
@@ -148,5 +152,23 @@ def test_decode_step_launches_match_their_kernels(launches, dtype):
     names = {lc["name"] for lc in launches}
     assert {"qk_norm_rope", "qk_norm_rope_kv"} <= names, names
     assert any(n.startswith("row_attn") for n in names) and any(n.startswith("row_qmm") for n in names)
+    if dtype == mx.bfloat16:        # tensor-core attention: row_attn_tc, and row_attn_tcg where asked
+        assert {"row_attn_tc", "row_attn_tcg"} <= names, names
+        tcg = [lc for lc in launches if lc["name"] == "row_attn_tcg"]
+        assert [dict(lc["template"])["SPB"] for lc in tcg] == [16, 1]
+        merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
+        assert [m["PRE"] for m in merges] == [False, True, False]
     for lc in launches:
         _check(lc)
+
+
+def test_attention_launch_plan_follows_the_measurements(monkeypatch):
+    """Group blocks (row_attn_tcg, SPB 16, 4 warps) where the H200 measured them faster: from about
+    a block an SM with more than 4 rows a KV head; row_attn_tc's span blocks elsewhere. Any plan
+    gives the same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
+    monkeypatch.setattr(_cuda, "attn_impl", None)
+    plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
+    assert plan(1, 32768) is None and plan(16, 1024) is None and plan(8, 8192) is None
+    assert plan(2, 32768) == plan(16, 32768) == plan(16, 8192) == (16, 4, _cuda.ATTN_TCG_BUFFERS)
+    monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
+    assert plan(1, 1024) == (1, 2, 3)

@@ -342,6 +342,32 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
         assert np.array_equal(got, ref), (M, off)
 
 
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's attention launch plans")
+@pytest.mark.parametrize("B,Hq,Hkv,D,dtype", [(1, 32, 8, 128, mx.bfloat16), (2, 12, 4, 80, mx.float16),
+                                              (1, 8, 1, 64, mx.bfloat16)])
+def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, monkeypatch):
+    """row_attn_tcg (a block folds a group's 16 spans itself, for 8..64 query rows) gives every
+    row the bits of row_attn_tc's span blocks + the merge's fold: whatever the plan, the row
+    count, where the rows sit against span and group edges, or the capacity."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("attn-tcg", B, Hq, Hkv, D, str(dtype))
+    cap = 3 * 1024 + 300
+    k, v = rand(rng, (B, Hkv, cap, D), dtype), rand(rng, (B, Hkv, cap, D), dtype)
+    st = mx.default_stream(mx.gpu)
+    n = 0
+    for M, off in ((1, 0), (1, 1023), (1, 1024), (2, 1022), (3, 2047), (5, 64 * 20 - 2),
+                   (16, 1024 - 8), (16, cap - 16), (7, cap - 7 - 100)):
+        q = rand(rng, (B, Hq, M, D), dtype)
+        monkeypatch.setattr(_cuda, "attn_impl", "span")
+        ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+        for plan in ("g1", "g2", "g4.3", "g8", "s1", "s2.3", "s4", "s8", None):
+            monkeypatch.setattr(_cuda, "attn_impl", plan)
+            got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+            assert np.array_equal(got, ref), (M, off, plan)
+            n += 1
+    assert n == 81
+
 # ---------------------------------------------------------------- dense matmul
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

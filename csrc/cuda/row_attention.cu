@@ -27,8 +27,12 @@
 //           mc = max_j s_j;  e_j = expf(s_j - mc) rounded to T (the mma's input type)
 //           lc = butterfly sum over the warp of (e_lane + e_lane+32), from the rounded e
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
+// Kernel row_attn_tcg (where row_attn_tc applies; _cuda.attn_tcg_plan picks it): the same span
+// arithmetic with each warp taking 8 query rows alone; with SPB = 16 a block also folds a group's
+// spans itself (the merge's formula and order) and writes the group result, which the merge
+// takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
 // Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
-// batch of 16 groups, then warp 0 merges the batch's group results in order.
+// batch of MW groups, then warp 0 merges the batch's group results in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
@@ -293,24 +297,243 @@ for (int r0 = 0; r0 < R; r0 += 8) {
   }
 }
 
+// @@body row_attn_tcg
+// inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (T), offset [1] int32, scale_f [1] float32
+// output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
+//         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
+// template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (warps: 8-row tiles a
+//           block), NB (K/V buffers), SPB (spans a block: 1 or 16)
+// launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
+//         dynamic shared memory (NB*2*64*(D+8) + NW*8*72) * 2 (_cuda.attn_tcg_smem)
+// row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
+// rows, b*HKV + kv head) stages each span's K and V for all its warps (NB buffers), and warp w
+// alone takes rows 8w .. 8w+7 through the block's spans: the same mma chains as row_attn_tc
+// (scores over D, weights over keys), the same softmax (mc a max, order-free; lc
+// row_attn_tc's butterfly tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8
+// inside a lane, l ^ 4, 2, 1 across lanes). SPB 1 writes the span partial as row_attn_tc does.
+// SPB 16 folds the group's spans (capped at each row's span) in order with row_attn_merge's
+// formula, in registers, from (-inf, 0, 0), and writes the state a merge warp reaches for that
+// group: row_attn_merge (PRE) folds these as its group results. Either way the bits of
+// row_attn_tc + row_attn_merge, without a block barrier between a warp's rows.
+constexpr int SPAN = 64;
+constexpr int KST = D + 8;
+constexpr int PST = 72;                             // a warp's weights [8][PST]
+constexpr int G = HQ / HKV;
+constexpr int DV = D / 8;
+constexpr int NDT = D / 16;
+constexpr int NTH = 32 * NW;
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
+              "row_attn_tcg: plan");
+extern __shared__ float sm[];
+const int lane = threadIdx.x & 31;
+const int warp = threadIdx.x >> 5;
+const int g8 = lane >> 2, t4 = lane & 3;
+T* kvs = reinterpret_cast<T*>(sm);                  // NB buffers of (K, V), SPAN x KST each
+T* pw = kvs + NB * 2 * SPAN * KST + warp * 8 * PST;
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
+const int R = G * M;
+const int nrb = (R + 8 * NW - 1) / (8 * NW);
+const int blk = blockIdx.x / nrb;
+const int r0 = (blockIdx.x % nrb) * 8 * NW + 8 * warp;   // this warp's rows
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int off = offset[0];
+const int maxp = min(off + M - 1, cap - 1);
+const int sg = blk * SPB;
+if (sg * SPAN > maxp) return; // uniform over the block
+const int se = min(sg + SPB, maxp / SPAN + 1);
+const bool act = r0 < R;                            // uniform over the warp
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+auto load_kv = [&](int s) {                         // span s, as row_attn_tc stages it
+  if (s < se) {
+    T* ks = kvs + (s % NB) * 2 * SPAN * KST;
+    T* vs = ks + SPAN * KST;
+    const int s0 = s * SPAN;
+    const int nk = min(SPAN, maxp + 1 - s0);
+    for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
+      const int j = e / DV, x = (e % DV) * 8;
+      if (j < nk) {
+        const size_t src = kvbase + (size_t)(s0 + j) * D + x;
+        tf_cp_async16(ks + j * KST + x, k + src);
+        tf_cp_async16(vs + j * KST + x, v + src);
+      } else {
+        *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+  tf_cp_async_commit();
+};
+#pragma unroll
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
+unsigned int qf[NDT][2];                            // B fragments of rows r0 + g8 (zeros past R)
+{
+  const int r = r0 + g8;
+  const T* qr = r < R ? q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + 2 * t4 : nullptr;
+#pragma unroll
+  for (int st = 0; st < NDT; ++st) {
+    qf[st][0] = qr ? *reinterpret_cast<const unsigned int*>(qr + 16 * st) : 0u;
+    qf[st][1] = qr ? *reinterpret_cast<const unsigned int*>(qr + 16 * st + 8) : 0u;
+  }
+}
+int pr[2];                                          // rows r0 + 2 t4 + h of the C fragments
+bool rok[2];
+float mrun[2], lrun[2];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int r = r0 + 2 * t4 + h;
+  pr[h] = off + r % M;
+  rok[h] = r < R && pr[h] < cap;
+  mrun[h] = TF_NEG_INF;
+  lrun[h] = 0.0f;
+}
+const float scale = scale_f[0];
+float o[NDT][4];
+#pragma unroll
+for (int dt = 0; dt < NDT; ++dt) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+}
+for (int s = sg; s < se; ++s) {
+  __syncthreads();                                  // span s - 1 done: its buffer may be refilled
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<NB - 1>();
+  __syncthreads();                                  // span s staged
+  if (!act) continue;
+  const T* ks = kvs + (s % NB) * 2 * SPAN * KST;
+  const T* vs = ks + SPAN * KST;
+  const int s0 = s * SPAN;
+  float c[4][4];                                    // scores: key 16 kt + 8 (i >> 1) + g8, row 2 t4 + (i & 1)
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[kt][i] = 0.0f;
+  }
+#pragma unroll
+  for (int st = 0; st < NDT; ++st) {
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const T* ka = ks + (16 * kt + g8) * KST + 2 * t4 + 16 * st;
+      unsigned int a[4];
+      a[0] = *reinterpret_cast<const unsigned int*>(ka);
+      a[1] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST);
+      a[2] = *reinterpret_cast<const unsigned int*>(ka + 8);
+      a[3] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST + 8);
+      tf_mma(c[kt], a, qf[st], T());
+    }
+  }
+  float fa[2], fb[2];
+  bool fold[2];
+  __syncwarp();                                     // the previous span's reads of pw done
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {                     // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
+    const int p = pr[h];
+    float sv[8], mc = TF_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sv[j] = s0 + g8 + 8 * j <= p ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
+      mc = fmaxf(mc, sv[j]);
+    }
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 4));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 8));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
+    float ef[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      T e = tf_from_float<T>(0.0f);
+      if (s0 + g8 + 8 * j <= p) e = tf_from_float<T>(expf(__fsub_rn(sv[j], mc)));
+      ef[j] = tf_to_float(e);
+      pw[(2 * t4 + h) * PST + g8 + 8 * j] = e;
+    }
+    // lane l = g8 + 8 j' of row_attn_tc's butterfly holds e_l + e_{l+32} = ef[j'] + ef[j' + 4]
+    const float w0 = __fadd_rn(__fadd_rn(ef[0], ef[4]), __fadd_rn(ef[2], ef[6]));   // l ^ 16
+    const float w1 = __fadd_rn(__fadd_rn(ef[1], ef[5]), __fadd_rn(ef[3], ef[7]));
+    float lc = __fadd_rn(w0, w1);                                                    // l ^ 8
+    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 16));                       // l ^ 4
+    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 8));                        // l ^ 2
+    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 4));                        // l ^ 1
+    fold[h] = rok[h] && p >= s0;
+    const float mn = fmaxf(mrun[h], mc);            // row_attn_merge's fold of (mc, lc)
+    fa[h] = expf(__fsub_rn(mrun[h], mn));
+    fb[h] = expf(__fsub_rn(mc, mn));
+    if (SPB == 1) {
+      mrun[h] = mc;
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
+    }
+  }
+  __syncwarp();                                     // the weights written
+  const int mi = lane >> 3, rr = lane & 7;
+  const T* pb = pw + g8 * PST + 2 * t4;
+#pragma unroll
+  for (int dt = 0; dt < NDT; ++dt) {                // o[d] of d tile dt: row_attn_tc's chain, then the fold
+    float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const T* va = vs + (rr + ((mi >> 1) << 3)) * KST + 16 * dt + ((mi & 1) << 3);
+#pragma unroll
+    for (int st = 0; st < SPAN / 16; ++st) {
+      unsigned int a[4], bb[2];
+      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(va + 16 * st * KST));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+      bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
+      bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
+      tf_mma(cv, a, bb, T());
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (SPB == 1) {
+        o[dt][h] = cv[h];
+        o[dt][2 + h] = cv[2 + h];
+      } else if (fold[h]) {
+        o[dt][h] = __fmaf_rn(cv[h], fb[h], __fmul_rn(o[dt][h], fa[h]));
+        o[dt][2 + h] = __fmaf_rn(cv[2 + h], fb[h], __fmul_rn(o[dt][2 + h], fa[h]));
+      }
+    }
+  }
+}
+if (act) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {                     // the block's result, for every row that saw it
+    const int r = r0 + 2 * t4 + h;
+    if (rok[h] && pr[h] >= sg * SPAN) {
+      float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
+#pragma unroll
+      for (int dt = 0; dt < NDT; ++dt) {
+        dst[16 * dt + g8] = o[dt][h];
+        dst[16 * dt + g8 + 8] = o[dt][2 + h];
+      }
+      if (g8 == 0) {
+        dst[D] = mrun[h];
+        dst[D + 1] = lrun[h];
+      }
+    }
+  }
+}
+
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
-// output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC
-// launch: grid (B*HQ*M*ceil(D/DC)*512, 1, 1), threadgroup (512, 1, 1), dynamic shared memory
-//         16*(DC+2)*4.
+// output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC, MW (warps: groups merged side by
+//         side; any count gives the same bits), PRE (part holds the group results, [.., ngrp,
+//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below)
+// launch: grid (B*HQ*M*ceil(D/DC)*32*MW, 1, 1), threadgroup (32*MW, 1, 1), dynamic shared memory
+//         MW*(DC+2)*4.
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
 constexpr int GS = 16;                              // spans per group
-constexpr int MW = 16;                              // warps: groups merged side by side
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
 extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
-const int nspan = part_shape[1];
 const int cap = k_shape[2];
+const int nstride = part_shape[1];                  // partials a row: spans, or groups (PRE)
+const int nspan = PRE ? (cap + SPAN - 1) / SPAN : nstride;
 const int row = blockIdx.x / NDB;
 const int c0 = (blockIdx.x % NDB) * DC;             // this block's first column
 const int lane = threadIdx.x & 31;
@@ -323,11 +546,40 @@ if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
 }
 const int ns = min(p / SPAN + 1, nspan);
 const int ng = (ns + GS - 1) / GS;
-const float* src = part + (size_t)row * nspan * (D + 2);
+const float* src = part + (size_t)row * nstride * (D + 2);
 float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
 #pragma unroll
 for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
-for (int gb = 0; gb < ng; gb += MW) {
+if (PRE && warp == 0) {         // the group results folded in order, as warp 0 does below
+  for (int s = 0; s < ng; s += U) {
+    float pm[U], pl[U], po[U][NT];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s + u < ng) {
+        const float* x = src + (size_t)(s + u) * (D + 2);
+        pm[u] = x[D];
+        pl[u] = x[D + 1];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int d = lane + 32 * t;
+          po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s + u < ng) {
+        const float mn = fmaxf(m2, pm[u]);
+        const float fa = expf(__fsub_rn(m2, mn)), fb = expf(__fsub_rn(pm[u], mn));
+        l2 = __fadd_rn(__fmul_rn(l2, fa), __fmul_rn(pl[u], fb));
+#pragma unroll
+        for (int t = 0; t < NT; ++t) o2[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(o2[t], fa));
+        m2 = mn;
+      }
+    }
+  }
+}
+for (int gb = 0; gb < (PRE ? 0 : ng); gb += MW) {
   const int grp = gb + warp;
   if (grp < ng) {
     float m = TF_NEG_INF, l = 0.0f, o[NT];

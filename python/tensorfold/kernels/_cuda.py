@@ -43,6 +43,7 @@ _KERNELS = {
     "row_mm_cp": (["x", "w"], ["out"], "row_gemm.cu"),
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
+    "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -577,24 +578,70 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
             32 * ATTN_WARPS, smem, 32 * NCH)
 
 
+ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
+ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
+# benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
+# blocks) with NW warps, ".<NB>" buffers optional (e.g. "g4.3")
+attn_impl = None
+
+
+def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
+    """Dynamic shared memory of row_attn_tcg: NB spans' K and V, and each warp's weights."""
+    return (NB * 2 * 64 * (D + 8) + NW * 8 * 72) * 2
+
+
+def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int] | None:
+    """(SPB, NW, NB) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+    HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
+    may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
+    between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
+    back; row_attn_tcg with SPB 16 (group blocks) gives each warp 8 rows alone and folds a group's
+    16 spans in the block, one partial a row and 1,024 keys, but runs a block's spans one after
+    another. Measured on the H200 (session 28, 32 / 8 heads, D = 128): group blocks with 4 warps
+    win where the launch has about a block an SM -- 32k keys from 2 rows (16 rows: 267 -> 112
+    us), 8k keys at 16 rows (87 -> 50 us) -- and lose below (1k keys: 46-50 us against 12-50)."""
+    impl = attn_impl
+    if impl is None:
+        if R <= 4 or -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv < 128:
+            return None
+        impl = "g4"
+    if impl == "span":
+        return None
+    nw, _, nb = impl[1:].partition(".")
+    return (16 if impl[0] == "g" else 1), int(nw), int(nb or ATTN_TCG_BUFFERS)
+
+
 def attention(q, k, v, offset, scale, stream):
     B, HQ, M, D = q.shape
     HKV, cap = k.shape[1], k.shape[2]
     name, template, threads, smem, span = _attn_launch(q.dtype, k.dtype, v.dtype, D, HQ, HKV)
     nspan = -(-cap // span)
+    plan = attn_tcg_plan(HQ // HKV * M, cap, B * HKV) if name == "row_attn_tc" else None
+    pre = plan is not None and plan[0] > 1      # the partials are group results
+    if plan is not None:
+        spb, nw, nb = plan
+        nspan = -(-cap // (span * spb))
+        name, threads = "row_attn_tcg", 32 * nw
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
+        smem = attn_tcg_smem(D, nw, nb)
+        grid = nspan * -(-(HQ // HKV * M) // (8 * nw)) * threads
+    else:
+        grid = nspan * threads
     part = _kernel(name, smem)(
         inputs=[q, k, v, offset, _scale_array(scale)],
         template=list(template),
-        grid=(nspan * threads, B * HKV, 1), threadgroup=(threads, 1, 1),
+        grid=(grid, B * HKV, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
         stream=stream,
     )[0]
     dc = ATTN_MERGE_COLS or D
-    out = _kernel("row_attn_merge", ATTN_MERGE_WARPS * (dc + 2) * 4)(
+    # warps a merge block: one for group results, else one a group of the capacity, up to 16
+    mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (16 * span)))
+    out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc)],
-        grid=(B * HQ * M * -(-D // dc) * 32 * ATTN_MERGE_WARPS, 1, 1),
-        threadgroup=(32 * ATTN_MERGE_WARPS, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre)],
+        grid=(B * HQ * M * -(-D // dc) * 32 * mw, 1, 1),
+        threadgroup=(32 * mw, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
     return out

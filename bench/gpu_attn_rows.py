@@ -1,0 +1,132 @@
+"""Device time of row_attention against MLX's sdpa at every row count (issue 3: attention at
+1k / 8k / 32k keys, M = 1, 2, 4, 8, 16), measured by Nsight Compute.
+
+On the H200 (after building the project there):
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        python3 bench/gpu_attn_rows.py > attn.csv
+    python3 bench/gpu_attn_rows.py --report attn.csv
+
+32 query / 8 KV heads, D = 128, bf16 (the 8B's attention). The M rows sit at the end of the
+cache (offset = keys - M), the offset a device array as in the compiled step. Every kernel runs
+alone with cold caches (ncu flushes them before each replay). Between cases a marker kernel names
+the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
+row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
+kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+from ncu_csv import ncu_rows, ncu_us
+
+KEYS = [int(v) for v in os.environ.get("ATTN_KEYS", "1024,8192,32768").split(",")]
+ROWS = [int(v) for v in os.environ.get("ATTN_ROWS", "1,2,4,8,16").split(",")]
+REPS = int(os.environ.get("ATTN_REPS", "5"))
+HQ, HKV, D = 32, 8, 128
+
+
+def marker(mx, tag: str):
+    k = mx.fast.cuda_kernel(name=f"tfmark_{tag}", input_names=["a"], output_names=["o"],
+                            source="o[0] = a[0];")
+    mx.eval(k(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+              output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+
+
+def run():
+    import mlx.core as mx
+    from tensorfold import kernels as K
+    from tensorfold.kernels import _cuda
+    impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
+    scale = D ** -0.5
+    bad = 0
+    for L in KEYS:
+        marker(mx, "setup")
+        k = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
+        v = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
+        mx.eval(k, v)
+        for M in ROWS:
+            marker(mx, "setup")
+            q = mx.random.normal((1, HQ, M, D)).astype(mx.bfloat16)
+            off = (mx.array([L - M, 0, 0, 0], mx.int32) + 0)[:1]
+            mx.eval(q, off)
+            ref = K.row_attention(q, k, v, off, scale)
+            mx.eval(ref)
+            for impl in [None] + impls:
+                if impl is not None:
+                    marker(mx, "setup")
+                    _cuda.attn_impl = impl
+                    y = K.row_attention(q, k, v, off, scale)
+                    mx.eval(y)
+                    same = bool(mx.array_equal(y, ref).item())
+                    bad += not same
+                    print(f"L{L} M{M} {impl}: {'same bits' if same else 'MISMATCH'}", file=sys.stderr)
+                marker(mx, f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
+                for _ in range(REPS):
+                    mx.eval(K.row_attention(q, k, v, off, scale))
+                if impl is not None:
+                    _cuda.attn_impl = None
+            marker(mx, f"L{L}_M{M}_sdpa")
+            for _ in range(REPS):
+                mx.eval(mx.fast.scaled_dot_product_attention(
+                    q, k, v, scale=scale, mask="causal" if M > 1 else None))
+    marker(mx, "end")
+    if bad:
+        print(f"{bad} launch plans gave other bits", file=sys.stderr)
+
+
+def report(path):
+    cur, data = None, defaultdict(list)
+    for r in ncu_rows(path):
+        name = r.get("Kernel Name") or r.get("Function Name") or ""
+        if "tfmark_" in name:
+            cur = name.split("tfmark_")[1].split("(")[0].split("<")[0]
+            continue
+        if cur is None or cur in ("end", "setup"):
+            continue
+        impl = cur.split("_", 2)[2]
+        if ("row_attn" in name) != (impl != "sdpa") or (impl == "sdpa" and "sdpa" not in name.lower()):
+            continue    # the marker's input copy; the next case's inputs
+        short = name.split("(")[0].split("<")[0].replace("mlx::", "").replace("custom_kernel_tf_", "")
+        data[cur].append((short, ncu_us(r)))
+    impls = sorted({c.split("_", 2)[2] for c in data}, key=lambda s: (s == "sdpa", s != "ours", s))
+    print("| keys | M | " + " | ".join(f"{i} us" for i in impls) + " | ours / ours M=1 | sdpa / ours | ours kernels |")
+    print("|---|---|" + "---|" * len(impls) + "---|---|---|")
+    base = {}
+    for L in sorted({int(c.split("_")[0][1:]) for c in data}):
+        for M in sorted({int(c.split("_")[1][1:]) for c in data if c.startswith(f"L{L}_")}):
+            t, parts = {}, ""
+            for i in impls:
+                ks = data.get(f"L{L}_M{M}_{i}", [])
+                # a call's kernels: up to the first kernel's next launch
+                per = next((j for j in range(1, len(ks)) if ks[j][0] == ks[0][0]), len(ks))
+                calls = [ks[j:j + per] for j in range(0, len(ks), per)][:REPS]
+                if not ks or len(calls) < REPS or len(calls[-1]) < per:
+                    t[i] = float("nan")
+                    continue
+                t[i] = statistics.median(sum(u for _, u in c) for c in calls)
+                if i == "ours":
+                    parts = " + ".join(f"{n} {statistics.median(c[j][1] for c in calls):.1f}"
+                                       for j, (n, _) in enumerate(calls[0]))
+            if M == 1:
+                base[L] = t.get("ours")
+            rel = t["ours"] / base[L] if base.get(L) else float("nan")
+            print(f"| {L} | {M} | " + " | ".join(f"{t[i]:.1f}" for i in impls)
+                  + f" | {rel:.2f} | {t.get('sdpa', float('nan')) / t['ours']:.2f} | {parts} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--report")
+    a = ap.parse_args()
+    if a.report:
+        return report(a.report)
+    run()
+
+
+if __name__ == "__main__":
+    main()
