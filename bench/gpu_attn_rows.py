@@ -86,10 +86,11 @@ def report(path):
         if "tfmark_" in name:
             cur = name.split("tfmark_")[1].split("(")[0].split("<")[0]
             continue
-        if cur is None or cur in ("end", "setup"):
+        if cur is None or cur in ("end", "setup") or r["Metric Name"] != "gpu__time_duration.sum":
             continue
         impl = cur.split("_", 2)[2]
-        if ("row_attn" in name) != (impl != "sdpa") or (impl == "sdpa" and "sdpa" not in name.lower()):
+        mlx_sdpa = "sdpa" in name.lower() or "cudnn" in name.lower()    # its flash kernel and its reduction
+        if not (mlx_sdpa if impl == "sdpa" else "row_attn" in name):
             continue    # the marker's input copy; the next case's inputs
         short = name.split("(")[0].split("<")[0].replace("mlx::", "").replace("custom_kernel_tf_", "")
         data[cur].append((short, ncu_us(r)))

@@ -99,6 +99,9 @@
 #   bash bench/gpu_run.sh s27c      # session 27: xw0 (a block's warps share x through L1) at 16 rows
 #   bash bench/gpu_run.sh s27d      # session 27: wg_probe's wgmma kernel against the package's own
 #                                   # row_qmm_tc / row_qmm_cp outputs (bench/wg_probe_data.py)
+#   bash bench/gpu_run.sh attn-rows # row_attention vs MLX sdpa at 1k / 8k / 32k keys, M = 1..16 (ATTN_IMPL: plans)
+#   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
+#                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
 #    measured slower on five of six cases and was removed with its mode)
 #   (session 22 ran s22c / s22d: XE 3, x copied into the weight stages, measured no faster at 1 /
@@ -874,12 +877,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
-  s28a)     # session 28: row_attn_tcg (each warp its own rows; group blocks fold 16 spans) -- its
-            # bit-identity test and the attention tests on CUDA (TLIMIT), then launch plans timed at
-            # 1k / 8k / 32k keys (ncu writes its CSV at exit only: LIMIT must cover the whole run)
-    timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+  s28a)     # session 28: row_attn_tcg (each warp its own rows; group blocks fold 16 spans): its
+            # bit-identity test against row_attn_tc for every plan, and the attention tests on CUDA
+    timeout ${TLIMIT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         -k "attention and (group_blocks or row_exact or split or merge)" 2>&1 | tee "$out/test_attn28.log" | tail -4
-    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,g2,g4,g8} TAG=attn28 LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s28b)     # session 28, next call: launch plans timed at 1k / 8k / 32k keys, M = 1..16 (ncu writes
+            # its CSV at exit only: LIMIT covers the whole run; 6 plans x 3 reps took ~5 min)
+    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,s8,g4,g4.3} TAG=attn28 LIMIT=${LIMIT:-500} bash "$0" attn-rows
     ;;
   attn-rows)   # issue 3: row_attention (partials + merge) against MLX's sdpa at 1k / 8k / 32k keys and
                # M = 1, 2, 4, 8, 16, device time by ncu (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL, ATTN_REPS)

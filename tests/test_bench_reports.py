@@ -192,3 +192,38 @@ def test_wg_probe_report_pairs_runs_with_lines(tmp_path, capsys, monkeypatch):
     assert len(out) == 2 and "warning" not in " ".join(out)
     assert out[0].endswith("R  1: 0 bad; ncu median 25.00 us (n=3, min 24.00)")
     assert out[1].endswith("R 16: 3 bad; ncu median 32.00 us (n=1, min 32.00)")
+
+
+def test_attn_rows_report_sums_a_calls_kernels(tmp_path, capsys, monkeypatch):
+    """bench/gpu_attn_rows.py --report: a call is its kernels up to the first one's next launch
+    (partials + merge for ours, cuDNN's kernels for MLX), the case the median call; stray kernels
+    outside the cases (inputs made between markers) are left out, and a case short of calls is
+    NaN, never a partial sum."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("ATTN_REPS", "3")
+    sys.modules.pop("gpu_attn_rows", None)
+    gar = importlib.import_module("gpu_attn_rows")
+    mark = "mlx::custom_kernel_tfmark_{}(float const*, float*)"
+    part, merge = "mlx::custom_kernel_tf_row_attn_tc_bf16(x)", "mlx::custom_kernel_tf_row_attn_merge_bf16(x)"
+    tcg = "mlx::custom_kernel_tf_row_attn_tcg_bf16(x)"
+    sdpa = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop(x)"
+    L = [(mark.format("setup"), 1000, 0), ("mlx::rbitsc(x)", 50_000, 0)]
+    L += [(mark.format("L1024_M1_ours"), 1000, 0)]
+    for a, b in ((7_000, 5_000), (6_000, 4_000), (9_000, 9_000)):      # calls 12 / 10 / 18 -> 12
+        L += [(part, a, 0), (merge, b, 0)]
+    L += [("void mlx::copy_s<float>(x)", 3_000, 0)]                    # the next marker's input
+    L += [(mark.format("L1024_M1_g4b3"), 1000, 0)]
+    for a in (40_000, 41_000):                                          # 2 calls of 3: NaN
+        L += [(tcg, a, 0), (merge, 3_000, 0)]
+    L += [(mark.format("L1024_M1_sdpa"), 1000, 0)]
+    for a in (8_000, 9_000, 8_500):
+        L += [(sdpa, a, 0), ("void cudnn::lean_reduction_kernel(x)", 3_000, 0)]
+    L += [(mark.format("end"), 1000, 0)]
+    _ncu_csv(tmp_path / "a.csv", L)
+    gar.report(str(tmp_path / "a.csv"))
+    out = capsys.readouterr().out
+    row = [ln for ln in out.splitlines() if ln.startswith("| 1024 | 1 |")][0].split("|")
+    head = [c.strip() for c in out.splitlines()[0].split("|")]
+    cell = lambda name: row[head.index(name)].strip()  # noqa: E731
+    assert cell("ours us") == "12.0" and cell("g4b3 us") == "nan" and cell("sdpa us") == "11.5"
+    assert "row_attn_tc_bf16 7.0 + row_attn_merge_bf16 5.0" in out
