@@ -169,6 +169,6 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
     assert plan(1, 32768) is None and plan(16, 1024) is None and plan(8, 8192) is None
-    assert plan(2, 32768) == plan(16, 32768) == plan(16, 8192) == (16, 4, _cuda.ATTN_TCG_BUFFERS)
-    monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
-    assert plan(1, 1024) == (1, 2, 3)
+    assert plan(2, 32768) == plan(16, 32768) == plan(16, 8192) == (16, 4, _cuda.ATTN_TCG_BUFFERS, False)
+    monkeypatch.setattr(_cuda, "attn_impl", "s2.3i")
+    assert plan(1, 1024) == (1, 2, 3, True)

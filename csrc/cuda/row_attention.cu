@@ -302,7 +302,8 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
 //         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (warps: 8-row tiles a
-//           block), NB (K/V buffers), SPB (spans a block: 1 or 16)
+//           block), NB (K/V buffers), SPB (spans a block: 1 or 16), IL (a warp's value-tile
+//           chains issued side by side, step by step, instead of one after another: the same chains)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
 //         dynamic shared memory (NB*2*64*(D+8) + NW*8*72) * 2 (_cuda.attn_tcg_smem)
 // row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
@@ -469,20 +470,8 @@ for (int s = sg; s < se; ++s) {
   __syncwarp();                                     // the weights written
   const int mi = lane >> 3, rr = lane & 7;
   const T* pb = pw + g8 * PST + 2 * t4;
-#pragma unroll
-  for (int dt = 0; dt < NDT; ++dt) {                // o[d] of d tile dt: row_attn_tc's chain, then the fold
-    float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const T* va = vs + (rr + ((mi >> 1) << 3)) * KST + 16 * dt + ((mi & 1) << 3);
-#pragma unroll
-    for (int st = 0; st < SPAN / 16; ++st) {
-      unsigned int a[4], bb[2];
-      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(va + 16 * st * KST));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-      bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
-      bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
-      tf_mma(cv, a, bb, T());
-    }
+  const T* vb = vs + (rr + ((mi >> 1) << 3)) * KST + ((mi & 1) << 3);
+  auto put = [&](int dt, const float (&cv)[4]) {    // o of d tile dt: the span's, or folded
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (SPB == 1) {
@@ -492,6 +481,38 @@ for (int s = sg; s < se; ++s) {
         o[dt][h] = __fmaf_rn(cv[h], fb[h], __fmul_rn(o[dt][h], fa[h]));
         o[dt][2 + h] = __fmaf_rn(cv[2 + h], fb[h], __fmul_rn(o[dt][2 + h], fa[h]));
       }
+    }
+  };
+  auto pv = [&](int dt, int st, float (&cv)[4]) {   // one step of d tile dt's chain (row_attn_tc's)
+    unsigned int a[4], bb[2];
+    const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vb + 16 * st * KST + 16 * dt));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+    bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
+    bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
+    tf_mma(cv, a, bb, T());
+  };
+  if constexpr (IL) {                               // the NDT chains side by side, step by step
+    float cv[NDT][4];
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cv[dt][i] = 0.0f;
+    }
+#pragma unroll
+    for (int st = 0; st < SPAN / 16; ++st) {
+#pragma unroll
+      for (int dt = 0; dt < NDT; ++dt) pv(dt, st, cv[dt]);
+    }
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) put(dt, cv[dt]);
+  } else {                                          // one chain after another
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) {
+      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int st = 0; st < SPAN / 16; ++st) pv(dt, st, cv);
+      put(dt, cv);
     }
   }
 }

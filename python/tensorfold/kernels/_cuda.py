@@ -581,7 +581,7 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
-# blocks) with NW warps, ".<NB>" buffers optional (e.g. "g4.3")
+# blocks) with NW warps, ".<NB>" buffers optional, "i" for IL (e.g. "g4.3", "s4i")
 attn_impl = None
 
 
@@ -590,8 +590,8 @@ def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 * (D + 8) + NW * 8 * 72) * 2
 
 
-def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int] | None:
-    """(SPB, NW, NB) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | None:
+    """(SPB, NW, NB, IL) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
@@ -607,8 +607,9 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int] | None:
         impl = "g4"
     if impl == "span":
         return None
-    nw, _, nb = impl[1:].partition(".")
-    return (16 if impl[0] == "g" else 1), int(nw), int(nb or ATTN_TCG_BUFFERS)
+    il = impl.endswith("i")
+    nw, _, nb = impl[1:].rstrip("i").partition(".")
+    return (16 if impl[0] == "g" else 1), int(nw), int(nb or ATTN_TCG_BUFFERS), il
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -619,10 +620,10 @@ def attention(q, k, v, offset, scale, stream):
     plan = attn_tcg_plan(HQ // HKV * M, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
-        spb, nw, nb = plan
+        spb, nw, nb, il = plan
         nspan = -(-cap // (span * spb))
         name, threads = "row_attn_tcg", 32 * nw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("IL", il))
         smem = attn_tcg_smem(D, nw, nb)
         grid = nspan * -(-(HQ // HKV * M) // (8 * nw)) * threads
     else:
