@@ -30,51 +30,41 @@ REPS = int(os.environ.get("ATTN_REPS", "5"))
 HQ, HKV, D = 32, 8, 128
 
 
-def marker(mx, tag: str):
-    k = mx.fast.cuda_kernel(name=f"tfmark_{tag}", input_names=["a"], output_names=["o"],
-                            source="o[0] = a[0];")
-    mx.eval(k(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-              output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
-
-
 def run():
     import mlx.core as mx
+    from gpu_kernel_time import marker
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
     scale = D ** -0.5
     bad = 0
     for L in KEYS:
-        marker(mx, "setup")
+        marker("setup")
         k = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         mx.eval(k, v)
         for M in ROWS:
-            marker(mx, "setup")
+            marker("setup")
             q = mx.random.normal((1, HQ, M, D)).astype(mx.bfloat16)
-            off = (mx.array([L - M, 0, 0, 0], mx.int32) + 0)[:1]
-            mx.eval(q, off)
+            off = _cuda.device_array([L - M], mx.int32)     # as the compiled step's offset
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
+                _cuda.attn_impl = impl
                 if impl is not None:
-                    marker(mx, "setup")
-                    _cuda.attn_impl = impl
-                    y = K.row_attention(q, k, v, off, scale)
-                    mx.eval(y)
-                    same = bool(mx.array_equal(y, ref).item())
+                    marker("setup")
+                    same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
                     bad += not same
                     print(f"L{L} M{M} {impl}: {'same bits' if same else 'MISMATCH'}", file=sys.stderr)
-                marker(mx, f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
+                marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     mx.eval(K.row_attention(q, k, v, off, scale))
-                if impl is not None:
-                    _cuda.attn_impl = None
-            marker(mx, f"L{L}_M{M}_sdpa")
+            _cuda.attn_impl = None
+            marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
                 mx.eval(mx.fast.scaled_dot_product_attention(
                     q, k, v, scale=scale, mask="causal" if M > 1 else None))
-    marker(mx, "end")
+    marker("end")
     if bad:
         print(f"{bad} launch plans gave other bits", file=sys.stderr)
 

@@ -342,7 +342,6 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
         assert np.array_equal(got, ref), (M, off)
 
 
-
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's attention launch plans")
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype", [(1, 32, 8, 128, mx.bfloat16), (2, 12, 4, 80, mx.float16),
                                               (1, 8, 1, 64, mx.bfloat16)])
@@ -367,6 +366,7 @@ def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, mon
             assert np.array_equal(got, ref), (M, off, plan)
             n += 1
     assert n == 99
+
 
 # ---------------------------------------------------------------- dense matmul
 

@@ -617,7 +617,8 @@ def attention(q, k, v, offset, scale, stream):
     HKV, cap = k.shape[1], k.shape[2]
     name, template, threads, smem, span = _attn_launch(q.dtype, k.dtype, v.dtype, D, HQ, HKV)
     nspan = -(-cap // span)
-    plan = attn_tcg_plan(HQ // HKV * M, cap, B * HKV) if name == "row_attn_tc" else None
+    R = HQ // HKV * M                           # query rows a KV head
+    plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
         spb, nw, nb, il = plan
@@ -625,7 +626,7 @@ def attention(q, k, v, offset, scale, stream):
         name, threads = "row_attn_tcg", 32 * nw
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("IL", il))
         smem = attn_tcg_smem(D, nw, nb)
-        grid = nspan * -(-(HQ // HKV * M) // (8 * nw)) * threads
+        grid = nspan * -(-R // (8 * nw)) * threads
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
