@@ -100,6 +100,7 @@
 #   bash bench/gpu_run.sh s27d      # session 27: wg_probe's wgmma kernel against the package's own
 #                                   # row_qmm_tc / row_qmm_cp outputs (bench/wg_probe_data.py)
 #   bash bench/gpu_run.sh attn-rows # row_attention vs MLX sdpa at 1k / 8k / 32k keys, M = 1..16 (ATTN_IMPL: plans)
+#   bash bench/gpu_run.sh attn-ncu        # ncu full set on row_attn_tcg (ATTN_KEYS / ATTN_ROWS / ATTN_IMPL)
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -885,6 +886,16 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s28b)     # session 28, next call: launch plans timed at 1k / 8k / 32k keys, M = 1..16 (ncu writes
             # its CSV at exit only: LIMIT covers the whole run; 6 plans x 3 reps took ~5 min)
     ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,s4i,g4,g4i,g4.3} TAG=attn28 LIMIT=${LIMIT:-500} bash "$0" attn-rows
+    ;;
+  attn-ncu)    # Nsight Compute's full set on row_attn_tcg launches (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL;
+               # each case runs one bit check and ATTN_REPS timed calls): details + SASS stall counts
+    ATTN_REPS=${ATTN_REPS:-1} timeout ${LIMIT:-240} ncu --set full --kernel-name regex:"${PROF_KERNEL:-row_attn_tcg}" \
+        -c ${COUNT:-8} -f -o "$out/${TAG:-attnprof}" python3 bench/gpu_attn_rows.py > "$out/${TAG:-attnprof}.log" 2>&1
+    tail -3 "$out/${TAG:-attnprof}.log"
+    ncu --import "$out/${TAG:-attnprof}.ncu-rep" --print-details all > "$out/${TAG:-attnprof}_details.txt" 2>&1
+    ncu --import "$out/${TAG:-attnprof}.ncu-rep" --page source --print-source sass --csv \
+        > "$out/${TAG:-attnprof}_sass.csv" 2>&1
+    ls -la "$out"
     ;;
   attn-rows)   # issue 3: row_attention (partials + merge) against MLX's sdpa at 1k / 8k / 32k keys and
                # M = 1, 2, 4, 8, 16, device time by ncu (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL, ATTN_REPS)

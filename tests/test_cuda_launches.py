@@ -164,11 +164,13 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Group blocks (row_attn_tcg, SPB 16, 4 warps) where the H200 measured them faster: from about
-    a block an SM with more than 4 rows a KV head; row_attn_tc's span blocks elsewhere. Any plan
-    gives the same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
+    a block an SM with more than 4 rows a KV head; below that, span blocks with each warp on its
+    own rows (SPB 1, 4 warps) from 16 rows a KV head; row_attn_tc elsewhere. Any plan gives the
+    same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
-    assert plan(1, 32768) is None and plan(16, 1024) is None and plan(8, 8192) is None
+    assert plan(1, 32768) is None and plan(1, 1024) is None and plan(2, 8192) is None
     assert plan(2, 32768) == plan(16, 32768) == plan(16, 8192) == (16, 4, _cuda.ATTN_TCG_BUFFERS, False)
+    assert plan(4, 1024) == plan(16, 1024) == plan(8, 8192) == (1, 4, _cuda.ATTN_TCG_BUFFERS, False)
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3i")
     assert plan(1, 1024) == (1, 2, 3, True)

@@ -323,6 +323,8 @@ constexpr int G = HQ / HKV;
 constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NTH = 32 * NW;
+constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
+constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
 static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
               "row_attn_tcg: plan");
 extern __shared__ float sm[];
@@ -353,15 +355,26 @@ auto load_kv = [&](int s) {                         // span s, as row_attn_tc st
     T* vs = ks + SPAN * KST;
     const int s0 = s * SPAN;
     const int nk = min(SPAN, maxp + 1 - s0);
-    for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
-      const int j = e / DV, x = (e % DV) * 8;
-      if (j < nk) {
-        const size_t src = kvbase + (size_t)(s0 + j) * D + x;
-        tf_cp_async16(ks + j * KST + x, k + src);
-        tf_cp_async16(vs + j * KST + x, v + src);
-      } else {
-        *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+    if (FIXED && nk == SPAN) {                      // a full span: this thread's column, every RS-th row
+      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
+      const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
+      const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + j0 * KST + x));
+      tf_unroll<SPAN / RS>([&](auto i) {            // offsets in the copy instructions
+        constexpr int B = sizeof(T);
+        tf_cp_async16s<i.value * RS * D * B>(kd + i.value * RS * KST * B, k + src);
+        tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
+      });
+    } else {
+      for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
+        const int j = e / DV, x = (e % DV) * 8;
+        if (j < nk) {
+          const size_t src = kvbase + (size_t)(s0 + j) * D + x;
+          tf_cp_async16(ks + j * KST + x, k + src);
+          tf_cp_async16(vs + j * KST + x, v + src);
+        } else {
+          *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+        }
       }
     }
   }
@@ -412,18 +425,14 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[kt][i] = 0.0f;
   }
+  const T* kl = ks + (lane & 15) * KST + ((lane >> 4) << 3);   // ldmatrix rows: row_attn_tc's A fragments
 #pragma unroll
   for (int st = 0; st < NDT; ++st) {
+    unsigned int a[4][4];
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const T* ka = ks + (16 * kt + g8) * KST + 2 * t4 + 16 * st;
-      unsigned int a[4];
-      a[0] = *reinterpret_cast<const unsigned int*>(ka);
-      a[1] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST);
-      a[2] = *reinterpret_cast<const unsigned int*>(ka + 8);
-      a[3] = *reinterpret_cast<const unsigned int*>(ka + 8 * KST + 8);
-      tf_mma(c[kt], a, qf[st], T());
-    }
+    for (int kt = 0; kt < 4; ++kt) tf_ldmatrix4(kl + 16 * kt * KST + 16 * st, a[kt]);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) tf_mma(c[kt], a[kt], qf[st], T());
   }
   float fa[2], fb[2];
   bool fold[2];
@@ -442,9 +451,9 @@ for (int s = sg; s < se; ++s) {
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
     float ef[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      T e = tf_from_float<T>(0.0f);
-      if (s0 + g8 + 8 * j <= p) e = tf_from_float<T>(expf(__fsub_rn(sv[j], mc)));
+    for (int j = 0; j < 8; ++j) {                   // expf taken for every key, kept for the visible
+      const float x = expf(__fsub_rn(sv[j], mc));   // (no branch a key: the same values)
+      const T e = tf_from_float<T>(s0 + g8 + 8 * j <= p ? x : 0.0f);
       ef[j] = tf_to_float(e);
       pw[(2 * t4 + h) * PST + g8 + 8 * j] = e;
     }

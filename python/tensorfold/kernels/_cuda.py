@@ -595,16 +595,24 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | No
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
-    back; row_attn_tcg with SPB 16 (group blocks) gives each warp 8 rows alone and folds a group's
-    16 spans in the block, one partial a row and 1,024 keys, but runs a block's spans one after
-    another. Measured on the H200 (session 28, 32 / 8 heads, D = 128): group blocks with 4 warps
-    win where the launch has about a block an SM -- 32k keys from 2 rows (16 rows: 267 -> 112
-    us), 8k keys at 16 rows (87 -> 50 us) -- and lose below (1k keys: 46-50 us against 12-50)."""
+    back; row_attn_tcg gives each warp 8 rows alone: with SPB 1 (span blocks) it writes the span
+    partials as row_attn_tc does, with SPB 16 (group blocks) it folds a group's 16 spans in the
+    block, one partial a row and 1,024 keys, but runs a block's spans one after another.
+    Measured on the H200 (sessions 28-29, 32 / 8 heads, D = 128): group blocks with 4 warps win
+    where the launch has about a block an SM -- 32k keys from 2 rows (16 rows: 267 -> 112 us),
+    8k keys at 16 rows (87 -> 50 us) -- and lose below (1k keys: 46-50 us against 12-50); span
+    blocks with 4 warps win below that from 16 rows a KV head (1k keys, 16 rows: 31.7 -> 15.3 us;
+    8k keys, 8 rows: 45.3 -> 37.2) and tie or lose at 8 (8k keys: 25.4 against 23.3)."""
     impl = attn_impl
     if impl is None:
-        if R <= 4 or -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv < 128:
+        if R <= 4:
             return None
-        impl = "g4"
+        if -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv >= 128:
+            impl = "g4"
+        elif R >= 16:
+            impl = "s4"
+        else:
+            return None
     if impl == "span":
         return None
     il = impl.endswith("i")
