@@ -138,6 +138,7 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     H, Hk, hd, cap = 4, 2, 64, 256
     q = mx.ones((1, H, 2, hd), dtype)
     kc, vc = mx.zeros((1, Hk, cap, hd), dtype), mx.zeros((1, Hk, cap, hd), dtype)
+    monkeypatch.setattr(_cuda, "attn_impl", "span")     # row_attn_tc (the default takes row_attn_tcg)
     K.row_attention(q, kc, vc, 5, hd ** -0.5)
     for plan in ("g4", "s2"):       # row_attn_tcg's group and span blocks (bit-identical plans)
         monkeypatch.setattr(_cuda, "attn_impl", plan)
@@ -163,14 +164,15 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
 
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
-    """Group blocks (row_attn_tcg, SPB 16, 4 warps) where the H200 measured them faster: from about
-    a block an SM with more than 4 rows a KV head; below that, span blocks with each warp on its
-    own rows (SPB 1, 4 warps) from 16 rows a KV head; row_attn_tc elsewhere. Any plan gives the
-    same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
+    """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
+    an SM: 4 warps, or 8 at 64 rows a KV head once 4-warp blocks would pass three an SM; span
+    blocks with each warp on its own rows (SPB 1, 4 warps) below, at any row count. Any plan gives
+    the same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
-    assert plan(1, 32768) is None and plan(1, 1024) is None and plan(2, 8192) is None
-    assert plan(2, 32768) == plan(16, 32768) == plan(16, 8192) == (16, 4, _cuda.ATTN_TCG_BUFFERS, False)
-    assert plan(4, 1024) == plan(16, 1024) == plan(8, 8192) == (1, 4, _cuda.ATTN_TCG_BUFFERS, False)
+    nb = _cuda.ATTN_TCG_BUFFERS
+    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(8, 8192) == (1, 4, nb, False)
+    assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, False)
+    assert plan(16, 32768) == (16, 8, nb, False)
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3i")
     assert plan(1, 1024) == (1, 2, 3, True)

@@ -598,21 +598,18 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | No
     back; row_attn_tcg gives each warp 8 rows alone: with SPB 1 (span blocks) it writes the span
     partials as row_attn_tc does, with SPB 16 (group blocks) it folds a group's 16 spans in the
     block, one partial a row and 1,024 keys, but runs a block's spans one after another.
-    Measured on the H200 (sessions 28-29, 32 / 8 heads, D = 128): group blocks with 4 warps win
-    where the launch has about a block an SM -- 32k keys from 2 rows (16 rows: 267 -> 112 us),
-    8k keys at 16 rows (87 -> 50 us) -- and lose below (1k keys: 46-50 us against 12-50); span
-    blocks with 4 warps win below that from 16 rows a KV head (1k keys, 16 rows: 31.7 -> 15.3 us;
-    8k keys, 8 rows: 45.3 -> 37.2) and tie or lose at 8 (8k keys: 25.4 against 23.3)."""
+    Measured on the H200 (session 29, 32 / 8 heads, D = 128, bench/gpu_attn_rows.py, us):
+    - group blocks win where the launch has at least about a block an SM (4 warps: 32k keys at
+      1 row 45.5 against row_attn_tc's 53.9, 16 rows 116.7 against 269.1; 8k keys at 16 rows
+      39.1 against 74.8), with 8 warps once 4-warp blocks would pass three an SM at 64 rows
+      (32k keys, 16 rows: 98.8 against 116.7; 8k keys, 16 rows: 50.3 against 39.1);
+    - span blocks with 4 warps win below that at any row count (1k keys: 10.8 / 10.9 / 11.8 /
+      14.8 at 1 / 4 / 8 / 16 rows against 11.8 / 14.6 / 20.6 / 31.8; 8k keys: 21.0 / 25.7 /
+      36.2 against 22.0 / 30.4 / 45.3)."""
     impl = attn_impl
     if impl is None:
-        if R <= 4:
-            return None
-        if -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv >= 128:
-            impl = "g4"
-        elif R >= 16:
-            impl = "s4"
-        else:
-            return None
+        blocks = -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv     # of 4-warp group blocks
+        impl = "s4" if blocks < 128 else ("g8" if R > 32 and blocks > 384 else "g4")
     if impl == "span":
         return None
     il = impl.endswith("i")
