@@ -450,10 +450,10 @@ for (int s = sg; s < se; ++s) {
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 8));
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
     float ef[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {                   // expf taken for every key, kept for the visible
-      const float x = expf(__fsub_rn(sv[j], mc));   // (no branch a key: the same values)
-      const T e = tf_from_float<T>(s0 + g8 + 8 * j <= p ? x : 0.0f);
+    const float mz = mc == TF_NEG_INF ? 0.0f : mc; // a masked key's sv is -inf: expf gives it +0,
+#pragma unroll                                      // as row_attn_tc's branch does (no branch a key)
+    for (int j = 0; j < 8; ++j) {
+      const T e = tf_from_float<T>(expf(__fsub_rn(sv[j], mz)));
       ef[j] = tf_to_float(e);
       pw[(2 * t4 + h) * PST + g8 + 8 * j] = e;
     }

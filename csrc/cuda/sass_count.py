@@ -10,7 +10,7 @@ cuobjdump (not in the CUDA toolkit this image has: `pip download --no-deps nvidi
 and unzip it; CUOBJDUMP names the binary). Without --from / --to it prints the block barriers,
 copy waits and backward branches with their addresses (a loop runs from a backward branch's
 target to the branch), then the opcode counts of the address range [from, to).
-Session 29: row_attn_tcg's span loop at D = 128, 4 warps, SPB 16 went ~1,070 -> ~700
+Session 29: row_attn_tcg's span loop at D = 128, 4 warps, SPB 16 went ~1,070 -> ~680
 instructions a warp (bench/gpu_attn_rows.py: 1k keys at one row 47.8 -> 32.9 us).
 """
 

@@ -602,7 +602,8 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | No
     - group blocks win where the launch has at least about a block an SM (4 warps: 32k keys at
       1 row 45.5 against row_attn_tc's 53.9, 16 rows 116.7 against 269.1; 8k keys at 16 rows
       39.1 against 74.8), with 8 warps once 4-warp blocks would pass three an SM at 64 rows
-      (32k keys, 16 rows: 98.8 against 116.7; 8k keys, 16 rows: 50.3 against 39.1);
+      (32k keys, 16 rows: 98.8 against 116.7, and 80.4 against 122.7 once the kernel fit 128
+      registers, two 8-warp blocks an SM; 8k keys, 16 rows: 48.9 against 37.4);
     - span blocks with 4 warps win below that at any row count (1k keys: 10.8 / 10.9 / 11.8 /
       14.8 at 1 / 4 / 8 / 16 rows against 11.8 / 14.6 / 20.6 / 31.8; 8k keys: 21.0 / 25.7 /
       36.2 against 22.0 / 30.4 / 45.3)."""
