@@ -101,6 +101,7 @@
 #                                   # row_qmm_tc / row_qmm_cp outputs (bench/wg_probe_data.py)
 #   bash bench/gpu_run.sh attn-rows # row_attention vs MLX sdpa at 1k / 8k / 32k keys, M = 1..16 (ATTN_IMPL: plans)
 #   bash bench/gpu_run.sh attn-ncu        # ncu full set on row_attn_tcg (ATTN_KEYS / ATTN_ROWS / ATTN_IMPL)
+#   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -877,6 +878,15 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-200} python3 bench/wg_probe_data.py /tmp/wgd $shapes 2>&1 | tee "$out/wg27d.txt"
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
+    ;;
+  s29a)     # session 29's final kernel (128 registers) and default (row_attn_tcg at every row count):
+            # the attention tests on CUDA, then tinycode end to end (drafted == serial, resumed == fresh)
+    timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "attention and (group_blocks or row_exact or split or merge)" 2>&1 | tee "$out/test_attn29.log" | tail -4
+    timeout 150 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact29.txt" | tail -3
+    ;;
+  s29b)     # session 29, next call: the final default timed at M = 1..16 next to every plan it chooses from
+    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s4,g4,g8} TAG=attn29d LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
   s28a)     # session 28: row_attn_tcg (each warp its own rows; group blocks fold 16 spans): its
             # bit-identity test against row_attn_tc for every plan, and the attention tests on CUDA
