@@ -885,8 +885,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         -k "attention and (group_blocks or row_exact or split or merge)" 2>&1 | tee "$out/test_attn29.log" | tail -4
     timeout 150 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact29.txt" | tail -3
     ;;
-  s29b)     # session 29, next call: the final default timed at M = 1..16 next to every plan it chooses from
-    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s4,g4,g8} TAG=attn29d LIMIT=${LIMIT:-400} bash "$0" attn-rows
+  s29b)     # session 29, next call: the final default timed at M = 1..16 next to every plan it chooses
+            # from, and the untimed two-spans-a-step plans (g4w, g8w)
+    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s4,g4,g8,g4w,g8w} TAG=attn29d LIMIT=${LIMIT:-420} bash "$0" attn-rows
     ;;
   s28a)     # session 28: row_attn_tcg (each warp its own rows; group blocks fold 16 spans): its
             # bit-identity test against row_attn_tc for every plan, and the attention tests on CUDA

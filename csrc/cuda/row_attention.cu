@@ -302,10 +302,12 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
 //         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (warps: 8-row tiles a
-//           block), NB (K/V buffers), SPB (spans a block: 1 or 16), IL (a warp's value-tile
-//           chains issued side by side, step by step, instead of one after another: the same chains)
+//           block), NB (K/V buffers, >= 2 PW), SPB (spans a block: 1 or 16), IL (a warp's
+//           value-tile chains issued side by side, step by step, instead of one after another:
+//           the same chains), PW (spans a warp takes a step, 1 or 2 with SPB 16: two spans'
+//           independent chains side by side, folded in order)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
-//         dynamic shared memory (NB*2*64*(D+8) + NW*8*72) * 2 (_cuda.attn_tcg_smem)
+//         dynamic shared memory (NB*2*64*(D+8) + NW*PW*8*72) * 2 (_cuda.attn_tcg_smem)
 // row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
 // rows, b*HKV + kv head) stages each span's K and V for all its warps (NB buffers), and warp w
 // alone takes rows 8w .. 8w+7 through the block's spans: the same mma chains as row_attn_tc
@@ -325,14 +327,14 @@ constexpr int NDT = D / 16;
 constexpr int NTH = 32 * NW;
 constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
 constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
-              "row_attn_tcg: plan");
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 * PW && (SPB == 1 || SPB == 16) &&
+              (PW == 1 || (PW == 2 && SPB == 16 && !IL)), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int g8 = lane >> 2, t4 = lane & 3;
 T* kvs = reinterpret_cast<T*>(sm);                  // NB buffers of (K, V), SPAN x KST each
-T* pw = kvs + NB * 2 * SPAN * KST + warp * 8 * PST;
+T* pw = kvs + NB * 2 * SPAN * KST + warp * PW * 8 * PST;   // PW spans' weights
 const int M = q_shape[2];
 const int cap = k_shape[2];
 const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
@@ -381,7 +383,7 @@ auto load_kv = [&](int s) {                         // span s, as row_attn_tc st
   tf_cp_async_commit();
 };
 #pragma unroll
-for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
+for (int i = 0; i < NB - PW; ++i) load_kv(sg + i);
 unsigned int qf[NDT][2];                            // B fragments of rows r0 + g8 (zeros past R)
 {
   const int r = r0 + g8;
@@ -410,89 +412,98 @@ for (int dt = 0; dt < NDT; ++dt) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
 }
-for (int s = sg; s < se; ++s) {
-  __syncthreads();                                  // span s - 1 done: its buffer may be refilled
-  load_kv(s + NB - 1);
-  tf_cp_async_wait<NB - 1>();
-  __syncthreads();                                  // span s staged
+for (int s = sg; s < se; s += PW) {
+  __syncthreads();                                  // spans s - PW .. s - 1 done: their buffers may be refilled
+#pragma unroll
+  for (int u = 0; u < PW; ++u) load_kv(s + NB - PW + u);
+  tf_cp_async_wait<NB - PW>();
+  __syncthreads();                                  // spans s .. s + PW - 1 staged
   if (!act) continue;
-  const T* ks = kvs + (s % NB) * 2 * SPAN * KST;
-  const T* vs = ks + SPAN * KST;
-  const int s0 = s * SPAN;
-  float c[4][4];                                    // scores: key 16 kt + 8 (i >> 1) + g8, row 2 t4 + (i & 1)
+  float c[PW][4][4];                                // scores: key 16 kt + 8 (i >> 1) + g8, row 2 t4 + (i & 1)
 #pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
+  for (int u = 0; u < PW; ++u) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[kt][i] = 0.0f;
-  }
-  const T* kl = ks + (lane & 15) * KST + ((lane >> 4) << 3);   // ldmatrix rows: row_attn_tc's A fragments
+    for (int kt = 0; kt < 4; ++kt) {
 #pragma unroll
-  for (int st = 0; st < NDT; ++st) {
-    unsigned int a[4][4];
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) tf_ldmatrix4(kl + 16 * kt * KST + 16 * st, a[kt]);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) tf_mma(c[kt], a[kt], qf[st], T());
-  }
-  float fa[2], fb[2];
-  bool fold[2];
-  __syncwarp();                                     // the previous span's reads of pw done
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {                     // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
-    const int p = pr[h];
-    float sv[8], mc = TF_NEG_INF;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sv[j] = s0 + g8 + 8 * j <= p ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
-      mc = fmaxf(mc, sv[j]);
+      for (int i = 0; i < 4; ++i) c[u][kt][i] = 0.0f;
     }
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 4));
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 8));
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
-    float ef[8];
-    const float mz = mc == TF_NEG_INF ? 0.0f : mc; // a masked key's sv is -inf: expf gives it +0,
-#pragma unroll                                      // as row_attn_tc's branch does (no branch a key)
-    for (int j = 0; j < 8; ++j) {
-      const T e = tf_from_float<T>(expf(__fsub_rn(sv[j], mz)));
-      ef[j] = tf_to_float(e);
-      pw[(2 * t4 + h) * PST + g8 + 8 * j] = e;
+  }
+#pragma unroll
+  for (int u = 0; u < PW; ++u) {                    // ldmatrix rows: row_attn_tc's A fragments
+    const T* kl = kvs + ((s + u) % NB) * 2 * SPAN * KST + (lane & 15) * KST + ((lane >> 4) << 3);
+#pragma unroll
+    for (int st = 0; st < NDT; ++st) {
+      unsigned int a[4][4];
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) tf_ldmatrix4(kl + 16 * kt * KST + 16 * st, a[kt]);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) tf_mma(c[u][kt], a[kt], qf[st], T());
     }
-    // lane l = g8 + 8 j' of row_attn_tc's butterfly holds e_l + e_{l+32} = ef[j'] + ef[j' + 4]
-    const float w0 = __fadd_rn(__fadd_rn(ef[0], ef[4]), __fadd_rn(ef[2], ef[6]));   // l ^ 16
-    const float w1 = __fadd_rn(__fadd_rn(ef[1], ef[5]), __fadd_rn(ef[3], ef[7]));
-    float lc = __fadd_rn(w0, w1);                                                    // l ^ 8
-    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 16));                       // l ^ 4
-    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 8));                        // l ^ 2
-    lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 4));                        // l ^ 1
-    fold[h] = rok[h] && p >= s0;
-    const float mn = fmaxf(mrun[h], mc);            // row_attn_merge's fold of (mc, lc)
-    fa[h] = expf(__fsub_rn(mrun[h], mn));
-    fb[h] = expf(__fsub_rn(mc, mn));
-    if (SPB == 1) {
-      mrun[h] = mc;
-      lrun[h] = lc;
-    } else if (fold[h]) {
-      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
-      mrun[h] = mn;
+  }
+  float fa[PW][2], fb[PW][2];
+  bool fold[PW][2];
+  __syncwarp();                                     // the previous spans' reads of pw done
+#pragma unroll
+  for (int u = 0; u < PW; ++u) {                    // span s + u, folded after span s + u - 1
+    const int s0 = (s + u) * SPAN;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {                   // row 2 t4 + h; key g8 + 8 j is c[u][j >> 1][2 (j & 1) + h]
+      const int p = pr[h];
+      float sv[8], mc = TF_NEG_INF;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sv[j] = s0 + g8 + 8 * j <= p ? __fmul_rn(c[u][j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
+        mc = fmaxf(mc, sv[j]);
+      }
+      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 4));
+      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 8));
+      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
+      float ef[8];
+      const float mz = mc == TF_NEG_INF ? 0.0f : mc;   // a masked key's sv is -inf: expf gives it +0,
+#pragma unroll                                        // as row_attn_tc's branch does (no branch a key)
+      for (int j = 0; j < 8; ++j) {
+        const T e = tf_from_float<T>(expf(__fsub_rn(sv[j], mz)));
+        ef[j] = tf_to_float(e);
+        pw[(u * 8 + 2 * t4 + h) * PST + g8 + 8 * j] = e;
+      }
+      // lane l = g8 + 8 j' of row_attn_tc's butterfly holds e_l + e_{l+32} = ef[j'] + ef[j' + 4]
+      const float w0 = __fadd_rn(__fadd_rn(ef[0], ef[4]), __fadd_rn(ef[2], ef[6]));   // l ^ 16
+      const float w1 = __fadd_rn(__fadd_rn(ef[1], ef[5]), __fadd_rn(ef[3], ef[7]));
+      float lc = __fadd_rn(w0, w1);                                                    // l ^ 8
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 16));                       // l ^ 4
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 8));                        // l ^ 2
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 4));                        // l ^ 1
+      fold[u][h] = rok[h] && p >= s0 && (PW == 1 || s + u < se);
+      const float mn = fmaxf(mrun[h], mc);          // row_attn_merge's fold of (mc, lc)
+      fa[u][h] = expf(__fsub_rn(mrun[h], mn));
+      fb[u][h] = expf(__fsub_rn(mc, mn));
+      if (SPB == 1) {
+        mrun[h] = mc;
+        lrun[h] = lc;
+      } else if (fold[u][h]) {
+        lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[u][h]), __fmul_rn(lc, fb[u][h]));
+        mrun[h] = mn;
+      }
     }
   }
   __syncwarp();                                     // the weights written
   const int mi = lane >> 3, rr = lane & 7;
-  const T* pb = pw + g8 * PST + 2 * t4;
-  const T* vb = vs + (rr + ((mi >> 1) << 3)) * KST + ((mi & 1) << 3);
-  auto put = [&](int dt, const float (&cv)[4]) {    // o of d tile dt: the span's, or folded
+  auto put = [&](int u, int dt, const float (&cv)[4]) {   // o of d tile dt: span s + u's, or folded
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (SPB == 1) {
         o[dt][h] = cv[h];
         o[dt][2 + h] = cv[2 + h];
-      } else if (fold[h]) {
-        o[dt][h] = __fmaf_rn(cv[h], fb[h], __fmul_rn(o[dt][h], fa[h]));
-        o[dt][2 + h] = __fmaf_rn(cv[2 + h], fb[h], __fmul_rn(o[dt][2 + h], fa[h]));
+      } else if (fold[u][h]) {
+        o[dt][h] = __fmaf_rn(cv[h], fb[u][h], __fmul_rn(o[dt][h], fa[u][h]));
+        o[dt][2 + h] = __fmaf_rn(cv[2 + h], fb[u][h], __fmul_rn(o[dt][2 + h], fa[u][h]));
       }
     }
   };
-  auto pv = [&](int dt, int st, float (&cv)[4]) {   // one step of d tile dt's chain (row_attn_tc's)
+  auto pv = [&](int u, int dt, int st, float (&cv)[4]) {   // one step of d tile dt's chain (row_attn_tc's)
+    const T* pb = pw + (u * 8 + g8) * PST + 2 * t4;
+    const T* vb = kvs + ((s + u) % NB) * 2 * SPAN * KST + SPAN * KST + (rr + ((mi >> 1) << 3)) * KST
+                  + ((mi & 1) << 3);
     unsigned int a[4], bb[2];
     const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vb + 16 * st * KST + 16 * dt));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -511,17 +522,26 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
     for (int st = 0; st < SPAN / 16; ++st) {
 #pragma unroll
-      for (int dt = 0; dt < NDT; ++dt) pv(dt, st, cv[dt]);
+      for (int dt = 0; dt < NDT; ++dt) pv(0, dt, st, cv[dt]);
     }
 #pragma unroll
-    for (int dt = 0; dt < NDT; ++dt) put(dt, cv[dt]);
-  } else {                                          // one chain after another
+    for (int dt = 0; dt < NDT; ++dt) put(0, dt, cv[dt]);
+  } else {                                          // one chain after another (a span's beside the next's)
 #pragma unroll
     for (int dt = 0; dt < NDT; ++dt) {
-      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float cv[PW][4];
 #pragma unroll
-      for (int st = 0; st < SPAN / 16; ++st) pv(dt, st, cv);
-      put(dt, cv);
+      for (int u = 0; u < PW; ++u) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cv[u][i] = 0.0f;
+      }
+#pragma unroll
+      for (int st = 0; st < SPAN / 16; ++st) {
+#pragma unroll
+        for (int u = 0; u < PW; ++u) pv(u, dt, st, cv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < PW; ++u) put(u, dt, cv[u]);
     }
   }
 }

@@ -581,17 +581,18 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
-# blocks) with NW warps, ".<NB>" buffers optional, "i" for IL (e.g. "g4.3", "s4i")
+# blocks) with NW warps, ".<NB>" buffers optional, "i" for IL, "w" for PW = 2 (group blocks; 4
+# buffers unless given) (e.g. "g4.3", "s4i", "g4w")
 attn_impl = None
 
 
-def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
-    """Dynamic shared memory of row_attn_tcg: NB spans' K and V, and each warp's weights."""
-    return (NB * 2 * 64 * (D + 8) + NW * 8 * 72) * 2
+def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, PW: int = 1) -> int:
+    """Dynamic shared memory of row_attn_tcg: NB spans' K and V, and each warp's weights of PW spans."""
+    return (NB * 2 * 64 * (D + 8) + NW * PW * 8 * 72) * 2
 
 
-def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | None:
-    """(SPB, NW, NB, IL) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool, int] | None:
+    """(SPB, NW, NB, IL, PW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
@@ -613,9 +614,10 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool] | No
         impl = "s4" if blocks < 128 else ("g8" if R > 32 and blocks > 384 else "g4")
     if impl == "span":
         return None
-    il = impl.endswith("i")
-    nw, _, nb = impl[1:].rstrip("i").partition(".")
-    return (16 if impl[0] == "g" else 1), int(nw), int(nb or ATTN_TCG_BUFFERS), il
+    flags = impl[len(impl.rstrip("iw")):]
+    nw, _, nb = impl[1:len(impl) - len(flags)].partition(".")
+    pw = 2 if "w" in flags else 1
+    return (16 if impl[0] == "g" else 1), int(nw), int(nb or 2 * pw), "i" in flags, pw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -627,11 +629,11 @@ def attention(q, k, v, offset, scale, stream):
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
-        spb, nw, nb, il = plan
+        spb, nw, nb, il, pw = plan
         nspan = -(-cap // (span * spb))
         name, threads = "row_attn_tcg", 32 * nw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("IL", il))
-        smem = attn_tcg_smem(D, nw, nb)
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("IL", il), ("PW", pw))
+        smem = attn_tcg_smem(D, nw, nb, pw)
         grid = nspan * -(-R // (8 * nw)) * threads
     else:
         grid = nspan * threads
