@@ -178,3 +178,7 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == (1, 2, 3, True, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4w")      # two spans a warp step: four buffers
     assert plan(1, 1024) == (16, 4, 4, False, 2)
+    for bad in ("s4w", "g4iw", "g4.3w"):                # what the kernel's static_assert refuses
+        monkeypatch.setattr(_cuda, "attn_impl", bad)
+        with pytest.raises(ValueError, match="group blocks"):
+            plan(1, 1024)

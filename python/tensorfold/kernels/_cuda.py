@@ -617,7 +617,11 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool, int]
     flags = impl[len(impl.rstrip("iw")):]
     nw, _, nb = impl[1:len(impl) - len(flags)].partition(".")
     pw = 2 if "w" in flags else 1
-    return (16 if impl[0] == "g" else 1), int(nw), int(nb or 2 * pw), "i" in flags, pw
+    nb = int(nb or 2 * pw)
+    if pw > 1 and (impl[0] != "g" or "i" in flags or nb < 4):
+        raise ValueError(f"row_attn_tcg plan {impl!r}: two spans a step ('w') are for group blocks, "
+                         "without 'i', with at least 4 buffers")
+    return (16 if impl[0] == "g" else 1), int(nw), nb, "i" in flags, pw
 
 
 def attention(q, k, v, offset, scale, stream):
