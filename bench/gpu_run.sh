@@ -896,7 +896,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s28b)     # session 28, next call: launch plans timed at 1k / 8k / 32k keys, M = 1..16 (ncu writes
             # its CSV at exit only: LIMIT covers the whole run; 6 plans x 3 reps took ~5 min)
-    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,s4i,g4,g4i,g4.3} TAG=attn28 LIMIT=${LIMIT:-500} bash "$0" attn-rows
+    ATTN_REPS=${ATTN_REPS:-3} ATTN_IMPL=${ATTN_IMPL:-span,s2,s4,g4,g4.3} TAG=attn28 LIMIT=${LIMIT:-500} bash "$0" attn-rows
     ;;
   attn-ncu)    # Nsight Compute's full set on row_attn_tcg launches (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL;
                # each case runs one bit check and ATTN_REPS timed calls): details + SASS stall counts

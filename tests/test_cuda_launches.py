@@ -171,14 +171,14 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
-    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(8, 8192) == (1, 4, nb, False, 1)
-    assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, False, 1)
-    assert plan(16, 32768) == (16, 8, nb, False, 1)
-    monkeypatch.setattr(_cuda, "attn_impl", "s2.3i")
-    assert plan(1, 1024) == (1, 2, 3, True, 1)
+    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(8, 8192) == (1, 4, nb, 1)
+    assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, 1)
+    assert plan(16, 32768) == (16, 8, nb, 1)
+    monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
+    assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4w")      # two spans a warp step: four buffers
-    assert plan(1, 1024) == (16, 4, 4, False, 2)
-    for bad in ("s4w", "g4iw", "g4.3w"):                # what the kernel's static_assert refuses
+    assert plan(1, 1024) == (16, 4, 4, 2)
+    for bad in ("s4w", "g4.3w"):                # what the kernel's static_assert refuses
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="group blocks"):
             plan(1, 1024)

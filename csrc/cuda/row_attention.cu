@@ -302,10 +302,10 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
 //         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (warps: 8-row tiles a
-//           block), NB (K/V buffers, >= 2 PW), SPB (spans a block: 1 or 16), IL (a warp's
-//           value-tile chains issued side by side, step by step, instead of one after another:
-//           the same chains), PW (spans a warp takes a step, 1 or 2 with SPB 16: two spans'
-//           independent chains side by side, folded in order)
+//           block), NB (K/V buffers, >= 2 PW), SPB (spans a block: 1 or 16), PW (spans a warp
+//           takes a step, 1 or 2 with SPB 16: two spans' independent chains side by side,
+//           folded in order). (IL, a warp's value-tile chains side by side, measured no faster
+//           in session 29, was removed.)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
 //         dynamic shared memory (NB*2*64*(D+8) + NW*PW*8*72) * 2 (_cuda.attn_tcg_smem)
 // row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
@@ -328,7 +328,7 @@ constexpr int NTH = 32 * NW;
 constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
 constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
 static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 * PW && (SPB == 1 || SPB == 16) &&
-              (PW == 1 || (PW == 2 && SPB == 16 && !IL)), "row_attn_tcg: plan");
+              (PW == 1 || (PW == 2 && SPB == 16)), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -512,37 +512,22 @@ for (int s = sg; s < se; s += PW) {
     bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
     tf_mma(cv, a, bb, T());
   };
-  if constexpr (IL) {                               // the NDT chains side by side, step by step
-    float cv[NDT][4];
+  // d tile by d tile: a span's value chain beside the next span's (PW 2), then the folds in order
 #pragma unroll
-    for (int dt = 0; dt < NDT; ++dt) {
+  for (int dt = 0; dt < NDT; ++dt) {
+    float cv[PW][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cv[dt][i] = 0.0f;
+    for (int u = 0; u < PW; ++u) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cv[u][i] = 0.0f;
     }
 #pragma unroll
     for (int st = 0; st < SPAN / 16; ++st) {
 #pragma unroll
-      for (int dt = 0; dt < NDT; ++dt) pv(0, dt, st, cv[dt]);
+      for (int u = 0; u < PW; ++u) pv(u, dt, st, cv[u]);
     }
 #pragma unroll
-    for (int dt = 0; dt < NDT; ++dt) put(0, dt, cv[dt]);
-  } else {                                          // one chain after another (a span's beside the next's)
-#pragma unroll
-    for (int dt = 0; dt < NDT; ++dt) {
-      float cv[PW][4];
-#pragma unroll
-      for (int u = 0; u < PW; ++u) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cv[u][i] = 0.0f;
-      }
-#pragma unroll
-      for (int st = 0; st < SPAN / 16; ++st) {
-#pragma unroll
-        for (int u = 0; u < PW; ++u) pv(u, dt, st, cv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < PW; ++u) put(u, dt, cv[u]);
-    }
+    for (int u = 0; u < PW; ++u) put(u, dt, cv[u]);
   }
 }
 if (act) {

@@ -581,8 +581,8 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
-# blocks) with NW warps, ".<NB>" buffers optional, "i" for IL, "w" for PW = 2 (group blocks; 4
-# buffers unless given) (e.g. "g4.3", "s4i", "g4w")
+# blocks) with NW warps, ".<NB>" buffers optional, "w" for PW = 2 (group blocks; 4 buffers
+# unless given) (e.g. "g4.3", "s2", "g4w")
 attn_impl = None
 
 
@@ -591,8 +591,8 @@ def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, PW: int = 1) -> i
     return (NB * 2 * 64 * (D + 8) + NW * PW * 8 * 72) * 2
 
 
-def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool, int] | None:
-    """(SPB, NW, NB, IL, PW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
+    """(SPB, NW, NB, PW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
@@ -614,14 +614,13 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, bool, int]
         impl = "s4" if blocks < 128 else ("g8" if R > 32 and blocks > 384 else "g4")
     if impl == "span":
         return None
-    flags = impl[len(impl.rstrip("iw")):]
-    nw, _, nb = impl[1:len(impl) - len(flags)].partition(".")
-    pw = 2 if "w" in flags else 1
+    pw = 2 if impl.endswith("w") else 1
+    nw, _, nb = impl[1:len(impl) - (pw > 1)].partition(".")
     nb = int(nb or 2 * pw)
-    if pw > 1 and (impl[0] != "g" or "i" in flags or nb < 4):
-        raise ValueError(f"row_attn_tcg plan {impl!r}: two spans a step ('w') are for group blocks, "
-                         "without 'i', with at least 4 buffers")
-    return (16 if impl[0] == "g" else 1), int(nw), nb, "i" in flags, pw
+    if pw > 1 and (impl[0] != "g" or nb < 4):
+        raise ValueError(f"row_attn_tcg plan {impl!r}: two spans a step ('w') are for group blocks "
+                         "with at least 4 buffers")
+    return (16 if impl[0] == "g" else 1), int(nw), nb, pw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -633,10 +632,10 @@ def attention(q, k, v, offset, scale, stream):
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
-        spb, nw, nb, il, pw = plan
+        spb, nw, nb, pw = plan
         nspan = -(-cap // (span * spb))
         name, threads = "row_attn_tcg", 32 * nw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("IL", il), ("PW", pw))
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("PW", pw))
         smem = attn_tcg_smem(D, nw, nb, pw)
         grid = nspan * -(-R // (8 * nw)) * threads
     else:
