@@ -39,6 +39,25 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma,
 // tf_put_partial, tf_merge_partial,
 // TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
+// One span's K and V rows s0 .. s0 + nk - 1 into shared rows of KST elements (cp.async, the
+// block's NTH threads), rows nk .. SPAN - 1 zeroed: row_attn_tc's staging, and row_attn_tcg's
+// for a partial span or a head size whose 16-byte columns do not divide its threads
+template <typename T, int D, int KST, int SPAN, int NTH>
+__device__ __forceinline__ void tf_stage_kv(T* ks, T* vs, const T* k, const T* v, size_t kvbase,
+                                            int s0, int nk) {
+  constexpr int DV = D / 8;
+  for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
+    const int j = e / DV, x = (e % DV) * 8;
+    if (j < nk) {
+      const size_t src = kvbase + (size_t)(s0 + j) * D + x;
+      tf_cp_async16(ks + j * KST + x, k + src);
+      tf_cp_async16(vs + j * KST + x, v + src);
+    } else {
+      *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
 
 // @@body row_attn_partial
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,
@@ -190,17 +209,7 @@ const int maxp = min(off + M - 1, cap - 1);
 if (s0 > maxp) return; // uniform over the block
 const int nk = min(SPAN, maxp + 1 - s0);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-for (int e = threadIdx.x; e < SPAN * DV; e += 128) {
-  const int j = e / DV, x = (e % DV) * 8;
-  if (j < nk) {
-    const size_t src = kvbase + (size_t)(s0 + j) * D + x;
-    tf_cp_async16(ks + j * KST + x, k + src);
-    tf_cp_async16(vs + j * KST + x, v + src);
-  } else {
-    *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
+tf_stage_kv<T, D, KST, SPAN, 128>(ks, vs, k, v, kvbase, s0, nk);
 tf_cp_async_wait_all();
 const float scale = scale_f[0];
 const int R = G * M;
@@ -367,17 +376,7 @@ auto load_kv = [&](int s) {                         // span s, as row_attn_tc st
         tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
       });
     } else {
-      for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
-        const int j = e / DV, x = (e % DV) * 8;
-        if (j < nk) {
-          const size_t src = kvbase + (size_t)(s0 + j) * D + x;
-          tf_cp_async16(ks + j * KST + x, k + src);
-          tf_cp_async16(vs + j * KST + x, v + src);
-        } else {
-          *reinterpret_cast<uint4*>(ks + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(vs + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+      tf_stage_kv<T, D, KST, SPAN, NTH>(ks, vs, k, v, kvbase, s0, nk);
     }
   }
   tf_cp_async_commit();
