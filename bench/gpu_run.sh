@@ -881,7 +881,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s29a)     # session 29's final kernel (128 registers) and default (row_attn_tcg at every row count):
             # the attention tests on CUDA, then tinycode end to end (drafted == serial, resumed == fresh)
-    timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         -k "attention and (group_blocks or row_exact or split or merge)" 2>&1 | tee "$out/test_attn29.log" | tail -4
     timeout 150 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact29.txt" | tail -3
     ;;
