@@ -612,8 +612,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
     if impl is None:
         blocks = -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv     # of 4-warp group blocks
         impl = "s4" if blocks < 128 else ("g8" if R > 32 and blocks > 384 else "g4")
-    if impl == "span":
-        return None
+    return None if impl == "span" else _tcg_plan(impl)
+
+
+@functools.lru_cache(maxsize=64)
+def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
+    """(SPB, NW, NB, PW) of a plan name (parsed once: attention's wrapper runs every step)."""
     pw = 2 if impl.endswith("w") else 1
     nw, _, nb = impl[1:len(impl) - (pw > 1)].partition(".")
     nb = int(nb or 2 * pw)
