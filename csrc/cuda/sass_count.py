@@ -44,7 +44,7 @@ def sass(name: str, overrides: dict) -> str:
 
 def main():
     args = [a for a in _args if "=" in a and not a.startswith("-")]
-    opts = dict(zip(_args[::1], _args[1:] + [""]))
+    opts = dict(zip(_args, _args[1:] + [""]))    # "--from X" -> opts["--from"] = "X"
     text = sass(_args[0], dict(a.split("=", 1) for a in args))
     if "--dump" in opts:
         with open(opts["--dump"], "w") as f:
