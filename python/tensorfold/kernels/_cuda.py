@@ -618,8 +618,9 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 @functools.lru_cache(maxsize=64)
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, PW) of a plan name (parsed once: attention's wrapper runs every step)."""
-    pw = 2 if impl.endswith("w") else 1
-    nw, _, nb = impl[1:len(impl) - (pw > 1)].partition(".")
+    head, _, nb = impl.partition(".")           # g<NW>[w][.NB]: 'w' before the buffer count
+    pw = 2 if head.endswith("w") else 1
+    nw = head[1:len(head) - (pw > 1)]
     nb = int(nb or 2 * pw)
     if pw > 1 and (impl[0] != "g" or nb < 4):
         raise ValueError(f"row_attn_tcg plan {impl!r}: two spans a step ('w') are for group blocks "
