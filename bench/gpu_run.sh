@@ -101,6 +101,7 @@
 #                                   # row_qmm_tc / row_qmm_cp outputs (bench/wg_probe_data.py)
 #   bash bench/gpu_run.sh attn-rows # row_attention vs MLX sdpa at 1k / 8k / 32k keys, M = 1..16 (ATTN_IMPL: plans)
 #   bash bench/gpu_run.sh attn-ncu        # ncu full set on row_attn_tcg (ATTN_KEYS / ATTN_ROWS / ATTN_IMPL)
+#   bash bench/gpu_run.sh s30a          # session 30: stall samples of g4 / g8 (ncu full set); NB 3-4 timed
 #   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
@@ -878,6 +879,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-200} python3 bench/wg_probe_data.py /tmp/wgd $shapes 2>&1 | tee "$out/wg27d.txt"
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
+    ;;
+  s30a)     # session 30: where a group block's span time goes -- Nsight Compute's full set (stall
+            # samples a SASS instruction) on g4 at 8k keys / 16 rows and on g8 at 32k / 16, then the
+            # K / V buffers a block (NB 3, 4) timed at 1k / 8k / 32k keys, 1 and 16 rows
+    ATTN_KEYS=8192 ATTN_ROWS=16 ATTN_IMPL=g4 COUNT=2 TAG=prof30_8k LIMIT=150 bash "$0" attn-ncu
+    ATTN_KEYS=32768 ATTN_ROWS=16 ATTN_IMPL=g8 COUNT=2 TAG=prof30_32k LIMIT=150 bash "$0" attn-ncu
+    ATTN_REPS=3 ATTN_ROWS=1,16 ATTN_IMPL=g4,g4.3,g4.4,g8,g8.4 TAG=attn30a LIMIT=200 bash "$0" attn-rows
     ;;
   s29a)     # session 29's final kernel (128 registers) and default (row_attn_tcg at every row count):
             # the attention tests on CUDA, then tinycode end to end (drafted == serial, resumed == fresh)
