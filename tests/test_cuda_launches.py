@@ -176,9 +176,11 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(16, 32768) == (16, 8, nb, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
-    monkeypatch.setattr(_cuda, "attn_impl", "g4w")      # two spans a warp step: four buffers
-    assert plan(1, 1024) == (16, 4, 4, 2)
-    for bad in ("s4w", "g4.3w"):                # what the kernel's static_assert refuses
+    monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile
+    assert plan(1, 1024) == (16, 4, nb, 2)
+    monkeypatch.setattr(_cuda, "attn_impl", "s8k.3")
+    assert plan(1, 1024) == (1, 8, 3, 2)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k"):      # what the kernel's static_assert refuses
         monkeypatch.setattr(_cuda, "attn_impl", bad)
-        with pytest.raises(ValueError, match="group blocks"):
+        with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

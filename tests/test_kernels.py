@@ -347,9 +347,10 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
                                               (1, 8, 1, 64, mx.bfloat16)])
 def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, monkeypatch):
     """row_attn_tcg (a block folds a group's 16 spans itself, for 8..64 query rows) gives every
-    row the bits of row_attn_tc's span blocks + the merge's fold: whatever the plan (two spans a
-    warp step, "w", included, over groups of odd span counts too), the row count, where the rows
-    sit against span and group edges, or the capacity."""
+    row the bits of row_attn_tc's span blocks + the merge's fold: whatever the plan (two warps an
+    8-row tile, "k", included: their maxima exchanged, the weights summed from shared memory, odd
+    d-tile counts split 3 + 2; buffer counts over groups of odd span counts too), the row count,
+    where the rows sit against span and group edges, or the capacity."""
     from tensorfold.kernels import _cuda
     rng = _rng("attn-tcg", B, Hq, Hkv, D, str(dtype))
     cap = 3 * 1024 + 300
@@ -361,12 +362,13 @@ def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, mon
         q = rand(rng, (B, Hq, M, D), dtype)
         monkeypatch.setattr(_cuda, "attn_impl", "span")
         ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
-        for plan in ("g1", "g2", "g4.3", "g8", "s1", "s2.3", "s4", "s8", "g1w", "g4w", "g8w.5", None):
+        for plan in ("g1", "g2", "g4.3", "g8", "s1", "s2.3", "s4", "s8", "g1k", "g4k", "g8k.3", "s1k",
+                     "s4k", None):
             monkeypatch.setattr(_cuda, "attn_impl", plan)
             got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
             assert np.array_equal(got, ref), (M, off, plan)
             n += 1
-    assert n == 108
+    assert n == 126
 
 
 # ---------------------------------------------------------------- dense matmul

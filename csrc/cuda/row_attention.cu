@@ -310,47 +310,50 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (T), offset [1] int32, scale_f [1] float32
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
 //         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
-// template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (warps: 8-row tiles a
-//           block), NB (K/V buffers, >= 2 PW), SPB (spans a block: 1 or 16), PW (spans a warp
-//           takes a step, 1 or 2 with SPB 16: two spans' independent chains side by side,
-//           folded in order). (IL, a warp's value-tile chains side by side, measured no faster
-//           in session 29, was removed.)
-// launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
-//         dynamic shared memory (NB*2*64*(D+8) + NW*PW*8*72) * 2 (_cuda.attn_tcg_smem)
+// template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (8-row tiles a block),
+//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16), KW (warps a row tile, 1 or 2:
+//           with 2, warp kh scores keys 32 kh .. 32 kh + 31 and sums d tiles kh NDW ..)
+// launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW KW, B*HKV, 1), threadgroup (32 NW KW, 1,
+//         1), dynamic shared memory (NB*2*64*(D+8) + NW*8*72)*2 + NW*KW*8*4 (_cuda.attn_tcg_smem)
 // row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
-// rows, b*HKV + kv head) stages each span's K and V for all its warps (NB buffers), and warp w
-// alone takes rows 8w .. 8w+7 through the block's spans: the same mma chains as row_attn_tc
-// (scores over D, weights over keys), the same softmax (mc a max, order-free; lc
-// row_attn_tc's butterfly tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8
-// inside a lane, l ^ 4, 2, 1 across lanes). SPB 1 writes the span partial as row_attn_tc does.
-// SPB 16 folds the group's spans (capped at each row's span) in order with row_attn_merge's
-// formula, in registers, from (-inf, 0, 0), and writes the state a merge warp reaches for that
-// group: row_attn_merge (PRE) folds these as its group results. Either way the bits of
-// row_attn_tc + row_attn_merge, without a block barrier between a warp's rows.
+// rows, b*HKV + kv head) stages each span's K and V for all its warps (NB buffers), and row tile
+// rt (its KW warps) alone takes rows 8 rt .. 8 rt + 7 through the block's spans: the same mma
+// chains as row_attn_tc (scores over D, weights over keys), the same softmax (mc a max,
+// order-free: with KW 2 each warp's max of its keys, exchanged; lc row_attn_tc's butterfly
+// tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8 inside a lane, l ^ 4, 2, 1
+// across lanes, with KW 2 from the rounded weights in shared memory). SPB 1 writes the span
+// partial as row_attn_tc does. SPB 16 folds the group's spans (capped at each row's span) in
+// order with row_attn_merge's formula, in registers, from (-inf, 0, 0), and writes the state a
+// merge warp reaches for that group: row_attn_merge (PRE) folds these as its group results.
+// Either way the bits of row_attn_tc + row_attn_merge, whatever NW, NB, SPB and KW.
 constexpr int SPAN = 64;
 constexpr int KST = D + 8;
-constexpr int PST = 72;                             // a warp's weights [8][PST]
+constexpr int PST = 72;                             // a row tile's weights [8][PST]
 constexpr int G = HQ / HKV;
 constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
-constexpr int NTH = 32 * NW;
+constexpr int NKT = 4 / KW;                         // key tiles a warp scores
+constexpr int NDW = (NDT + KW - 1) / KW;            // d tiles a warp sums
+constexpr int NTH = 32 * NW * KW;
 constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
 constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 * PW && (SPB == 1 || SPB == 16) &&
-              (PW == 1 || (PW == 2 && SPB == 16)), "row_attn_tcg: plan");
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16) &&
+              (KW == 1 || KW == 2), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
+const int rt = warp / KW, kh = warp % KW;
 const int g8 = lane >> 2, t4 = lane & 3;
 T* kvs = reinterpret_cast<T*>(sm);                  // NB buffers of (K, V), SPAN x KST each
-T* pw = kvs + NB * 2 * SPAN * KST + warp * PW * 8 * PST;   // PW spans' weights
+T* pw = kvs + NB * 2 * SPAN * KST + rt * 8 * PST;   // the row tile's weights
+float* xm = reinterpret_cast<float*>(kvs + NB * 2 * SPAN * KST + NW * 8 * PST) + rt * KW * 8;
 const int M = q_shape[2];
 const int cap = k_shape[2];
 const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
 const int R = G * M;
 const int nrb = (R + 8 * NW - 1) / (8 * NW);
 const int blk = blockIdx.x / nrb;
-const int r0 = (blockIdx.x % nrb) * 8 * NW + 8 * warp;   // this warp's rows
+const int r0 = (blockIdx.x % nrb) * 8 * NW + 8 * rt;    // the row tile's rows
 const int b = blockIdx.y / HKV;
 const int hk = blockIdx.y % HKV;
 const int off = offset[0];
@@ -358,8 +361,12 @@ const int maxp = min(off + M - 1, cap - 1);
 const int sg = blk * SPB;
 if (sg * SPAN > maxp) return; // uniform over the block
 const int se = min(sg + SPB, maxp / SPAN + 1);
-const bool act = r0 < R;                            // uniform over the warp
+const bool act = r0 < R;                            // uniform over the row tile
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+auto pair_sync = [&]() {                            // the row tile's KW warps (barriers 1 .. 8)
+  if (KW == 1) __syncwarp();
+  else asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rt), "n"(32 * KW) : "memory");
+};
 auto load_kv = [&](int s) {                         // span s, as row_attn_tc stages it
   if (s < se) {
     T* ks = kvs + (s % NB) * 2 * SPAN * KST;
@@ -382,7 +389,7 @@ auto load_kv = [&](int s) {                         // span s, as row_attn_tc st
   tf_cp_async_commit();
 };
 #pragma unroll
-for (int i = 0; i < NB - PW; ++i) load_kv(sg + i);
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 unsigned int qf[NDT][2];                            // B fragments of rows r0 + g8 (zeros past R)
 {
   const int r = r0 + g8;
@@ -405,128 +412,123 @@ for (int h = 0; h < 2; ++h) {
   lrun[h] = 0.0f;
 }
 const float scale = scale_f[0];
-float o[NDT][4];
+float o[NDW][4];
 #pragma unroll
-for (int dt = 0; dt < NDT; ++dt) {
+for (int dt = 0; dt < NDW; ++dt) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
 }
-for (int s = sg; s < se; s += PW) {
-  __syncthreads();                                  // spans s - PW .. s - 1 done: their buffers may be refilled
-#pragma unroll
-  for (int u = 0; u < PW; ++u) load_kv(s + NB - PW + u);
-  tf_cp_async_wait<NB - PW>();
-  __syncthreads();                                  // spans s .. s + PW - 1 staged
+for (int s = sg; s < se; ++s) {
+  __syncthreads();                                  // span s - 1 done: its buffer and the weights free
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<NB - 1>();
+  __syncthreads();                                  // span s staged
   if (!act) continue;
-  float c[PW][4][4];                                // scores: key 16 kt + 8 (i >> 1) + g8, row 2 t4 + (i & 1)
+  const T* kvb = kvs + (s % NB) * 2 * SPAN * KST;
+  float c[NKT][4];                                  // scores: key 16 (kh NKT + kt) + 8 (i >> 1) + g8, row 2 t4 + (i & 1)
 #pragma unroll
-  for (int u = 0; u < PW; ++u) {
+  for (int kt = 0; kt < NKT; ++kt) {
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) c[u][kt][i] = 0.0f;
-    }
+    for (int i = 0; i < 4; ++i) c[kt][i] = 0.0f;
   }
-#pragma unroll
-  for (int u = 0; u < PW; ++u) {                    // ldmatrix rows: row_attn_tc's A fragments
-    const T* kl = kvs + ((s + u) % NB) * 2 * SPAN * KST + (lane & 15) * KST + ((lane >> 4) << 3);
+  {                                                 // ldmatrix rows: row_attn_tc's A fragments
+    const T* kl = kvb + (16 * NKT * kh + (lane & 15)) * KST + ((lane >> 4) << 3);
 #pragma unroll
     for (int st = 0; st < NDT; ++st) {
-      unsigned int a[4][4];
+      unsigned int a[NKT][4];
 #pragma unroll
-      for (int kt = 0; kt < 4; ++kt) tf_ldmatrix4(kl + 16 * kt * KST + 16 * st, a[kt]);
+      for (int kt = 0; kt < NKT; ++kt) tf_ldmatrix4(kl + 16 * kt * KST + 16 * st, a[kt]);
 #pragma unroll
-      for (int kt = 0; kt < 4; ++kt) tf_mma(c[u][kt], a[kt], qf[st], T());
+      for (int kt = 0; kt < NKT; ++kt) tf_mma(c[kt], a[kt], qf[st], T());
     }
   }
-  float fa[PW][2], fb[PW][2];
-  bool fold[PW][2];
-  __syncwarp();                                     // the previous spans' reads of pw done
+  const int s0 = s * SPAN;
+  float sv[2][2 * NKT], mc[2], ef[2][8], fa[2], fb[2];
+  bool fold[2];
 #pragma unroll
-  for (int u = 0; u < PW; ++u) {                    // span s + u, folded after span s + u - 1
-    const int s0 = (s + u) * SPAN;
+  for (int h = 0; h < 2; ++h) {                     // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
+    mc[h] = TF_NEG_INF;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {                   // row 2 t4 + h; key g8 + 8 j is c[u][j >> 1][2 (j & 1) + h]
-      const int p = pr[h];
-      float sv[8], mc = TF_NEG_INF;
+    for (int j = 0; j < 2 * NKT; ++j) {
+      sv[h][j] = s0 + g8 + 8 * (2 * NKT * kh + j) <= pr[h] ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
+      mc[h] = fmaxf(mc[h], sv[h][j]);
+    }
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 4));
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 8));
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 16));
+    if (KW > 1 && g8 == 0) xm[8 * kh + 2 * t4 + h] = mc[h];
+  }
+  if (KW > 1) {                                     // the other warp's keys' max
+    pair_sync();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        sv[j] = s0 + g8 + 8 * j <= p ? __fmul_rn(c[u][j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
-        mc = fmaxf(mc, sv[j]);
-      }
-      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 4));
-      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 8));
-      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 16));
-      float ef[8];
-      const float mz = mc == TF_NEG_INF ? 0.0f : mc;   // a masked key's sv is -inf: expf gives it +0,
-#pragma unroll                                        // as row_attn_tc's branch does (no branch a key)
-      for (int j = 0; j < 8; ++j) {
-        const T e = tf_from_float<T>(expf(__fsub_rn(sv[j], mz)));
-        ef[j] = tf_to_float(e);
-        pw[(u * 8 + 2 * t4 + h) * PST + g8 + 8 * j] = e;
-      }
+    for (int h = 0; h < 2; ++h) mc[h] = fmaxf(mc[h], xm[8 * (1 - kh) + 2 * t4 + h]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];   // a masked key's sv is -inf: expf gives
+#pragma unroll                                             // it +0, as row_attn_tc's branch does
+    for (int j = 0; j < 2 * NKT; ++j) {
+      const T e = tf_from_float<T>(expf(__fsub_rn(sv[h][j], mz)));
+      ef[h][j] = tf_to_float(e);
+      pw[(2 * t4 + h) * PST + g8 + 8 * (2 * NKT * kh + j)] = e;
+    }
+  }
+  pair_sync();                                      // the weights written
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int p = pr[h];
+    float lc = 0.0f;                                // with KW 2, row 2 t4 + h's warp kh == h sums it
+    if (KW == 1 || h == kh) {
+#pragma unroll
+      for (int j = 0; j < 8 && KW > 1; ++j) ef[h][j] = tf_to_float(pw[(2 * t4 + h) * PST + g8 + 8 * j]);
       // lane l = g8 + 8 j' of row_attn_tc's butterfly holds e_l + e_{l+32} = ef[j'] + ef[j' + 4]
-      const float w0 = __fadd_rn(__fadd_rn(ef[0], ef[4]), __fadd_rn(ef[2], ef[6]));   // l ^ 16
-      const float w1 = __fadd_rn(__fadd_rn(ef[1], ef[5]), __fadd_rn(ef[3], ef[7]));
-      float lc = __fadd_rn(w0, w1);                                                    // l ^ 8
-      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 16));                       // l ^ 4
-      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 8));                        // l ^ 2
-      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 4));                        // l ^ 1
-      fold[u][h] = rok[h] && p >= s0 && (PW == 1 || s + u < se);
-      const float mn = fmaxf(mrun[h], mc);          // row_attn_merge's fold of (mc, lc)
-      fa[u][h] = expf(__fsub_rn(mrun[h], mn));
-      fb[u][h] = expf(__fsub_rn(mc, mn));
-      if (SPB == 1) {
-        mrun[h] = mc;
-        lrun[h] = lc;
-      } else if (fold[u][h]) {
-        lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[u][h]), __fmul_rn(lc, fb[u][h]));
-        mrun[h] = mn;
-      }
+      const float w0 = __fadd_rn(__fadd_rn(ef[h][0], ef[h][4]), __fadd_rn(ef[h][2], ef[h][6]));   // l ^ 16
+      const float w1 = __fadd_rn(__fadd_rn(ef[h][1], ef[h][5]), __fadd_rn(ef[h][3], ef[h][7]));
+      lc = __fadd_rn(w0, w1);                                                                   // l ^ 8
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 16));                                // l ^ 4
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 8));                                 // l ^ 2
+      lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, 4));                                 // l ^ 1
+    }
+    fold[h] = rok[h] && p >= s0;
+    const float mn = fmaxf(mrun[h], mc[h]);         // row_attn_merge's fold of (mc, lc)
+    fa[h] = expf(__fsub_rn(mrun[h], mn));
+    fb[h] = expf(__fsub_rn(mc[h], mn));
+    if (SPB == 1) {
+      mrun[h] = mc[h];
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
     }
   }
-  __syncwarp();                                     // the weights written
   const int mi = lane >> 3, rr = lane & 7;
-  auto put = [&](int u, int dt, const float (&cv)[4]) {   // o of d tile dt: span s + u's, or folded
+  const T* pb = pw + g8 * PST + 2 * t4;
+  const T* vb = kvb + SPAN * KST + (rr + ((mi >> 1) << 3)) * KST + ((mi & 1) << 3);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (SPB == 1) {
-        o[dt][h] = cv[h];
-        o[dt][2 + h] = cv[2 + h];
-      } else if (fold[u][h]) {
-        o[dt][h] = __fmaf_rn(cv[h], fb[u][h], __fmul_rn(o[dt][h], fa[u][h]));
-        o[dt][2 + h] = __fmaf_rn(cv[2 + h], fb[u][h], __fmul_rn(o[dt][2 + h], fa[u][h]));
-      }
-    }
-  };
-  auto pv = [&](int u, int dt, int st, float (&cv)[4]) {   // one step of d tile dt's chain (row_attn_tc's)
-    const T* pb = pw + (u * 8 + g8) * PST + 2 * t4;
-    const T* vb = kvs + ((s + u) % NB) * 2 * SPAN * KST + SPAN * KST + (rr + ((mi >> 1) << 3)) * KST
-                  + ((mi & 1) << 3);
-    unsigned int a[4], bb[2];
-    const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vb + 16 * st * KST + 16 * dt));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-    bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
-    bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
-    tf_mma(cv, a, bb, T());
-  };
-  // d tile by d tile: a span's value chain beside the next span's (PW 2), then the folds in order
-#pragma unroll
-  for (int dt = 0; dt < NDT; ++dt) {
-    float cv[PW][4];
-#pragma unroll
-    for (int u = 0; u < PW; ++u) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) cv[u][i] = 0.0f;
-    }
+  for (int dl = 0; dl < NDW; ++dl) {                // d tile kh NDW + dl: row_attn_tc's value chain
+    const int dt = kh * NDW + dl;
+    if (NDT % KW != 0 && dt >= NDT) break;
+    float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int st = 0; st < SPAN / 16; ++st) {
-#pragma unroll
-      for (int u = 0; u < PW; ++u) pv(u, dt, st, cv[u]);
+      unsigned int a[4], bb[2];
+      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vb + 16 * st * KST + 16 * dt));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+      bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
+      bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
+      tf_mma(cv, a, bb, T());
     }
 #pragma unroll
-    for (int u = 0; u < PW; ++u) put(u, dt, cv[u]);
+    for (int h = 0; h < 2; ++h) {                   // the span's o, or folded
+      if (SPB == 1) {
+        o[dl][h] = cv[h];
+        o[dl][2 + h] = cv[2 + h];
+      } else if (fold[h]) {
+        o[dl][h] = __fmaf_rn(cv[h], fb[h], __fmul_rn(o[dl][h], fa[h]));
+        o[dl][2 + h] = __fmaf_rn(cv[2 + h], fb[h], __fmul_rn(o[dl][2 + h], fa[h]));
+      }
+    }
   }
 }
 if (act) {
@@ -536,11 +538,13 @@ if (act) {
     if (rok[h] && pr[h] >= sg * SPAN) {
       float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
 #pragma unroll
-      for (int dt = 0; dt < NDT; ++dt) {
-        dst[16 * dt + g8] = o[dt][h];
-        dst[16 * dt + g8 + 8] = o[dt][2 + h];
+      for (int dl = 0; dl < NDW; ++dl) {
+        const int dt = kh * NDW + dl;
+        if (NDT % KW != 0 && dt >= NDT) break;
+        dst[16 * dt + g8] = o[dl][h];
+        dst[16 * dt + g8 + 8] = o[dl][2 + h];
       }
-      if (g8 == 0) {
+      if (g8 == 0 && (KW == 1 || h == kh)) {        // m, l: the warp that summed the row's weights
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }

@@ -8,6 +8,7 @@ the KV capacity and the offset reach the kernels at run time (shapes / input arr
 from __future__ import annotations
 
 import functools
+import re
 
 import mlx.core as mx
 
@@ -581,18 +582,19 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
-# blocks) with NW warps, ".<NB>" buffers optional, "w" for PW = 2 (group blocks; 4 buffers
-# unless given) (e.g. "g4.3", "s2", "g4w")
+# blocks) with NW 8-row tiles, "k" for two warps a tile (KW = 2), ".<NB>" buffers optional
+# (e.g. "g4.3", "s2", "g4k")
 attn_impl = None
 
 
-def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, PW: int = 1) -> int:
-    """Dynamic shared memory of row_attn_tcg: NB spans' K and V, and each warp's weights of PW spans."""
-    return (NB * 2 * 64 * (D + 8) + NW * PW * 8 * 72) * 2
+def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, KW: int = 1) -> int:
+    """Dynamic shared memory of row_attn_tcg: NB spans' K and V, each row tile's weights, and each
+    warp's score maxima (exchanged between a tile's two warps with KW 2)."""
+    return (NB * 2 * 64 * (D + 8) + NW * 8 * 72) * 2 + NW * KW * 8 * 4
 
 
 def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
-    """(SPB, NW, NB, PW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+    """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
@@ -617,15 +619,11 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 
 @functools.lru_cache(maxsize=64)
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
-    """(SPB, NW, NB, PW) of a plan name (parsed once: attention's wrapper runs every step)."""
-    head, _, nb = impl.partition(".")           # g<NW>[w][.NB]: 'w' before the buffer count
-    pw = 2 if head.endswith("w") else 1
-    nw = head[1:len(head) - (pw > 1)]
-    nb = int(nb or 2 * pw)
-    if pw > 1 and (impl[0] != "g" or nb < 4):
-        raise ValueError(f"row_attn_tcg plan {impl!r}: two spans a step ('w') are for group blocks "
-                         "with at least 4 buffers")
-    return (16 if impl[0] == "g" else 1), int(nw), nb, pw
+    """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step)."""
+    m = re.fullmatch(r"([sg])([1-8])(k?)(?:\.(\d+))?", impl)   # s|g <NW> [k] [.NB]
+    if not m or int(m[4] or ATTN_TCG_BUFFERS) < 2:
+        raise ValueError(f"row_attn_tcg plan {impl!r}: s|g<1-8 row tiles>[k][.<buffers, >= 2>]")
+    return (16 if m[1] == "g" else 1), int(m[2]), int(m[4] or ATTN_TCG_BUFFERS), 2 if m[3] else 1
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -637,11 +635,11 @@ def attention(q, k, v, offset, scale, stream):
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
-        spb, nw, nb, pw = plan
+        spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
-        name, threads = "row_attn_tcg", 32 * nw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("PW", pw))
-        smem = attn_tcg_smem(D, nw, nb, pw)
+        name, threads = "row_attn_tcg", 32 * nw * kw
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("KW", kw))
+        smem = attn_tcg_smem(D, nw, nb, kw)
         grid = nspan * -(-R // (8 * nw)) * threads
     else:
         grid = nspan * threads
