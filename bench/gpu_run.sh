@@ -103,6 +103,7 @@
 #   bash bench/gpu_run.sh attn-ncu        # ncu full set on row_attn_tcg (ATTN_KEYS / ATTN_ROWS / ATTN_IMPL)
 #   bash bench/gpu_run.sh s30a          # session 30: stall samples of g4 / g8 (ncu full set); NB 3-4 timed
 #   bash bench/gpu_run.sh s30b          # session 30: KW 2 (two warps an 8-row tile): bit test, then timed
+#   bash bench/gpu_run.sh s30c          # session 30: the new default timed; gpu_exact; attention tests
 #   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
@@ -880,6 +881,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-200} python3 bench/wg_probe_data.py /tmp/wgd $shapes 2>&1 | tee "$out/wg27d.txt"
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
+    ;;
+  s30c)     # session 30, the new default (g4k / g2k / g8 / s4): timed at M = 1..16 next to g4 and s4,
+            # then tinycode end to end, then the attention tests on CUDA
+    ATTN_REPS=3 ATTN_ROWS=1,4,8,16 ATTN_IMPL=${ATTN_IMPL:-g4,s4} TAG=attn30c LIMIT=${LIMIT:-200} bash "$0" attn-rows
+    timeout 150 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact30.txt" | tail -3
+    timeout ${TLIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "attention and (group_blocks or row_exact)" 2>&1 | tee "$out/test_attn30c.log" | tail -4
     ;;
   s30b)     # session 30: two warps an 8-row tile (KW 2, plans "..k"): the bit test of every plan against
             # row_attn_tc, then the plans timed at 1k / 8k / 32k keys, 1 / 8 / 16 rows

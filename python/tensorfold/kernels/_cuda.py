@@ -609,11 +609,20 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
       registers, two 8-warp blocks an SM; 8k keys, 16 rows: 48.9 against 37.4);
     - span blocks with 4 warps win below that at any row count (1k keys: 10.8 / 10.9 / 11.8 /
       14.8 at 1 / 4 / 8 / 16 rows against 11.8 / 14.6 / 20.6 / 31.8; 8k keys: 21.0 / 25.7 /
-      36.2 against 22.0 / 30.4 / 45.3)."""
+      36.2 against 22.0 / 30.4 / 45.3).
+    Session 30 (same tool): two warps an 8-row tile (KW 2, "k") where group blocks of 4 tiles
+    number at least 128: 8k keys, 16 rows 36.4 against g4's 37.5; 32k keys, 1 / 8 rows 45.4 /
+    55.2 against 45.5 / 55.9 (at 32k keys, 16 rows g8 stays: 80.3, g4k 98.9). Below that,
+    2-tile group blocks with two warps a tile where they number at least 128: 8k keys, 8 rows
+    29.4 against s4's 36.1 (at 16 rows, where 4-tile blocks reach 128, g2k takes 40.1)."""
     impl = attn_impl
     if impl is None:
-        blocks = -(-cap // ATTN_GROUP_KEYS) * -(-R // 32) * nkv     # of 4-warp group blocks
-        impl = "s4" if blocks < 128 else ("g8" if R > 32 and blocks > 384 else "g4")
+        groups = -(-cap // ATTN_GROUP_KEYS) * nkv
+        blocks = groups * -(-R // 32)                               # of 4-tile group blocks
+        if blocks >= 128:
+            impl = "g8" if R > 32 and blocks > 384 else "g4k"
+        else:
+            impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
 
 
