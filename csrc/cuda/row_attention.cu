@@ -28,9 +28,9 @@
 //           lc = butterfly sum over the warp of (e_lane + e_lane+32), from the rounded e
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
 // Kernel row_attn_tcg (where row_attn_tc applies; _cuda.attn_tcg_plan picks it): the same span
-// arithmetic with each warp taking 8 query rows alone; with SPB = 16 a block also folds a group's
-// spans itself (the merge's formula and order) and writes the group result, which the merge
-// takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
+// arithmetic with each 8-row tile of query rows taken by its own warp (or two: KW); with
+// SPB = 16 a block also folds a group's spans itself (the merge's formula and order) and writes
+// the group result, which the merge takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
 // Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
 // batch of MW groups, then warp 0 merges the batch's group results in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
