@@ -105,6 +105,8 @@
 #   bash bench/gpu_run.sh s30b          # session 30: KW 2 (two warps an 8-row tile): bit test, then timed
 #   bash bench/gpu_run.sh s30c          # session 30: the new default timed; gpu_exact; attention tests
 #   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
+#   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
+#   bash bench/gpu_run.sh s31c | s31d   # session 31: tcr unmasked spans, KW 4, default tg4: bits; timed
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -881,6 +883,30 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-200} python3 bench/wg_probe_data.py /tmp/wgd $shapes 2>&1 | tee "$out/wg27d.txt"
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
+    ;;
+  s31a)     # session 31: scores in base 2 (one MUFU.EX2 a weight) on every CUDA attention face, and
+            # row_attn_tcr (16 rows a warp on the mma's M side): the bit test of every plan against
+            # row_attn_tc, the attention tests on CUDA (accuracy too: ex2.approx), tinycode end to end
+    timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
+        | tee "$out/test_attn31.log" | tail -3
+    timeout ${TLIMIT2:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "attention and (row_exact or accuracy or splits or merge)" 2>&1 | tee "$out/test_attn31b.log" | tail -4
+    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31.txt" | tail -3
+    ;;
+  s31c)     # session 31, second machine: row_attn_tcr without the mask's selects on spans before the
+            # first query, four warps an 8-row tile (KW 4, "kk"), the default's tg4: bits, tinycode
+    timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
+        | tee "$out/test_attn31c.log" | tail -3
+    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31c.txt" | tail -3
+    ;;
+  s31d)     # session 31: the default (tg4 at 64 rows a KV head past 384 4-tile blocks) at M = 1..16
+            # next to g8 (the old choice there), KW 4 and 2-tile row_attn_tcr blocks
+    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} ATTN_IMPL=${ATTN_IMPL:-g8,g4k,g4kk,g2kk,tg2} TAG=attn31d \
+        LIMIT=${LIMIT:-450} bash "$0" attn-rows
+    ;;
+  s31b)     # session 31: row_attn_tcr's plans timed against row_attn_tcg's at 1k / 8k / 32k keys
+    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-tg1,tg2,tg4,ts1,ts2,ts4,g4k,g8,s4} TAG=attn31b \
+        LIMIT=${LIMIT:-450} bash "$0" attn-rows
     ;;
   s30c)     # session 30, the new default (g4k / g2k / g8 / s4): timed at M = 1..16 next to g4 and s4,
             # then tinycode end to end, then the attention tests on CUDA

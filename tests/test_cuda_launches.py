@@ -140,7 +140,7 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     kc, vc = mx.zeros((1, Hk, cap, hd), dtype), mx.zeros((1, Hk, cap, hd), dtype)
     monkeypatch.setattr(_cuda, "attn_impl", "span")     # row_attn_tc (the default takes row_attn_tcg)
     K.row_attention(q, kc, vc, 5, hd ** -0.5)
-    for plan in ("g4", "s2"):       # row_attn_tcg's group and span blocks (bit-identical plans)
+    for plan in ("g4", "s2", "tg2", "ts1"):   # row_attn_tcg's, row_attn_tcr's group and span blocks
         monkeypatch.setattr(_cuda, "attn_impl", plan)
         K.row_attention(mx.ones((1, H, 16, hd), dtype), kc, vc, 5, hd ** -0.5)
     monkeypatch.setattr(_cuda, "attn_impl", None)
@@ -157,8 +157,10 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
         assert {"row_attn_tc", "row_attn_tcg"} <= names, names
         tcg = [lc for lc in launches if lc["name"] == "row_attn_tcg"]
         assert [dict(lc["template"])["SPB"] for lc in tcg] == [16, 1]
+        tcr = [lc for lc in launches if lc["name"] == "row_attn_tcr"]
+        assert [(dict(lc["template"])["SPB"], lc["threadgroup"][0]) for lc in tcr] == [(16, 64), (1, 32)]
         merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
-        assert [m["PRE"] for m in merges] == [False, True, False]
+        assert [m["PRE"] for m in merges] == [False, True, False, True, False]
     for lc in launches:
         _check(lc)
 
@@ -176,14 +178,18 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1)
     assert plan(8, 8192) == (16, 2, nb, 2)
     assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, 2)
-    assert plan(16, 32768) == (16, 8, nb, 1)
+    assert plan(16, 32768) == (16, 4, nb, 0)                # row_attn_tcr, 4 warps of 16 rows
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile
     assert plan(1, 1024) == (16, 4, nb, 2)
     monkeypatch.setattr(_cuda, "attn_impl", "s8k.3")
     assert plan(1, 1024) == (1, 8, 3, 2)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k"):      # what the kernel's static_assert refuses
+    monkeypatch.setattr(_cuda, "attn_impl", "tg4.3")    # row_attn_tcr: KW 0
+    assert plan(1, 1024) == (16, 4, 3, 0)
+    monkeypatch.setattr(_cuda, "attn_impl", "g2kk")     # four warps an 8-row tile
+    assert plan(1, 1024) == (16, 2, nb, 4)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk"):   # what the kernels' static_asserts refuse
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

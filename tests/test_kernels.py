@@ -350,7 +350,9 @@ def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, mon
     row the bits of row_attn_tc's span blocks + the merge's fold: whatever the plan (two warps an
     8-row tile, "k", included: their maxima exchanged, the weights summed from shared memory, odd
     d-tile counts split 3 + 2; buffer counts over groups of odd span counts too), the row count,
-    where the rows sit against span and group edges, or the capacity."""
+    where the rows sit against span and group edges, or the capacity. So does row_attn_tcr ("t":
+    the mma's sides swapped, 16 query rows a warp on its M side, the weights kept in registers):
+    the same dot products in the same k16 steps, the weight sum's tree taken in another layout."""
     from tensorfold.kernels import _cuda
     rng = _rng("attn-tcg", B, Hq, Hkv, D, str(dtype))
     cap = 3 * 1024 + 300
@@ -363,12 +365,12 @@ def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, mon
         monkeypatch.setattr(_cuda, "attn_impl", "span")
         ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
         for plan in ("g1", "g2", "g4.3", "g8", "s1", "s2.3", "s4", "s8", "g1k", "g4k", "g8k.3", "s1k",
-                     "s4k", None):
+                     "s4k", "g2kk", "s1kk.3", "tg1", "tg2", "tg4.3", "ts1", "ts2", "ts4.3", None):
             monkeypatch.setattr(_cuda, "attn_impl", plan)
             got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
             assert np.array_equal(got, ref), (M, off, plan)
             n += 1
-    assert n == 126
+    assert n == 198
 
 
 # ---------------------------------------------------------------- dense matmul

@@ -151,9 +151,17 @@ __device__ __forceinline__ void tf_ldmatrix4(const void* row, unsigned int (&d)[
                : "r"(s));
 }
 
+// 2^x in one instruction (ex2.approx.ftz.f32: 2^-inf = +0): row_attention.cu's exponential, whose
+// scores are in base 2 (the softmax scale times log2(e), rounded to fp32 by the host).
+__device__ __forceinline__ float tf_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Attention partials (row_attention.cu): (o[0..D), m, l) stored as D + 2 floats, lane owning
-// o[lane + 32 t]; and the one merge formula, folding a stored partial into (m, l, o):
-//   m' = max(m, m2); a = expf(m - m'); b = expf(m2 - m'); l = l*a + l2*b; o = fma(o2, b, o*a).
+// o[lane + 32 t], m in base 2; and the one merge formula, folding a stored partial into (m, l, o):
+//   m' = max(m, m2); a = 2^(m - m'); b = 2^(m2 - m'); l = l*a + l2*b; o = fma(o2, b, o*a).
 template <int D, int NT>
 __device__ __forceinline__ void tf_put_partial(float* dst, const float (&o)[NT], float m, float l,
                                                int lane) {
@@ -172,7 +180,7 @@ __device__ __forceinline__ void tf_merge_partial(float& m, float& l, float (&o)[
                                                  int lane) {
   const float m2 = src[D], l2 = src[D + 1];
   const float mn = fmaxf(m, m2);
-  const float fa = expf(__fsub_rn(m, mn)), fb = expf(__fsub_rn(m2, mn));
+  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(m2, mn));
   l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(l2, fb));
 #pragma unroll
   for (int t = 0; t < NT; ++t) {

@@ -7,11 +7,12 @@
 //   the last chunk is cut at p (keys > p are never read for this row).
 //   chunk (key j = lane): a_x = fma-chain over 8-element groups ascending of q[8g+x]*k_j[8g+x]
 //           (x = 0..7), s_j = (((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))) * scale
-//           mc = max_j s_j (exact);  e_j = expf(s_j - mc)
+//           (scale: the softmax scale times log2(e), rounded to fp32 by the host: scores in base 2)
+//           mc = max_j s_j (exact);  e_j = 2^(s_j - mc)  (tf_ex2: ex2.approx.ftz, one MUFU.EX2)
 //           lc = butterfly sum over the warp of e_j (the same value in every lane)
 //           oc[d] = fma-chain over j ascending of e_j * v_j[d]
 //   merge (one formula everywhere; from (m, l, o) = (-inf, 0, 0) the first merge is a copy):
-//           m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')
+//           m' = max(m, mc); a = 2^(m - m'); b = 2^(mc - m')
 //           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
 //   span   = the span's chunks merged ascending
 //   group  = spans 16g .. 16g+15 (capped at p's span) merged ascending
@@ -24,13 +25,15 @@
 // (mma.sync m16n8k16, fp32 accumulation; keys / head dims on the mma's M side, query rows on
 // its N side, so each output element is its own dot product):
 //           s_j = (mma chain over 16-element steps of D ascending of k_j . q) * scale
-//           mc = max_j s_j;  e_j = expf(s_j - mc) rounded to T (the mma's input type)
+//           mc = max_j s_j;  e_j = 2^(s_j - mc) rounded to T (the mma's input type)
 //           lc = butterfly sum over the warp of (e_lane + e_lane+32), from the rounded e
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
 // Kernel row_attn_tcg (where row_attn_tc applies; _cuda.attn_tcg_plan picks it): the same span
-// arithmetic with each 8-row tile of query rows taken by its own warp (or two: KW); with
+// arithmetic with each 8-row tile of query rows taken by its own warp (or 2 or 4: KW); with
 // SPB = 16 a block also folds a group's spans itself (the merge's formula and order) and writes
 // the group result, which the merge takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
+// Kernel row_attn_tcr: row_attn_tcg with the mma's sides swapped (16 query rows a warp on the M
+// side, the weights passed to the value chains in registers): the same bits, every plan.
 // Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
 // batch of MW groups, then warp 0 merges the batch's group results in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
@@ -136,7 +139,7 @@ for (int r0 = 0; r0 < R; r0 += RP) {
     mc = s;
 #pragma unroll
     for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-    const float e = lane < n ? expf(__fsub_rn(s, mc)) : 0.0f;
+    const float e = lane < n ? tf_ex2(__fsub_rn(s, mc)) : 0.0f;
     lc = tf_warp_sum(e);
 #pragma unroll 8
     for (int j = 0; j < n; ++j) {
@@ -260,8 +263,8 @@ for (int r0 = 0; r0 < R; r0 += 8) {
       float mc = fmaxf(sa, sb);
 #pragma unroll
       for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-      if (s0 + lane <= p) ea = tf_from_float<T>(expf(__fsub_rn(sa, mc)));
-      if (s0 + lane + 32 <= p) eb = tf_from_float<T>(expf(__fsub_rn(sb, mc)));
+      if (s0 + lane <= p) ea = tf_from_float<T>(tf_ex2(__fsub_rn(sa, mc)));
+      if (s0 + lane + 32 <= p) eb = tf_from_float<T>(tf_ex2(__fsub_rn(sb, mc)));
       const float lc = tf_warp_sum(__fadd_rn(tf_to_float(ea), tf_to_float(eb)));
       if (lane == 0) {
         ml[2 * n] = mc;
@@ -311,17 +314,17 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
 //         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (8-row tiles a block),
-//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16), KW (warps a row tile, 1 or 2:
-//           with 2, warp kh scores keys 32 kh .. 32 kh + 31 and sums d tiles kh NDW ..)
+//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16), KW (warps a row tile, 1, 2 or 4:
+//           warp kh scores keys 64 / KW kh .. and sums d tiles kh NDW ..)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW KW, B*HKV, 1), threadgroup (32 NW KW, 1,
 //         1), dynamic shared memory (NB*2*64*(D+8) + NW*8*72)*2 + NW*KW*8*4 (_cuda.attn_tcg_smem)
 // row_attn_tc's span arithmetic with the rows spread over warps: block (SPB spans, 8 NW query
 // rows, b*HKV + kv head) stages each span's K and V for all its warps (NB buffers), and row tile
 // rt (its KW warps) alone takes rows 8 rt .. 8 rt + 7 through the block's spans: the same mma
 // chains as row_attn_tc (scores over D, weights over keys), the same softmax (mc a max,
-// order-free: with KW 2 each warp's max of its keys, exchanged; lc row_attn_tc's butterfly
+// order-free: with KW > 1 each warp's max of its keys, exchanged; lc row_attn_tc's butterfly
 // tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8 inside a lane, l ^ 4, 2, 1
-// across lanes, with KW 2 from the rounded weights in shared memory). SPB 1 writes the span
+// across lanes, with KW > 1 from the rounded weights in shared memory). SPB 1 writes the span
 // partial as row_attn_tc does. SPB 16 folds the group's spans (capped at each row's span) in
 // order with row_attn_merge's formula, in registers, from (-inf, 0, 0), and writes the state a
 // merge warp reaches for that group: row_attn_merge (PRE) folds these as its group results.
@@ -338,7 +341,7 @@ constexpr int NTH = 32 * NW * KW;
 constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
 constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
 static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16) &&
-              (KW == 1 || KW == 2), "row_attn_tcg: plan");
+              (KW == 1 || KW == 2 || KW == 4), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -458,17 +461,20 @@ for (int s = sg; s < se; ++s) {
     mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 16));
     if (KW > 1 && g8 == 0) xm[8 * kh + 2 * t4 + h] = mc[h];
   }
-  if (KW > 1) {                                     // the other warp's keys' max
+  if (KW > 1) {                                     // the other warps' keys' maxima (its own again: a max)
     pair_sync();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) mc[h] = fmaxf(mc[h], xm[8 * (1 - kh) + 2 * t4 + h]);
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int w = 0; w < KW; ++w) mc[h] = fmaxf(mc[h], xm[8 * w + 2 * t4 + h]);
+    }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];   // a masked key's sv is -inf: expf gives
+    const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];   // a masked key's sv is -inf: tf_ex2 gives
 #pragma unroll                                             // it +0, as row_attn_tc's branch does
     for (int j = 0; j < 2 * NKT; ++j) {
-      const T e = tf_from_float<T>(expf(__fsub_rn(sv[h][j], mz)));
+      const T e = tf_from_float<T>(tf_ex2(__fsub_rn(sv[h][j], mz)));
       ef[h][j] = tf_to_float(e);
       pw[(2 * t4 + h) * PST + g8 + 8 * (2 * NKT * kh + j)] = e;
     }
@@ -477,7 +483,7 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int p = pr[h];
-    float lc = 0.0f;                                // with KW 2, row 2 t4 + h's warp kh == h sums it
+    float lc = 0.0f;                                // with KW > 1, row 2 t4 + h's warp kh == h sums it
     if (KW == 1 || h == kh) {
 #pragma unroll
       for (int j = 0; j < 8 && KW > 1; ++j) ef[h][j] = tf_to_float(pw[(2 * t4 + h) * PST + g8 + 8 * j]);
@@ -491,8 +497,8 @@ for (int s = sg; s < se; ++s) {
     }
     fold[h] = rok[h] && p >= s0;
     const float mn = fmaxf(mrun[h], mc[h]);         // row_attn_merge's fold of (mc, lc)
-    fa[h] = expf(__fsub_rn(mrun[h], mn));
-    fb[h] = expf(__fsub_rn(mc[h], mn));
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
+    fb[h] = tf_ex2(__fsub_rn(mc[h], mn));
     if (SPB == 1) {
       mrun[h] = mc[h];
       lrun[h] = lc;
@@ -545,6 +551,230 @@ if (act) {
         dst[16 * dt + g8 + 8] = o[dl][2 + h];
       }
       if (g8 == 0 && (KW == 1 || h == kh)) {        // m, l: the warp that summed the row's weights
+        dst[D] = mrun[h];
+        dst[D + 1] = lrun[h];
+      }
+    }
+  }
+}
+
+// @@body row_attn_tcr
+// inputs, output: as row_attn_tcg
+// template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (16-row tiles a block, a warp
+//           each), NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16)
+// launch: grid (nblk * ceil(HQ/HKV * M / (16 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
+//         dynamic shared memory (NB*2*64 + 16 NW)*(D+8)*2 (_cuda.attn_tcr_smem)
+// row_attn_tcg (KW 1) with the mma's sides swapped: a warp's 16 query rows on the M side, keys (the
+// scores) and head dims (the sums) on the N side. Every output element is the same dot product
+// in the same k16 steps and order (scores over D, sums over keys), so the weights pass from the
+// score chains' C fragments to the sum chains' A fragments in registers, and each K / V fragment
+// serves 16 rows. Lane (g8, t4) holds keys 8 n + 2 t4 + b (n 0..7, b 0..1) of rows g8 and g8 + 8:
+// the weight sum's tree over key bits 5, 4, 3, 2, 1, 0 (row_attn_tc's) is taken over n inside the
+// lane, then lanes ^ 2, ^ 1, then b. The same bits as row_attn_tcg, whatever NW, NB and SPB.
+constexpr int SPAN = 64;
+constexpr int KST = D + 8;
+constexpr int G = HQ / HKV;
+constexpr int DV = D / 8;
+constexpr int NDT = D / 16;
+constexpr int NTH = 32 * NW;
+constexpr int RS = NTH / DV;
+constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
+              "row_attn_tcr: plan");
+extern __shared__ float sm[];
+const int lane = threadIdx.x & 31;
+const int g8 = lane >> 2, t4 = lane & 3;
+T* kvs = reinterpret_cast<T*>(sm);
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
+const int R = G * M;
+const int nrb = (R + 16 * NW - 1) / (16 * NW);
+const int blk = blockIdx.x / nrb;
+const int r0 = (blockIdx.x % nrb) * 16 * NW + 16 * (threadIdx.x >> 5);
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int off = offset[0];
+const int maxp = min(off + M - 1, cap - 1);
+const int sg = blk * SPB;
+if (sg * SPAN > maxp) return;
+const int se = min(sg + SPB, maxp / SPAN + 1);
+const bool act = r0 < R;
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+auto load_kv = [&](int s) {
+  if (s < se) {
+    T* ks = kvs + (s % NB) * 2 * SPAN * KST;
+    T* vs = ks + SPAN * KST;
+    const int s0 = s * SPAN;
+    const int nk = min(SPAN, maxp + 1 - s0);
+    if (FIXED && nk == SPAN) {
+      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
+      const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
+      const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + j0 * KST + x));
+      tf_unroll<SPAN / RS>([&](auto i) {
+        constexpr int B = sizeof(T);
+        tf_cp_async16s<i.value * RS * D * B>(kd + i.value * RS * KST * B, k + src);
+        tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
+      });
+    } else {
+      tf_stage_kv<T, D, KST, SPAN, NTH>(ks, vs, k, v, kvbase, s0, nk);
+    }
+  }
+  tf_cp_async_commit();
+};
+#pragma unroll
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
+T* qs = kvs + NB * 2 * SPAN * KST + (threadIdx.x >> 5) * 16 * KST;   // the warp's 16 query rows
+for (int e = lane; e < 16 * DV; e += 32) {
+  const int r = r0 + e / DV, x = (e % DV) * 8;
+  *reinterpret_cast<uint4*>(qs + (e / DV) * KST + x) = r < R ?
+      *reinterpret_cast<const uint4*>(q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
+}
+__syncwarp();
+int pr[2];
+bool rok[2];
+float mrun[2], lrun[2];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int r = r0 + g8 + 8 * h;
+  pr[h] = off + r % M;
+  rok[h] = r < R && pr[h] < cap;
+  mrun[h] = TF_NEG_INF;
+  lrun[h] = 0.0f;
+}
+const float scale = scale_f[0];
+float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
+#pragma unroll
+for (int dt = 0; dt < 2 * NDT; ++dt) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+}
+for (int s = sg; s < se; ++s) {
+  __syncthreads();
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<NB - 1>();
+  __syncthreads();
+  if (!act) continue;
+  const T* kvb = kvs + (s % NB) * 2 * SPAN * KST;
+  float c[8][4];                                    // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[n][i] = 0.0f;
+  }
+  {
+    const T* kl = kvb + (((lane >> 4) << 3) + (lane & 7)) * KST + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int st = 0; st < NDT; ++st) {
+      unsigned int qa[4];                           // A fragment: rows g8 (+ 8), d 16 st ..
+      tf_ldmatrix4(qs + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3) + 16 * st, qa);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned int bk[4];
+        tf_ldmatrix4(kl + 16 * np * KST + 16 * st, bk);
+        tf_mma(c[2 * np], qa, bk, T());
+        tf_mma(c[2 * np + 1], qa, bk + 2, T());
+      }
+    }
+  }
+  const int s0 = s * SPAN;
+  float fa[2], fb[2];
+  bool fold[2];
+  unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
+  if (s0 + SPAN - 1 <= off) {                       // every key of the span <= every row's p: no mask
+#pragma unroll
+    for (int n = 0; n < 32; ++n) c[n >> 2][n & 3] = __fmul_rn(c[n >> 2][n & 3], scale);
+  } else {
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      float& x = c[n >> 2][n & 3];
+      x = s0 + 2 * (n & ~3) + 2 * t4 + (n & 1) <= pr[(n >> 1) & 1] ? __fmul_rn(x, scale) : TF_NEG_INF;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mc = TF_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) mc = fmaxf(mc, fmaxf(c[n][2 * h], c[n][2 * h + 1]));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
+    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
+    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      T e2[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
+        x = tf_to_float(e2[e]);
+      }
+      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pa[ks][h] = eb[2 * ks];
+      pa[ks][2 + h] = eb[2 * ks + 1];
+    }
+    float y[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
+      const int i = 2 * h + e;
+      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(c[0][i], c[4][i]), __fadd_rn(c[2][i], c[6][i])),
+                       __fadd_rn(__fadd_rn(c[1][i], c[5][i]), __fadd_rn(c[3][i], c[7][i])));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
+    }
+    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
+    fold[h] = rok[h] && pr[h] >= s0;
+    const float mn = fmaxf(mrun[h], mc);
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
+    fb[h] = tf_ex2(__fsub_rn(mc, mn));
+    if (SPB == 1) {
+      mrun[h] = mc;
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
+    }
+  }
+  const T* vl = kvb + SPAN * KST + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3);
+#pragma unroll
+  for (int dp = 0; dp < NDT; ++dp) {                // d tiles 2 dp, 2 dp + 1: row_attn_tc's value chains
+    float cv[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      unsigned int bv[4];
+      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vl + 16 * ks * KST + 16 * dp));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(bv[0]), "=r"(bv[1]), "=r"(bv[2]), "=r"(bv[3]) : "r"(addr));
+      tf_mma(cv[0], pa[ks], bv, T());
+      tf_mma(cv[1], pa[ks], bv + 2, T());
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1;
+        float& x = o[2 * dp + j][i];
+        if (SPB == 1) x = cv[j][i];
+        else if (fold[h]) x = __fmaf_rn(cv[j][i], fb[h], __fmul_rn(x, fa[h]));
+      }
+    }
+  }
+}
+if (act) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + g8 + 8 * h;
+    if (rok[h] && pr[h] >= sg * SPAN) {
+      float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
+#pragma unroll
+      for (int dt = 0; dt < 2 * NDT; ++dt) {
+        dst[8 * dt + 2 * t4] = o[dt][2 * h];
+        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
+      }
+      if (t4 == 0) {
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }
@@ -608,7 +838,7 @@ if (PRE && warp == 0) {         // the group results folded in order, as warp 0 
     for (int u = 0; u < U; ++u) {
       if (s + u < ng) {
         const float mn = fmaxf(m2, pm[u]);
-        const float fa = expf(__fsub_rn(m2, mn)), fb = expf(__fsub_rn(pm[u], mn));
+        const float fa = tf_ex2(__fsub_rn(m2, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
         l2 = __fadd_rn(__fmul_rn(l2, fa), __fmul_rn(pl[u], fb));
 #pragma unroll
         for (int t = 0; t < NT; ++t) o2[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(o2[t], fa));
@@ -643,7 +873,7 @@ for (int gb = 0; gb < (PRE ? 0 : ng); gb += MW) {
       for (int u = 0; u < U; ++u) {
         if (s + u < se) {
           const float mn = fmaxf(m, pm[u]);
-          const float fa = expf(__fsub_rn(m, mn)), fb = expf(__fsub_rn(pm[u], mn));
+          const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
           l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl[u], fb));
 #pragma unroll
           for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(o[t], fa));

@@ -45,6 +45,7 @@ _KERNELS = {
     "row_attn_partial": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
+    "row_attn_tcr": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -540,6 +541,9 @@ def _scale_array(scale: float) -> mx.array:
     return _const_array((float(scale),), mx.float32)
 
 
+LOG2E = 1.4426950408889634   # log2(e): row_attention.cu's scores are in base 2 (tf_ex2)
+
+
 def attn_plan(D: int, kdtype) -> tuple[int, bool, int]:
     """(NCH, VS, dynamic shared memory bytes) of row_attn_partial, a function of the head size and
     KV dtype only: spans of NCH chunks of 32 keys (2 where they fit 48 KB), their keys in padded
@@ -582,8 +586,8 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
-# blocks) with NW 8-row tiles, "k" for two warps a tile (KW = 2), ".<NB>" buffers optional
-# (e.g. "g4.3", "s2", "g4k")
+# blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
+# (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3")
 attn_impl = None
 
 
@@ -591,6 +595,12 @@ def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, KW: int = 1) -> i
     """Dynamic shared memory of row_attn_tcg: NB spans' K and V, each row tile's weights, and each
     warp's score maxima (exchanged between a tile's two warps with KW 2)."""
     return (NB * 2 * 64 * (D + 8) + NW * 8 * 72) * 2 + NW * KW * 8 * 4
+
+
+def attn_tcr_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
+    """Dynamic shared memory of row_attn_tcr: NB spans' K and V and each warp's 16 query rows (its
+    weights stay in registers)."""
+    return (NB * 2 * 64 + 16 * NW) * (D + 8) * 2
 
 
 def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
@@ -620,7 +630,7 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
         if blocks >= 128:
-            impl = "g8" if R > 32 and blocks > 384 else "g4k"
+            impl = "tg4" if R > 32 and blocks > 384 else "g4k"
         else:
             impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
@@ -628,11 +638,14 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 
 @functools.lru_cache(maxsize=64)
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
-    """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step)."""
-    m = re.fullmatch(r"([sg])([1-8])(k?)(?:\.(\d+))?", impl)   # s|g <NW> [k] [.NB]
-    if not m or int(m[4] or ATTN_TCG_BUFFERS) < 2:
-        raise ValueError(f"row_attn_tcg plan {impl!r}: s|g<1-8 row tiles>[k][.<buffers, >= 2>]")
-    return (16 if m[1] == "g" else 1), int(m[2]), int(m[4] or ATTN_TCG_BUFFERS), 2 if m[3] else 1
+    """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
+    stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side)."""
+    m = re.fullmatch(r"(t?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk] [.NB]
+    if not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]):
+        raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
+                         "[.<buffers, >= 2>]")
+    kw = 0 if m[1] else 2 ** len(m[4])
+    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -643,7 +656,14 @@ def attention(q, k, v, offset, scale, stream):
     R = HQ // HKV * M                           # query rows a KV head
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
-    if plan is not None:
+    if plan is not None and plan[3] == 0:       # row_attn_tcr: a warp a 16-row tile
+        spb, nw, nb, _ = plan
+        nspan = -(-cap // (span * spb))
+        name, threads = "row_attn_tcr", 32 * nw
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
+        smem = attn_tcr_smem(D, nw, nb)
+        grid = nspan * -(-R // (16 * nw)) * threads
+    elif plan is not None:
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
         name, threads = "row_attn_tcg", 32 * nw * kw
@@ -653,7 +673,7 @@ def attention(q, k, v, offset, scale, stream):
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
-        inputs=[q, k, v, offset, _scale_array(scale)],
+        inputs=[q, k, v, offset, _scale_array(scale * LOG2E)],
         template=list(template),
         grid=(grid, B * HKV, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
