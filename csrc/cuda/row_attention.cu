@@ -62,6 +62,37 @@ __device__ __forceinline__ void tf_stage_kv(T* ks, T* vs, const T* k, const T* v
   }
 }
 
+// Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows of
+// KST elements), then one cp.async commit (a group even when s >= se): row_attn_tcg's and
+// row_attn_tcr's staging. A full span where 16-byte columns divide NTH (FIXED) has each thread on
+// one column, every RS-th row, the row offsets in the copy instructions; else tf_stage_kv.
+template <typename T, int D, int KST, int SPAN, int NTH, int NB>
+__device__ __forceinline__ void tf_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
+                                             int se, int maxp) {
+  constexpr int DV = D / 8;
+  constexpr int RS = NTH / DV;
+  constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;
+  if (s < se) {
+    T* ks = kvs + (s % NB) * 2 * SPAN * KST;
+    T* vs = ks + SPAN * KST;
+    const int s0 = s * SPAN;
+    const int nk = min(SPAN, maxp + 1 - s0);
+    if (FIXED && nk == SPAN) {
+      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
+      const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
+      const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + j0 * KST + x));
+      tf_unroll<SPAN / RS>([&](auto i) {
+        constexpr int B = sizeof(T);
+        tf_cp_async16s<i.value * RS * D * B>(kd + i.value * RS * KST * B, k + src);
+        tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
+      });
+    } else {
+      tf_stage_kv<T, D, KST, SPAN, NTH>(ks, vs, k, v, kvbase, s0, nk);
+    }
+  }
+  tf_cp_async_commit();
+}
+
 // @@body row_attn_partial
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,
 //         scale_f [1] float32
@@ -333,13 +364,10 @@ constexpr int SPAN = 64;
 constexpr int KST = D + 8;
 constexpr int PST = 72;                             // a row tile's weights [8][PST]
 constexpr int G = HQ / HKV;
-constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NKT = 4 / KW;                         // key tiles a warp scores
 constexpr int NDW = (NDT + KW - 1) / KW;            // d tiles a warp sums
 constexpr int NTH = 32 * NW * KW;
-constexpr int RS = NTH / DV;                        // rows a pass of the block's 16-byte copies
-constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;   // each thread one column of the span
 static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16) &&
               (KW == 1 || KW == 2 || KW == 4), "row_attn_tcg: plan");
 extern __shared__ float sm[];
@@ -370,27 +398,7 @@ auto pair_sync = [&]() {                            // the row tile's KW warps (
   if (KW == 1) __syncwarp();
   else asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rt), "n"(32 * KW) : "memory");
 };
-auto load_kv = [&](int s) {                         // span s, as row_attn_tc stages it
-  if (s < se) {
-    T* ks = kvs + (s % NB) * 2 * SPAN * KST;
-    T* vs = ks + SPAN * KST;
-    const int s0 = s * SPAN;
-    const int nk = min(SPAN, maxp + 1 - s0);
-    if (FIXED && nk == SPAN) {                      // a full span: this thread's column, every RS-th row
-      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
-      const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
-      const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + j0 * KST + x));
-      tf_unroll<SPAN / RS>([&](auto i) {            // offsets in the copy instructions
-        constexpr int B = sizeof(T);
-        tf_cp_async16s<i.value * RS * D * B>(kd + i.value * RS * KST * B, k + src);
-        tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
-      });
-    } else {
-      tf_stage_kv<T, D, KST, SPAN, NTH>(ks, vs, k, v, kvbase, s0, nk);
-    }
-  }
-  tf_cp_async_commit();
-};
+auto load_kv = [&](int s) { tf_load_span<T, D, KST, SPAN, NTH, NB>(kvs, k, v, kvbase, s, se, maxp); };
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 unsigned int qf[NDT][2];                            // B fragments of rows r0 + g8 (zeros past R)
@@ -577,8 +585,6 @@ constexpr int G = HQ / HKV;
 constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NTH = 32 * NW;
-constexpr int RS = NTH / DV;
-constexpr bool FIXED = NTH % DV == 0 && SPAN % RS == 0;
 static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
               "row_attn_tcr: plan");
 extern __shared__ float sm[];
@@ -601,27 +607,7 @@ if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const bool act = r0 < R;
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int s) {
-  if (s < se) {
-    T* ks = kvs + (s % NB) * 2 * SPAN * KST;
-    T* vs = ks + SPAN * KST;
-    const int s0 = s * SPAN;
-    const int nk = min(SPAN, maxp + 1 - s0);
-    if (FIXED && nk == SPAN) {
-      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
-      const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
-      const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + j0 * KST + x));
-      tf_unroll<SPAN / RS>([&](auto i) {
-        constexpr int B = sizeof(T);
-        tf_cp_async16s<i.value * RS * D * B>(kd + i.value * RS * KST * B, k + src);
-        tf_cp_async16s<i.value * RS * D * B>(kd + (SPAN + i.value * RS) * KST * B, v + src);
-      });
-    } else {
-      tf_stage_kv<T, D, KST, SPAN, NTH>(ks, vs, k, v, kvbase, s0, nk);
-    }
-  }
-  tf_cp_async_commit();
-};
+auto load_kv = [&](int s) { tf_load_span<T, D, KST, SPAN, NTH, NB>(kvs, k, v, kvbase, s, se, maxp); };
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 T* qs = kvs + NB * 2 * SPAN * KST + (threadIdx.x >> 5) * 16 * KST;   // the warp's 16 query rows
