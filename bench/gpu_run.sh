@@ -106,7 +106,7 @@
 #   bash bench/gpu_run.sh s30c          # session 30: the new default timed; gpu_exact; attention tests
 #   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
-#   bash bench/gpu_run.sh s31c | s31d   # session 31: tcr unmasked spans, KW 4, default tg4: bits; timed
+#   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -893,14 +893,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         -k "attention and (row_exact or accuracy or splits or merge)" 2>&1 | tee "$out/test_attn31b.log" | tail -4
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31.txt" | tail -3
     ;;
-  s31c)     # session 31, second machine: row_attn_tcr without the mask's selects on spans before the
-            # first query, four warps an 8-row tile (KW 4, "kk"), the default's tg4: bits, tinycode
+  s31c)     # session 31's prepared next run (not run: no machine): the bit test with four warps an
+            # 8-row tile (KW 4, "kk") next to every plan, then tinycode end to end
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
         | tee "$out/test_attn31c.log" | tail -3
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31c.txt" | tail -3
     ;;
-  s31d)     # session 31: the default (tg4 at 64 rows a KV head past 384 4-tile blocks) at M = 1..16
-            # next to g8 (the old choice there), KW 4 and 2-tile row_attn_tcr blocks
+  s31d)     # session 31's prepared next run (not run): the default (tg4 at 64 rows a KV head past 384
+            # 4-tile blocks) at M = 1..16 next to g8 (the old choice there), KW 4, 2-tile tcr blocks
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} ATTN_IMPL=${ATTN_IMPL:-g8,g4k,g4kk,g2kk,tg2} TAG=attn31d \
         LIMIT=${LIMIT:-450} bash "$0" attn-rows
     ;;

@@ -667,21 +667,18 @@ for (int s = sg; s < se; ++s) {
   float fa[2], fb[2];
   bool fold[2];
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
-  if (s0 + SPAN - 1 <= off) {                       // every key of the span <= every row's p: no mask
-#pragma unroll
-    for (int n = 0; n < 32; ++n) c[n >> 2][n & 3] = __fmul_rn(c[n >> 2][n & 3], scale);
-  } else {
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      float& x = c[n >> 2][n & 3];
-      x = s0 + 2 * (n & ~3) + 2 * t4 + (n & 1) <= pr[(n >> 1) & 1] ? __fmul_rn(x, scale) : TF_NEG_INF;
-    }
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mc = TF_NEG_INF;
 #pragma unroll
-    for (int n = 0; n < 8; ++n) mc = fmaxf(mc, fmaxf(c[n][2 * h], c[n][2 * h + 1]));
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
+        mc = fmaxf(mc, x);
+      }
+    }
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
     const float mz = mc == TF_NEG_INF ? 0.0f : mc;

@@ -624,7 +624,10 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
     number at least 128: 8k keys, 16 rows 36.4 against g4's 37.5; 32k keys, 1 / 8 rows 45.4 /
     55.2 against 45.5 / 55.9 (at 32k keys, 16 rows g8 stays: 80.3, g4k 98.9). Below that,
     2-tile group blocks with two warps a tile where they number at least 128: 8k keys, 8 rows
-    29.4 against s4's 36.1 (at 16 rows, where 4-tile blocks reach 128, g2k takes 40.1)."""
+    29.4 against s4's 36.1 (at 16 rows, where 4-tile blocks reach 128, g2k takes 40.1).
+    Session 31 (base-2 scores): row_attn_tcr's group blocks of four 16-row warps ("tg4") where g8
+    was: 32k keys, 16 rows 69.5 against g8's 73.9; elsewhere its one warp's chain a span is
+    longer (1k keys, one row: 36.3 against g4k's 24.8; 8k keys, 16 rows 46.8 against 34.8)."""
     impl = attn_impl
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
