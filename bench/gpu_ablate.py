@@ -34,7 +34,7 @@ def patch(which: str) -> None:
             name, template, threads, smem, span = _cuda._attn_launch(q.dtype, k.dtype, v.dtype, D, HQ, HKV)
             nspan = -(-cap // span)
             part = real(name, smem)(
-                inputs=[q, k, v, offset, _cuda._scale_array(scale)], template=list(template),
+                inputs=[q, k, v, offset, _cuda._scale_array(scale * _cuda.LOG2E)], template=list(template),
                 grid=(nspan * threads, B * HKV, 1), threadgroup=(threads, 1, 1),
                 output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32], stream=stream)[0]
             return part[:, 0, :D].reshape(q.shape).astype(q.dtype)
