@@ -168,10 +168,10 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
     an SM: 4 row tiles of two warps each, or row_attn_tcr's 4 warps of 16 rows at 64 rows a KV
-    head once 4-tile blocks would pass three an SM; 2-tile blocks of two warps a tile where those reach a block an
-    SM; span blocks with each warp on its own rows (SPB 1, 4 warps) below, at any row count. Any
-    plan gives the same bits (test_cuda_attention_group_blocks_are_bit_identical), so this pins
-    speed only."""
+    head once 4-tile blocks would pass three an SM; 2-tile blocks of two warps a tile where those
+    reach a block an SM; span blocks with each warp on its own rows (SPB 1, 4 warps) below, at any
+    row count. Any plan gives the same bits (test_cuda_attention_group_blocks_are_bit_identical),
+    so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS

@@ -150,6 +150,14 @@ __device__ __forceinline__ void tf_ldmatrix4(const void* row, unsigned int (&d)[
                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                : "r"(s));
 }
+// The same four matrices transposed (ldmatrix .trans): lane 4g + t receives, in d[i], the 16-bit
+// values of rows 2t and 2t + 1 of matrix i at column g (an mma B fragment from row-major rows).
+__device__ __forceinline__ void tf_ldmatrix4t(const void* row, unsigned int (&d)[4]) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+}
 
 // 2^x in one instruction (ex2.approx.ftz.f32: 2^-inf = +0): row_attention.cu's exponential, whose
 // scores are in base 2 (the softmax scale times log2(e), rounded to fp32 by the host).

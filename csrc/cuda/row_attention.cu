@@ -39,7 +39,7 @@
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
-// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma,
+// (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma, tf_ldmatrix4(t), tf_ex2,
 // tf_put_partial, tf_merge_partial,
 // TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
 // One span's K and V rows s0 .. s0 + nk - 1 into shared rows of KST elements (cp.async, the
@@ -314,9 +314,7 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 #pragma unroll
     for (int s = 0; s < SPAN / 16; ++s) {
       unsigned int a[4], bb[2];
-      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(va + 16 * s * KST));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+      tf_ldmatrix4t(va + 16 * s * KST, a);
       bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * s);
       bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * s + 8);
       tf_mma(c, a, bb, T());
@@ -526,9 +524,7 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
     for (int st = 0; st < SPAN / 16; ++st) {
       unsigned int a[4], bb[2];
-      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vb + 16 * st * KST + 16 * dt));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+      tf_ldmatrix4t(vb + 16 * st * KST + 16 * dt, a);
       bb[0] = *reinterpret_cast<const unsigned int*>(pb + 16 * st);
       bb[1] = *reinterpret_cast<const unsigned int*>(pb + 16 * st + 8);
       tf_mma(cv, a, bb, T());
@@ -728,9 +724,7 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       unsigned int bv[4];
-      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(vl + 16 * ks * KST + 16 * dp));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(bv[0]), "=r"(bv[1]), "=r"(bv[2]), "=r"(bv[3]) : "r"(addr));
+      tf_ldmatrix4t(vl + 16 * ks * KST + 16 * dp, bv);
       tf_mma(cv[0], pa[ks], bv, T());
       tf_mma(cv[1], pa[ks], bv + 2, T());
     }

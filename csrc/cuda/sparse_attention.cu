@@ -694,9 +694,7 @@ for (int t = 0; t < NTILE; ++t) {
 #pragma unroll
     for (int s = 0; s < C / 16; ++s) {
       unsigned int a[4];
-      const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(va + 16 * s * KST));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+      tf_ldmatrix4t(va + 16 * s * KST, a);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const T* pb = ps + (8 * nt + g8) * PST + 2 * t4 + 16 * s;

@@ -659,20 +659,16 @@ def attention(q, k, v, offset, scale, stream):
     R = HQ // HKV * M                           # query rows a KV head
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
-    if plan is not None and plan[3] == 0:       # row_attn_tcr: a warp a 16-row tile
-        spb, nw, nb, _ = plan
-        nspan = -(-cap // (span * spb))
-        name, threads = "row_attn_tcr", 32 * nw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        smem = attn_tcr_smem(D, nw, nb)
-        grid = nspan * -(-R // (16 * nw)) * threads
-    elif plan is not None:
+    if plan is not None:
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
-        name, threads = "row_attn_tcg", 32 * nw * kw
-        template = template + (("NW", nw), ("NB", nb), ("SPB", spb), ("KW", kw))
-        smem = attn_tcg_smem(D, nw, nb, kw)
-        grid = nspan * -(-R // (8 * nw)) * threads
+        template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
+        if kw == 0:                             # row_attn_tcr: a warp a 16-row tile
+            name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
+        else:
+            name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
+            template = template + (("KW", kw),)
+        grid = nspan * -(-R // rows) * threads
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
