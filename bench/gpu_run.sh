@@ -884,11 +884,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
-  s32a)     # session 32: row_attn_tcr with its scores a span ahead (PL, "p") timed against the plain
-            # form and the default at 1k / 8k / 32k keys (each plan checked bit for bit there too)
-    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} TAG=attn32a LIMIT=${LIMIT:-420} \
-        ATTN_IMPL=${ATTN_IMPL:-tg4,tg4p,tg2,tg2p,tg2p.3,tg1p,g4k,g4kk,g2kk} bash "$0" attn-rows
-    ;;
   s31a)     # session 31: scores in base 2 (one MUFU.EX2 a weight) on every CUDA attention face, and
             # row_attn_tcr (16 rows a warp on the mma's M side): the bit test of every plan against
             # row_attn_tc, the attention tests on CUDA (accuracy too: ex2.approx), tinycode end to end

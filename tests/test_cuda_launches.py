@@ -175,23 +175,21 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
-    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1, 0)
-    assert plan(8, 8192) == (16, 2, nb, 2, 0)
-    assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, 2, 0)
-    assert plan(16, 32768) == (16, 4, nb, 0, 0)                # row_attn_tcr, 4 warps of 16 rows
+    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1)
+    assert plan(8, 8192) == (16, 2, nb, 2)
+    assert plan(1, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, 2)
+    assert plan(16, 32768) == (16, 4, nb, 0)                # row_attn_tcr, 4 warps of 16 rows
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
-    assert plan(1, 1024) == (1, 2, 3, 1, 0)
+    assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile
-    assert plan(1, 1024) == (16, 4, nb, 2, 0)
+    assert plan(1, 1024) == (16, 4, nb, 2)
     monkeypatch.setattr(_cuda, "attn_impl", "s8k.3")
-    assert plan(1, 1024) == (1, 8, 3, 2, 0)
+    assert plan(1, 1024) == (1, 8, 3, 2)
     monkeypatch.setattr(_cuda, "attn_impl", "tg4.3")    # row_attn_tcr: KW 0
-    assert plan(1, 1024) == (16, 4, 3, 0, 0)
+    assert plan(1, 1024) == (16, 4, 3, 0)
     monkeypatch.setattr(_cuda, "attn_impl", "g2kk")     # four warps an 8-row tile
-    assert plan(1, 1024) == (16, 2, nb, 4, 0)
-    monkeypatch.setattr(_cuda, "attn_impl", "tg2p.3")   # row_attn_tcr, scores a span ahead
-    assert plan(1, 1024) == (16, 2, 3, 0, 1)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "g4p", "tg4pk"):   # what the kernels' static_asserts refuse
+    assert plan(1, 1024) == (16, 2, nb, 4)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk"):   # what the kernels' static_asserts refuse
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

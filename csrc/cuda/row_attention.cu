@@ -62,31 +62,6 @@ __device__ __forceinline__ void tf_stage_kv(T* ks, T* vs, const T* k, const T* v
   }
 }
 
-// One tensor's span rows s0 .. s0 + nk - 1 into shared rows of KST elements (cp.async, the block's
-// NTH threads; no commit), rows nk .. SPAN - 1 zeroed: row_attn_tcr's staging with PL (K a span
-// ahead of V). A full span where 16-byte columns divide NTH as in tf_load_span.
-template <typename T, int D, int KST, int SPAN, int NTH>
-__device__ __forceinline__ void tf_load_rows(T* dst, const T* src, size_t kvbase, int s0, int nk) {
-  constexpr int DV = D / 8;
-  constexpr int RS = NTH / DV;
-  if constexpr (NTH % DV == 0 && SPAN % RS == 0) {
-    if (nk == SPAN) {
-      const int j0 = threadIdx.x / DV, x = (threadIdx.x % DV) * 8;
-      const T* g = src + kvbase + (size_t)(s0 + j0) * D + x;
-      const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst + j0 * KST + x));
-      tf_unroll<SPAN / RS>([&](auto i) {
-        tf_cp_async16s<i.value * RS * D * (int)sizeof(T)>(d + i.value * RS * KST * sizeof(T), g);
-      });
-      return;
-    }
-  }
-  for (int e = threadIdx.x; e < SPAN * DV; e += NTH) {
-    const int j = e / DV, x = (e % DV) * 8;
-    if (j < nk) tf_cp_async16(dst + j * KST + x, src + kvbase + (size_t)(s0 + j) * D + x);
-    else *reinterpret_cast<uint4*>(dst + j * KST + x) = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows of
 // KST elements), then one cp.async commit (a group even when s >= se): row_attn_tcg's and
 // row_attn_tcr's staging. A full span where 16-byte columns divide NTH (FIXED) has each thread on
@@ -590,7 +565,7 @@ if (act) {
 // @@body row_attn_tcr
 // inputs, output: as row_attn_tcg
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (16-row tiles a block, a warp
-//           each), NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16), PL (scores a span ahead)
+//           each), NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16)
 // launch: grid (nblk * ceil(HQ/HKV * M / (16 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
 //         dynamic shared memory (NB*2*64 + 16 NW)*(D+8)*2 (_cuda.attn_tcr_smem)
 // row_attn_tcg (KW 1) with the mma's sides swapped: a warp's 16 query rows on the M side, keys (the
@@ -599,9 +574,7 @@ if (act) {
 // score chains' C fragments to the sum chains' A fragments in registers, and each K / V fragment
 // serves 16 rows. Lane (g8, t4) holds keys 8 n + 2 t4 + b (n 0..7, b 0..1) of rows g8 and g8 + 8:
 // the weight sum's tree over key bits 5, 4, 3, 2, 1, 0 (row_attn_tc's) is taken over n inside the
-// lane, then lanes ^ 2, ^ 1, then b. The same bits as row_attn_tcg, whatever NW, NB, SPB and PL.
-// PL: span s + 1's score chains are issued with span s's softmax and sum chains (independent work
-// in one warp), K staged a span ahead of V, one block barrier a span.
+// lane, then lanes ^ 2, ^ 1, then b. The same bits as row_attn_tcg, whatever NW, NB and SPB.
 constexpr int SPAN = 64;
 constexpr int KST = D + 8;
 constexpr int G = HQ / HKV;
@@ -630,25 +603,9 @@ if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const bool act = r0 < R;
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto kbuf = [&](int s) { return kvs + (s % NB) * 2 * SPAN * KST; };
 auto load_kv = [&](int s) { tf_load_span<T, D, KST, SPAN, NTH, NB>(kvs, k, v, kvbase, s, se, maxp); };
-auto load_rows = [&](int s, bool val) {            // PL: span s's K (or V) alone, no commit
-  if (s < se) tf_load_rows<T, D, KST, SPAN, NTH>(kbuf(s) + (val ? SPAN * KST : 0), val ? v : k, kvbase,
-                                                 s * SPAN, min(SPAN, maxp + 1 - s * SPAN));
-};
-if constexpr (PL) {                                // K(sg); then K(sg + 1 + i) with V(sg + i)
-  load_rows(sg, false);
-  tf_cp_async_commit();
 #pragma unroll
-  for (int i = 0; i < NB - 1; ++i) {
-    load_rows(sg + 1 + i, false);
-    load_rows(sg + i, true);
-    tf_cp_async_commit();
-  }
-} else {
-#pragma unroll
-  for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
-}
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 T* qs = kvs + NB * 2 * SPAN * KST + (threadIdx.x >> 5) * 16 * KST;   // the warp's 16 query rows
 for (int e = lane; e < 16 * DV; e += 32) {
   const int r = r0 + e / DV, x = (e % DV) * 8;
@@ -674,29 +631,34 @@ for (int dt = 0; dt < 2 * NDT; ++dt) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
 }
-// scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1), from the K rows at kb
-auto scores = [&](float (&c)[8][4], const T* kb) {
+for (int s = sg; s < se; ++s) {
+  __syncthreads();
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<NB - 1>();
+  __syncthreads();
+  if (!act) continue;
+  const T* kvb = kvs + (s % NB) * 2 * SPAN * KST;
+  float c[8][4];                                    // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[n][i] = 0.0f;
   }
-  const T* kl = kb + (((lane >> 4) << 3) + (lane & 7)) * KST + (((lane >> 3) & 1) << 3);
+  {
+    const T* kl = kvb + (((lane >> 4) << 3) + (lane & 7)) * KST + (((lane >> 3) & 1) << 3);
 #pragma unroll
-  for (int st = 0; st < NDT; ++st) {
-    unsigned int qa[4];                             // A fragment: rows g8 (+ 8), d 16 st ..
-    tf_ldmatrix4(qs + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3) + 16 * st, qa);
+    for (int st = 0; st < NDT; ++st) {
+      unsigned int qa[4];                           // A fragment: rows g8 (+ 8), d 16 st ..
+      tf_ldmatrix4(qs + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3) + 16 * st, qa);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      unsigned int bk[4];
-      tf_ldmatrix4(kl + 16 * np * KST + 16 * st, bk);
-      tf_mma(c[2 * np], qa, bk, T());
-      tf_mma(c[2 * np + 1], qa, bk + 2, T());
+      for (int np = 0; np < 4; ++np) {
+        unsigned int bk[4];
+        tf_ldmatrix4(kl + 16 * np * KST + 16 * st, bk);
+        tf_mma(c[2 * np], qa, bk, T());
+        tf_mma(c[2 * np + 1], qa, bk + 2, T());
+      }
     }
   }
-};
-// span s's softmax, weight sums, value chains (the V rows at vb) and fold, from its scores c
-auto step = [&](float (&c)[8][4], const T* vb, int s) {
   const int s0 = s * SPAN;
   float fa[2], fb[2];
   bool fold[2];
@@ -755,7 +717,7 @@ auto step = [&](float (&c)[8][4], const T* vb, int s) {
       mrun[h] = mn;
     }
   }
-  const T* vl = vb + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3);
+  const T* vl = kvb + SPAN * KST + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3);
 #pragma unroll
   for (int dp = 0; dp < NDT; ++dp) {                // d tiles 2 dp, 2 dp + 1: row_attn_tc's value chains
     float cv[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -776,39 +738,6 @@ auto step = [&](float (&c)[8][4], const T* vb, int s) {
         else if (fold[h]) x = __fmaf_rn(cv[j][i], fb[h], __fmul_rn(x, fa[h]));
       }
     }
-  }
-};
-if constexpr (PL) {
-  float c[8][4];
-  tf_cp_async_wait<NB - 1>();
-  __syncthreads();
-  if (act) scores(c, kbuf(sg));
-  for (int s = sg; s < se; ++s) {
-    tf_cp_async_wait<NB - 2>();                     // K(s + 1), V(s)
-    __syncthreads();
-    load_rows(s + NB, false);
-    load_rows(s + NB - 1, true);
-    tf_cp_async_commit();
-    if (!act) continue;
-    float cn[8][4];
-    scores(cn, kbuf(s + 1));                        // unused past the block's last span
-    step(c, kbuf(s) + SPAN * KST, s);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) c[n][i] = cn[n][i];
-    }
-  }
-} else {
-  for (int s = sg; s < se; ++s) {
-    __syncthreads();
-    load_kv(s + NB - 1);
-    tf_cp_async_wait<NB - 1>();
-    __syncthreads();
-    if (!act) continue;
-    float c[8][4];
-    scores(c, kbuf(s));
-    step(c, kbuf(s) + SPAN * KST, s);
   }
 }
 if (act) {

@@ -587,8 +587,7 @@ ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
-# (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3"), with
-# "p" after NW for its scores a span ahead (PL: "tg4p")
+# (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3")
 attn_impl = None
 
 
@@ -604,8 +603,8 @@ def attn_tcr_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 + 16 * NW) * (D + 8) * 2
 
 
-def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int, int] | None:
-    """(SPB, NW, NB, KW, PL) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
+def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
+    """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
@@ -641,17 +640,15 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int, int] 
 
 
 @functools.lru_cache(maxsize=64)
-def _tcg_plan(impl: str) -> tuple[int, int, int, int, int]:
-    """(SPB, NW, NB, KW, PL) of a plan name (parsed once: attention's wrapper runs every step); KW 0
-    stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), PL 1 for its
-    scores a span ahead ("p", row_attn_tcr only)."""
-    m = re.fullmatch(r"(t?)([sg])([1-8])(k{0,2}|p)(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk|p] [.NB]
-    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4] in ("k", "kk"))
-            or (m[4] == "p" and not m[1])):
-        raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t; p, "
-                         "only with t][.<buffers, >= 2>]")
+def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
+    """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
+    stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side)."""
+    m = re.fullmatch(r"(t?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk] [.NB]
+    if not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]):
+        raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
+                         "[.<buffers, >= 2>]")
     kw = 0 if m[1] else 2 ** len(m[4])
-    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw, int(m[4] == "p")
+    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -663,12 +660,11 @@ def attention(q, k, v, offset, scale, stream):
     plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
-        spb, nw, nb, kw, pl = plan
+        spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
         if kw == 0:                             # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
-            template = template + (("PL", bool(pl)),)
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
             template = template + (("KW", kw),)
