@@ -884,32 +884,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
-  s32b)     # session 32: blocks of 4 spans (plans "q", "tq": the merge then folds groups of 4 spans,
-            # another tree, so other bits than the default's) timed at 1k / 8k / 32k keys; then the
-            # quad plans checked against each other bit for bit and against float64
-    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} TAG=attn32b LIMIT=${LIMIT:-400} \
-        ATTN_IMPL=${ATTN_IMPL:-tq4,tq2,q4k,q2k,q4,q2kk,tg4,g4k} bash "$0" attn-rows
-    timeout 120 python3 - <<'PY' 2>&1 | tee "$out/quad32.txt"
-import numpy as np, mlx.core as mx
-from tensorfold import kernels as K
-from tensorfold.kernels import _cuda
-for L, M in ((8192, 16), (3000, 5), (1024, 1)):
-    k = mx.random.normal((1, 8, L, 128)).astype(mx.bfloat16); v = mx.random.normal((1, 8, L, 128)).astype(mx.bfloat16)
-    q = mx.random.normal((1, 32, M, 128)).astype(mx.bfloat16)
-    outs = {}
-    for plan in ("tq4", "tq2", "q4k", "q2k", "q4", "q1", "None"):
-        _cuda.attn_impl = None if plan == "None" else plan
-        outs[plan] = np.array(K.row_attention(q, k, v, L - M, 128 ** -0.5).astype(mx.float32))
-    _cuda.attn_impl = None
-    kf, vf, qf = (np.array(t.astype(mx.float32)).astype(np.float64) for t in (k, v, q))
-    kf, vf = np.repeat(kf, 4, 1), np.repeat(vf, 4, 1)
-    s = qf @ kf.transpose(0, 1, 3, 2) * 128 ** -0.5
-    s = np.where(np.arange(L)[None, None, None] <= (L - M + np.arange(M))[None, None, :, None], s, -np.inf)
-    w = np.exp(s - s.max(-1, keepdims=True)); ref = (w / w.sum(-1, keepdims=True)) @ vf
-    same = all(np.array_equal(outs["tq4"], o) for p, o in outs.items() if p != "None")
-    print(L, M, "quad plans bit-identical:", same, {p: float(np.abs(o - ref).max()) for p, o in outs.items()})
-PY
-    ;;
   s31a)     # session 31: scores in base 2 (one MUFU.EX2 a weight) on every CUDA attention face, and
             # row_attn_tcr (16 rows a warp on the mma's M side): the bit test of every plan against
             # row_attn_tc, the attention tests on CUDA (accuracy too: ex2.approx), tinycode end to end

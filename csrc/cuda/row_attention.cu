@@ -366,7 +366,7 @@ constexpr int NDT = D / 16;
 constexpr int NKT = 4 / KW;                         // key tiles a warp scores
 constexpr int NDW = (NDT + KW - 1) / KW;            // d tiles a warp sums
 constexpr int NTH = 32 * NW * KW;
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 4 || SPB == 16) &&
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16) &&
               (KW == 1 || KW == 2 || KW == 4), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
@@ -581,7 +581,7 @@ constexpr int G = HQ / HKV;
 constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NTH = 32 * NW;
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 4 || SPB == 16),
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
               "row_attn_tcr: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
@@ -764,13 +764,13 @@ if (act) {
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
 // output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC, MW (warps: groups merged side by
 //         side; any count gives the same bits), PRE (part holds the group results, [.., ngrp,
-//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below),
-//         GS (spans a group: 16, or 4 for blocks of 4 spans)
+//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below)
 // launch: grid (B*HQ*M*ceil(D/DC)*32*MW, 1, 1), threadgroup (32*MW, 1, 1), dynamic shared memory
 //         MW*(DC+2)*4.
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
+constexpr int GS = 16;                              // spans per group
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use

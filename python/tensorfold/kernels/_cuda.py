@@ -643,12 +643,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side)."""
-    m = re.fullmatch(r"(t?)([sgq])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk] [.NB]
+    m = re.fullmatch(r"(t?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk] [.NB]
     if not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
                          "[.<buffers, >= 2>]")
     kw = 0 if m[1] else 2 ** len(m[4])
-    return {"g": 16, "q": 4, "s": 1}[m[2]], int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
+    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -683,8 +683,7 @@ def attention(q, k, v, offset, scale, stream):
     mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (16 * span)))
     out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre),
-                  ("GS", 4 if plan is not None and plan[0] == 4 else 16)],
+        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre)],
         grid=(B * HQ * M * -(-D // dc) * 32 * mw, 1, 1),
         threadgroup=(32 * mw, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
