@@ -884,13 +884,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgp bench/wg_probe.cu 2>&1 | grep -v C75 | tail -3
     for sh in $shapes; do timeout 60 /tmp/wgp file /tmp/wgd/$sh ${sh%x*} ${sh#*x}; done 2>&1 | tee -a "$out/wg27d.txt"
     ;;
-  s32c)     # session 32: spans wholly before the call's first position without the mask's selects
-            # (row_attn_tcr and row_attn_tcg): the default timed, then the bit test, then tinycode
-    ATTN_REPS=3 ATTN_ROWS=1,8,16 ATTN_IMPL=${ATTN_IMPL:-} TAG=attn32c LIMIT=${LIMIT:-150} bash "$0" attn-rows
-    timeout ${TLIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
-        | tee "$out/test_attn32c.log" | tail -3
-    timeout 100 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact32c.txt" | tail -3
-    ;;
   s31a)     # session 31: scores in base 2 (one MUFU.EX2 a weight) on every CUDA attention face, and
             # row_attn_tcr (16 rows a warp on the mma's M side): the bit test of every plan against
             # row_attn_tc, the attention tests on CUDA (accuracy too: ex2.approx), tinycode end to end

@@ -454,23 +454,19 @@ for (int s = sg; s < se; ++s) {
   const int s0 = s * SPAN;
   float sv[2][2 * NKT], mc[2], ef[2][8], fa[2], fb[2];
   bool fold[2];
-  auto scores = [&](auto full) {                    // full: the span wholly at or before the call's
-#pragma unroll                                      // first position, no mask's selects (same values)
-    for (int h = 0; h < 2; ++h) {                   // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
-      mc[h] = TF_NEG_INF;
 #pragma unroll
-      for (int j = 0; j < 2 * NKT; ++j) {
-        sv[h][j] = full.value || s0 + g8 + 8 * (2 * NKT * kh + j) <= pr[h] ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
-        mc[h] = fmaxf(mc[h], sv[h][j]);
-      }
-      mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 4));
-      mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 8));
-      mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 16));
-      if (KW > 1 && g8 == 0) xm[8 * kh + 2 * t4 + h] = mc[h];
+  for (int h = 0; h < 2; ++h) {                     // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
+    mc[h] = TF_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 2 * NKT; ++j) {
+      sv[h][j] = s0 + g8 + 8 * (2 * NKT * kh + j) <= pr[h] ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
+      mc[h] = fmaxf(mc[h], sv[h][j]);
     }
-  };
-  if (__all_sync(TF_FULL_MASK, s0 + SPAN - 1 <= off)) scores(tf_ic<1>{});   // (a vote: warp-uniform to ptxas)
-  else scores(tf_ic<0>{});
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 4));
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 8));
+    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 16));
+    if (KW > 1 && g8 == 0) xm[8 * kh + 2 * t4 + h] = mc[h];
+  }
   if (KW > 1) {                                     // the other warps' keys' maxima (its own again: a max)
     pair_sync();
 #pragma unroll
@@ -667,66 +663,60 @@ for (int s = sg; s < se; ++s) {
   float fa[2], fb[2];
   bool fold[2];
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
-  // the softmax; a span wholly at or before the call's first position (every row sees all its
-  // keys) without the mask's selects: the same values
-  auto soft = [&](auto full) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mc = TF_NEG_INF;
+  for (int h = 0; h < 2; ++h) {
+    float mc = TF_NEG_INF;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = c[n][2 * h + e];
-          x = full.value || s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
-          mc = fmaxf(mc, x);
-        }
-      }
-      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
-      mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
-      const float mz = mc == TF_NEG_INF ? 0.0f : mc;
-      unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        T e2[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = c[n][2 * h + e];
-          e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
-          x = tf_to_float(e2[e]);
-        }
-        eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
-      }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        pa[ks][h] = eb[2 * ks];
-        pa[ks][2 + h] = eb[2 * ks + 1];
-      }
-      float y[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
-        const int i = 2 * h + e;
-        y[e] = __fadd_rn(__fadd_rn(__fadd_rn(c[0][i], c[4][i]), __fadd_rn(c[2][i], c[6][i])),
-                         __fadd_rn(__fadd_rn(c[1][i], c[5][i]), __fadd_rn(c[3][i], c[7][i])));
-        y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
-        y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
-      }
-      const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
-      fold[h] = rok[h] && pr[h] >= s0;
-      const float mn = fmaxf(mrun[h], mc);
-      fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-      fb[h] = tf_ex2(__fsub_rn(mc, mn));
-      if (SPB == 1) {
-        mrun[h] = mc;
-        lrun[h] = lc;
-      } else if (fold[h]) {
-        lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
-        mrun[h] = mn;
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
+        mc = fmaxf(mc, x);
       }
     }
-  };
-  if (__all_sync(TF_FULL_MASK, s0 + SPAN - 1 <= off)) soft(tf_ic<1>{});   // (a vote: warp-uniform to ptxas)
-  else soft(tf_ic<0>{});
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
+    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
+    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      T e2[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
+        x = tf_to_float(e2[e]);
+      }
+      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pa[ks][h] = eb[2 * ks];
+      pa[ks][2 + h] = eb[2 * ks + 1];
+    }
+    float y[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
+      const int i = 2 * h + e;
+      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(c[0][i], c[4][i]), __fadd_rn(c[2][i], c[6][i])),
+                       __fadd_rn(__fadd_rn(c[1][i], c[5][i]), __fadd_rn(c[3][i], c[7][i])));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
+    }
+    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
+    fold[h] = rok[h] && pr[h] >= s0;
+    const float mn = fmaxf(mrun[h], mc);
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
+    fb[h] = tf_ex2(__fsub_rn(mc, mn));
+    if (SPB == 1) {
+      mrun[h] = mc;
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
+    }
+  }
   const T* vl = kvb + SPAN * KST + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3);
 #pragma unroll
   for (int dp = 0; dp < NDT; ++dp) {                // d tiles 2 dp, 2 dp + 1: row_attn_tc's value chains
