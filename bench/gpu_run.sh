@@ -893,13 +893,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         -k "attention and (row_exact or accuracy or splits or merge)" 2>&1 | tee "$out/test_attn31b.log" | tail -4
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31.txt" | tail -3
     ;;
-  s31c)     # session 31's prepared next run (not run: no machine): the bit test with four warps an
-            # 8-row tile (KW 4, "kk") next to every plan, then tinycode end to end
+  s31c)     # session 31's prepared run, run in session 32 (3/3, 8/8, 3/3): the bit test with four
+            # warps an 8-row tile (KW 4, "kk") next to every plan, then tinycode end to end
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
         | tee "$out/test_attn31c.log" | tail -3
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31c.txt" | tail -3
     ;;
-  s31d)     # session 31's prepared next run (not run): the default (tg4 at 64 rows a KV head past 384
+  s31d)     # session 31's prepared run (session 32 timed the kk plans with s32a instead): the default (tg4 at 64 rows a KV head past 384
             # 4-tile blocks) at M = 1..16 next to g8 (the old choice there), KW 4, 2-tile tcr blocks
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} ATTN_IMPL=${ATTN_IMPL:-g8,g4k,g4kk,g2kk,tg2} TAG=attn31d \
         LIMIT=${LIMIT:-450} bash "$0" attn-rows
