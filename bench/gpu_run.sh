@@ -107,6 +107,7 @@
 #   bash bench/gpu_run.sh s29a | s29b   # session 29: attention tests + gpu_exact on the final kernel; its timing
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
 #   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
+#   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -892,6 +893,25 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${TLIMIT2:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         -k "attention and (row_exact or accuracy or splits or merge)" 2>&1 | tee "$out/test_attn31b.log" | tail -4
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31.txt" | tail -3
+    ;;
+  s33a)     # session 33: row_attn_wg (wgmma, 64 rows a warpgroup) checked on small cases, then timed and
+            # checked bit for bit against the default at 1k / 8k / 32k keys ("v": V's descriptor strides
+            # swapped, a layout probe; "o": both value halves issued before the first fold)
+    # one process a plan (a wrong layout may fault); only the plans that matched everywhere are timed
+    ok=""
+    for p in ${WG_PLANS:-wg4 wg4v ws4 wg4o wg4.3 wg4.3p}; do
+      timeout 120 python3 bench/gpu_wg_check.py "$p" > "$out/wg_check33a_$p.txt" 2>&1
+      cat "$out/wg_check33a_$p.txt" | cut -c1-400
+      [ "$(grep -c ' 0 of ' "$out/wg_check33a_$p.txt")" = 5 ] && ok="$ok,$p"
+    done
+    echo "timed: ${ok#,}"
+    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4} TAG=attn33a \
+        LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s33b)     # session 33: the group-block bit test (row_attn_wg's plans next to every other), then tinycode
+    timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
+        | tee "$out/test_attn33b.log" | tail -3
+    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact33b.txt" | tail -3
     ;;
   s31c)     # session 31's prepared run, run in session 32 (3/3, 8/8, 3/3): the bit test with four
             # warps an 8-row tile (KW 4, "kk") next to every plan, then tinycode end to end

@@ -138,9 +138,10 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     H, Hk, hd, cap = 4, 2, 64, 256
     q = mx.ones((1, H, 2, hd), dtype)
     kc, vc = mx.zeros((1, Hk, cap, hd), dtype), mx.zeros((1, Hk, cap, hd), dtype)
+    monkeypatch.setattr(_cuda, "wgmma_device", lambda: True)    # row_attn_wg's launches (Hopper)
     monkeypatch.setattr(_cuda, "attn_impl", "span")     # row_attn_tc (the default takes row_attn_tcg)
     K.row_attention(q, kc, vc, 5, hd ** -0.5)
-    for plan in ("g4", "s2", "tg2", "ts1"):   # row_attn_tcg's, row_attn_tcr's group and span blocks
+    for plan in ("g4", "s2", "tg2", "ts1", "wg4", "ws4.3"):   # tcg's, tcr's, wg's group and span blocks
         monkeypatch.setattr(_cuda, "attn_impl", plan)
         K.row_attention(mx.ones((1, H, 16, hd), dtype), kc, vc, 5, hd ** -0.5)
     monkeypatch.setattr(_cuda, "attn_impl", None)
@@ -159,8 +160,11 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
         assert [dict(lc["template"])["SPB"] for lc in tcg] == [16, 1]
         tcr = [lc for lc in launches if lc["name"] == "row_attn_tcr"]
         assert [(dict(lc["template"])["SPB"], lc["threadgroup"][0]) for lc in tcr] == [(16, 64), (1, 32)]
+        wg = [lc for lc in launches if lc["name"] == "row_attn_wg"]
+        assert [(dict(lc["template"])["SPB"], dict(lc["template"])["NB"], lc["threadgroup"][0]) for lc in wg] == \
+            [(16, 2, 128), (1, 3, 128)]
         merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
-        assert [m["PRE"] for m in merges] == [False, True, False, True, False]
+        assert [m["PRE"] for m in merges] == [False, True, False, True, False, True, False]
     for lc in launches:
         _check(lc)
 
@@ -189,7 +193,9 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == (16, 4, 3, 0)
     monkeypatch.setattr(_cuda, "attn_impl", "g2kk")     # four warps an 8-row tile
     assert plan(1, 1024) == (16, 2, nb, 4)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk"):   # what the kernels' static_asserts refuse
+    monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1 (-2: V's strides swapped)
+    assert plan(1, 1024) == (16, 4, 3, -1)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "tg4v", "g4o", "wg4p"):   # what the kernels' static_asserts refuse
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

@@ -159,6 +159,63 @@ __device__ __forceinline__ void tf_ldmatrix4t(const void* row, unsigned int (&d)
                : "r"(s));
 }
 
+// Hopper's warpgroup MMA (wgmma, sm_90a: MLX's JIT compiles for sm_90a on Hopper), for 16-bit
+// inputs and fp32 accumulators: m64n64k16 for the warpgroup's 64 rows, D = A B (Z: a chain's first
+// step, the accumulators written only) or D += A B. Warp w of the warpgroup holds rows 16 w .. 16 w
+// + 15 of A (from registers) and of D, in mma.sync m16n8k16's fragment layouts (D's n-tile j in
+// d[4 j .. 4 j + 3]). Each output is the dot product of mma.sync.m16n8k16 in the same k16 steps
+// (session 27: the same bits; a first step that writes A B where mma.sync adds it to +0 can only
+// differ in the sign of a zero sum, which row_attn_wg's fold turns into +0 as tcr's does). The
+// accumulators and A fragments must not be touched between the issue and tf_wg_wait + tf_wg_hold.
+#define TF_WG_I(t, rest) "wgmma.mma_async.sync.aligned.m64n64k16.f32." t "." t " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}," rest
+#define TF_WG_OPS(c) c(d[0]),c(d[1]),c(d[2]),c(d[3]),c(d[4]),c(d[5]),c(d[6]),c(d[7]),c(d[8]),c(d[9]),c(d[10]),c(d[11]),c(d[12]),c(d[13]),c(d[14]),c(d[15]),c(d[16]),c(d[17]),c(d[18]),c(d[19]),c(d[20]),c(d[21]),c(d[22]),c(d[23]),c(d[24]),c(d[25]),c(d[26]),c(d[27]),c(d[28]),c(d[29]),c(d[30]),c(d[31])
+__device__ __forceinline__ void tf_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void tf_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tf_wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// after the wait: the compiler may neither read the accumulators nor reuse an A fragment's
+// registers before this point
+template <int N>
+__device__ __forceinline__ void tf_wg_hold(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void tf_wg_hold(unsigned int (&a)[4]) {
+  asm volatile("" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3])::"memory");
+}
+// A and B from shared memory (descriptors; B K-major)
+template <bool Z>
+__device__ __forceinline__ void tf_wgmma_ss(float (&d)[32], unsigned long long a, unsigned long long b, __nv_bfloat16) {
+  if (Z) asm volatile(TF_WG_I("bf16", "%32,%33,0,1,1,0,0;\n") : TF_WG_OPS("=f") : "l"(a), "l"(b) : "memory");
+  else asm volatile(TF_WG_I("bf16", "%32,%33,1,1,1,0,0;\n") : TF_WG_OPS("+f") : "l"(a), "l"(b) : "memory");
+}
+template <bool Z>
+__device__ __forceinline__ void tf_wgmma_ss(float (&d)[32], unsigned long long a, unsigned long long b, __half) {
+  if (Z) asm volatile(TF_WG_I("f16", "%32,%33,0,1,1,0,0;\n") : TF_WG_OPS("=f") : "l"(a), "l"(b) : "memory");
+  else asm volatile(TF_WG_I("f16", "%32,%33,1,1,1,0,0;\n") : TF_WG_OPS("+f") : "l"(a), "l"(b) : "memory");
+}
+// A from registers, B from shared memory MN-major (trans-b)
+template <bool Z>
+__device__ __forceinline__ void tf_wgmma_rs(float (&d)[32], const unsigned int (&a)[4], unsigned long long b, __nv_bfloat16) {
+  if (Z) asm volatile(TF_WG_I("bf16", "{%32,%33,%34,%35},%36,0,1,1,1;\n") : TF_WG_OPS("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
+  else asm volatile(TF_WG_I("bf16", "{%32,%33,%34,%35},%36,1,1,1,1;\n") : TF_WG_OPS("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
+}
+template <bool Z>
+__device__ __forceinline__ void tf_wgmma_rs(float (&d)[32], const unsigned int (&a)[4], unsigned long long b, __half) {
+  if (Z) asm volatile(TF_WG_I("f16", "{%32,%33,%34,%35},%36,0,1,1,1;\n") : TF_WG_OPS("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
+  else asm volatile(TF_WG_I("f16", "{%32,%33,%34,%35},%36,1,1,1,1;\n") : TF_WG_OPS("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
+}
+// A no-swizzle shared-memory descriptor: core matrices of 8 rows x 16 bytes (128 contiguous bytes);
+// LBO the byte step between core matrices along K, SBO along M / N (both multiples of 16). The
+// address sits in the low 14 bits (bytes / 16, shared memory < 256 KB): p + n bytes is desc + n / 16.
+__device__ __forceinline__ unsigned long long tf_wg_desc(const void* p, unsigned int lbo, unsigned int sbo) {
+  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(p));
+  return (unsigned long long)((s & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32);
+}
+// generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
+__device__ __forceinline__ void tf_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // 2^x in one instruction (ex2.approx.ftz.f32: 2^-inf = +0): row_attention.cu's exponential, whose
 // scores are in base 2 (the softmax scale times log2(e), rounded to fp32 by the host).
 __device__ __forceinline__ float tf_ex2(float x) {

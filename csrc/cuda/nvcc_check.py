@@ -3,7 +3,7 @@
 Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
 tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
 tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
-`nvcc -arch=sm_90 -c`. Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
+`nvcc -arch=sm_90a -c` (MLX's JIT targets sm_90a on Hopper: jit_module.cpp's arch tag). Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
 
 By default the cases go into files of about 24 (--batch=N; each case in a namespace of its own),
 since nvcc's fixed cost per file is most of a case's time; -v (ptxas's register report) and
@@ -61,6 +61,12 @@ for T in (bf, f16, f32):
             for NW, SPB in ((4, 16), (2, 1), (1, 16)):
                 CASES.append(("row_attn_tcr", dict(T=T, D=D, HQ=32, HKV=8, NW=NW, NB=2, SPB=SPB),
                               dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
+            if D in (64, 128):
+                for NB, SPB, VT, OV, PF in ((2, 16, False, False, False), (3, 1, False, True, False),
+                                            (2, 16, True, True, False), (3, 16, False, False, True)):
+                    CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB, VT=VT, OV=OV,
+                                                      PF=PF),
+                                  dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=1, PRE=True),
                           dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes
@@ -213,7 +219,7 @@ def _compile(tmp, idx, case, ptx, verbose):
     path = os.path.join(tmp, f"k{idx}.cu")
     with open(path, "w") as f:
         f.write(standalone_source(name, tmpl, ins, outs))
-    cmd = ["nvcc", "-std=c++17", "-arch=sm_90", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
+    cmd = ["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
     if verbose:
         cmd.append("-Xptxas=-v")
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -248,7 +254,7 @@ def _compile_batch(tmp, batch):
     path = os.path.join(tmp, f"b{batch[0][0]}.cu")
     with open(path, "w") as f:
         f.write("\n".join(includes) + "\n" + "".join(parts))
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", path, "-o", path + ".o"],
+    r = subprocess.run(["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-c", path, "-o", path + ".o"],
                        capture_output=True, text=True)
     if r.returncode == 0:
         return [(True, "ok   " + _tag(case)) for _, case in batch]

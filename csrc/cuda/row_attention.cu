@@ -93,6 +93,49 @@ __device__ __forceinline__ void tf_load_span(T* kvs, const T* k, const T* v, siz
   tf_cp_async_commit();
 }
 
+// Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
+// elements a row), in wgmma's no-swizzle core-matrix layout: the 16-byte unit (key j, column
+// x / 8) at unit ((j / 8) * (D / 8) + x / 8) * 8 + j % 8, so that thread u's unit u + 128 i is key
+// j0 + RI i of the same column (one copy instruction a unit, offsets constant); rows past the last
+// needed key zeroed. Then one cp.async commit (a group even when s >= se). row_attn_wg's staging.
+template <typename T, int D, int SPAN, int NB>
+__device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
+                                                int se, int maxp) {
+  constexpr int DB = D / 8;
+  constexpr int RI = 128 / DB;
+  constexpr int NI = SPAN * DB / 128;
+  static_assert(128 % DB == 0 && SPAN % RI == 0, "tf_wg_load_span: D");
+  if (s < se) {
+    T* ks = kvs + (s % NB) * 2 * SPAN * D;
+    const int s0 = s * SPAN;
+    const int nk = min(SPAN, maxp + 1 - s0);
+    const int u = threadIdx.x;
+    const int j0 = (u / (8 * DB)) * 8 + u % 8, x = ((u / 8) % DB) * 8;
+    const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
+    const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + u * 8));
+    if (nk == SPAN) {
+      tf_unroll<NI>([&](auto i) {
+        constexpr int B = sizeof(T);
+        tf_cp_async16s<i.value * RI * D * B>(kd + i.value * 2048, k + src);
+        tf_cp_async16s<i.value * RI * D * B>(kd + SPAN * D * B + i.value * 2048, v + src);
+      });
+    } else {
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        T* kdst = ks + (u + 128 * i) * 8;
+        if (j0 + RI * i < nk) {
+          tf_cp_async16(kdst, k + src + (size_t)RI * i * D);
+          tf_cp_async16(kdst + SPAN * D, v + src + (size_t)RI * i * D);
+        } else {
+          *reinterpret_cast<uint4*>(kdst) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(kdst + SPAN * D) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+  }
+  tf_cp_async_commit();
+}
+
 // @@body row_attn_partial
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,
 //         scale_f [1] float32
@@ -755,6 +798,235 @@ if (act) {
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }
+    }
+  }
+}
+
+// @@body row_attn_wg
+// inputs, output: as row_attn_tcg
+// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16), VT (V's
+//           descriptor strides swapped: a layout probe), OV (both value halves issued, then folded),
+//           PF (span s + 1's score chain issued before span s's fold; NB >= 3)
+// launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
+//         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
+// row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
+// 16 w .. 16 w + 15, tcr's layout), its scores one m64n64k16 chain over the k16 steps of D (q and
+// K from shared memory by descriptor), its sums one m64n64k16 chain over the span's four 16-key
+// steps a 64-column half of D (the weights from registers, V by descriptor, MN-major). Every
+// output is mma.sync.m16n8k16's dot product in the same steps and order, and the softmax, the
+// weight sum's tree and the fold are tcr's, so the same bits as row_attn_tcr, whatever NB and SPB.
+// No ldmatrix: the tensor core reads K, V and q from shared memory itself.
+constexpr int SPAN = 64;
+constexpr int G = HQ / HKV;
+constexpr int DB = D / 8;
+constexpr int NDT = D / 16;
+constexpr int NH = D / 64;
+constexpr unsigned int VL = VT ? 128 : DB * 128, VS = VT ? DB * 128 : 128;   // V: LBO along keys, SBO along d
+static_assert((D == 64 || D == 128) && NB >= 2 + PF && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
+extern __shared__ float sm[];
+const int lane = threadIdx.x & 31;
+const int g8 = lane >> 2, t4 = lane & 3;
+T* kvs = reinterpret_cast<T*>(sm);
+T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, core matrices
+const int M = q_shape[2];
+const int cap = k_shape[2];
+const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
+const int R = G * M;
+const int nrb = (R + 63) / 64;
+const int blk = blockIdx.x / nrb;
+const int rb0 = (blockIdx.x % nrb) * 64;
+const int r0 = rb0 + 16 * (threadIdx.x >> 5);
+const int b = blockIdx.y / HKV;
+const int hk = blockIdx.y % HKV;
+const int off = offset[0];
+const int maxp = min(off + M - 1, cap - 1);
+const int sg = blk * SPB;
+if (sg * SPAN > maxp) return;
+const int se = min(sg + SPB, maxp / SPAN + 1);
+const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
+#pragma unroll
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
+for (int u = threadIdx.x; u < 64 * DB; u += 128) {   // unit u: row (u / 8DB) 8 + u % 8, column (u / 8) % DB
+  const int r = rb0 + (u / (8 * DB)) * 8 + u % 8, x = ((u / 8) % DB) * 8;
+  *reinterpret_cast<uint4*>(qs + u * 8) = r < R ?
+      *reinterpret_cast<const uint4*>(q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
+}
+int pr[2];
+bool rok[2];
+float mrun[2], lrun[2];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int r = r0 + g8 + 8 * h;
+  pr[h] = off + r % M;
+  rok[h] = r < R && pr[h] < cap;
+  mrun[h] = TF_NEG_INF;
+  lrun[h] = 0.0f;
+}
+const float scale = scale_f[0];
+const unsigned long long qd = tf_wg_desc(qs, 128, DB * 128);
+float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
+#pragma unroll
+for (int dt = 0; dt < 2 * NDT; ++dt) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+}
+float c[32];                                        // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
+auto issue_qk = [&](int s) {
+  const unsigned long long kd = tf_wg_desc(kvs + (s % NB) * 2 * SPAN * D, 128, DB * 128);
+  tf_wg_fence();
+  tf_wgmma_ss<true>(c, qd, kd, T());
+#pragma unroll
+  for (int st = 1; st < NDT; ++st) tf_wgmma_ss<false>(c, qd + 16 * st, kd + 16 * st, T());
+  tf_wg_commit();
+};
+if (PF) {                                           // span s + 1's scores run during span s's sums and fold
+  tf_cp_async_wait<NB - 2>();
+  tf_fence_async();
+  __syncthreads();
+  issue_qk(sg);
+}
+for (int s = sg; s < se; ++s) {
+  __syncthreads();
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<PF ? NB - 2 : NB - 1>();
+  tf_fence_async();
+  __syncthreads();
+  const T* kb = kvs + (s % NB) * 2 * SPAN * D;
+  const unsigned long long vd = tf_wg_desc(kb + SPAN * D, VL, VS);
+  if (!PF) issue_qk(s);
+  tf_wg_wait<0>();
+  tf_wg_hold(c);
+  float sc[32];                                     // the scores, then the rounded weights (c only ever wgmma's)
+#pragma unroll
+  for (int i = 0; i < 32; ++i) sc[i] = c[i];
+  const int s0 = s * SPAN;
+  float fa[2], fb[2];
+  bool fold[2];
+  unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mc = TF_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = sc[4 * n + 2 * h + e];
+        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
+        mc = fmaxf(mc, x);
+      }
+    }
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
+    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
+    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      T e2[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = sc[4 * n + 2 * h + e];
+        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
+        x = tf_to_float(e2[e]);
+      }
+      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pa[ks][h] = eb[2 * ks];
+      pa[ks][2 + h] = eb[2 * ks + 1];
+    }
+    float y[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
+      const int i = 2 * h + e;
+      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(sc[i], sc[16 + i]), __fadd_rn(sc[8 + i], sc[24 + i])),
+                       __fadd_rn(__fadd_rn(sc[4 + i], sc[20 + i]), __fadd_rn(sc[12 + i], sc[28 + i])));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
+    }
+    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
+    fold[h] = rok[h] && pr[h] >= s0;
+    const float mn = fmaxf(mrun[h], mc);
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
+    fb[h] = tf_ex2(__fsub_rn(mc, mn));
+    if (SPB == 1) {
+      mrun[h] = mc;
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
+    }
+  }
+  float cv[NH][32];                                 // d 64 nh .. 64 nh + 63: tcr's value chains
+  auto issue = [&](int nh) {
+    tf_wg_fence();
+    tf_wgmma_rs<true>(cv[nh], pa[0], vd + 64 * nh, T());
+#pragma unroll
+    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv[nh], pa[ks], vd + 16 * ks * DB + 64 * nh, T());
+    tf_wg_commit();
+  };
+  auto fold_half = [&](int nh) {
+    tf_wg_hold(cv[nh]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1;
+        float& x = o[8 * nh + j][i];
+        if (SPB == 1) x = cv[nh][4 * j + i];
+        else if (fold[h]) x = __fmaf_rn(cv[nh][4 * j + i], fb[h], __fmul_rn(x, fa[h]));
+      }
+    }
+  };
+  const bool pf = PF && s + 1 < se;
+  if (PF && NH == 1) {
+    issue(0);
+    if (pf) {
+      issue_qk(s + 1);
+      tf_wg_wait<1>();
+    } else {
+      tf_wg_wait<0>();
+    }
+    fold_half(0);
+  } else if (PF || OV) {                            // the second half's chain runs during the first's fold
+    issue(0);
+    issue(1);
+    if (pf) {
+      issue_qk(s + 1);
+      tf_wg_wait<2>();
+      fold_half(0);
+      tf_wg_wait<1>();
+    } else {
+      tf_wg_wait<1>();
+      fold_half(0);
+      tf_wg_wait<0>();
+    }
+    fold_half(1);
+  } else {
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
+      issue(nh);
+      tf_wg_wait<0>();
+      fold_half(nh);
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
+}
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int r = r0 + g8 + 8 * h;
+  if (rok[h] && pr[h] >= sg * SPAN) {
+    float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
+#pragma unroll
+    for (int dt = 0; dt < 2 * NDT; ++dt) {
+      dst[8 * dt + 2 * t4] = o[dt][2 * h];
+      dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
+    }
+    if (t4 == 0) {
+      dst[D] = mrun[h];
+      dst[D + 1] = lrun[h];
     }
   }
 }

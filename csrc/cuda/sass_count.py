@@ -5,7 +5,7 @@ its instructions, and what a change that keeps the arithmetic saves.
 
 The kernel is built as nvcc_check.py builds it (MLX's wrapper, the package's sources) from the
 first nvcc_check case of that name with T = bf16 and D = 128, the template values given on the
-command line replacing the case's, compiled with `nvcc -arch=sm_90 -cubin` and disassembled by
+command line replacing the case's, compiled with `nvcc -gencode arch=compute_90a,code=sm_90a -cubin` (the JIT's target) and disassembled by
 cuobjdump (not in the CUDA toolkit this image has: `pip download --no-deps nvidia-cuda-cuobjdump`
 and unzip it; CUOBJDUMP names the binary). Without --from / --to it prints the block barriers,
 copy waits and backward branches with their addresses (a loop runs from a backward branch's
@@ -38,7 +38,7 @@ def sass(name: str, overrides: dict) -> str:
         src, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(nc.standalone_source(name, tmpl, base[2], base[3]))
-        subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", src, "-o", cubin], check=True)
+        subprocess.run(["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-cubin", src, "-o", cubin], check=True)
         return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
 
 

@@ -46,6 +46,7 @@ _KERNELS = {
     "row_attn_tc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcr": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
+    "row_attn_wg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -603,6 +604,24 @@ def attn_tcr_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 + 16 * NW) * (D + 8) * 2
 
 
+@functools.lru_cache(maxsize=1)
+def wgmma_device() -> bool:
+    """Whether the CUDA device is Hopper (compute capability 9.x), where MLX's JIT compiles for
+    sm_90a (mlx/backend/cuda/jit_module.cpp: the arch tag "a" from 9.0) and row_attn_wg's wgmma
+    exists. Anything else (Ampere, Ada, Blackwell's tcgen05) runs row_attn_tcr, which gives the
+    same bits."""
+    try:
+        return int(mx.device_info().get("compute_capability_major", 0)) == 9
+    except Exception:   # an MLX without device_info: no wgmma
+        return False
+
+
+def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
+    """Dynamic shared memory of row_attn_wg: NB spans' K and V and the block's 64 query rows, in
+    wgmma's core-matrix layout (no padding)."""
+    return (NB * 2 * 64 + 64) * D * 2
+
+
 def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
     """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
@@ -642,12 +661,18 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 @functools.lru_cache(maxsize=64)
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
-    stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side)."""
-    m = re.fullmatch(r"(t?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t] s|g <NW> [k|kk] [.NB]
-    if not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]):
+    stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
+    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side; -1 - flags, flags
+    1 with a "v" (V's descriptor strides swapped, a layout probe), 2 with an "o" (both value
+    halves issued before the first fold), 4 with a "p" (the next span's scores issued before
+    the fold; 3 buffers up))."""
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?(v?)(o?)(p?)", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    nb = int(m[5] or ATTN_TCG_BUFFERS) if m else 0
+    if (not m or nb < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")
+            or ((m[6] or m[7] or m[8]) and m[1] != "w") or (m[8] and nb < 3)):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>]")
-    kw = 0 if m[1] else 2 ** len(m[4])
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>][v][o][p, 3 buffers up]")
+    kw = {"t": 0, "w": -1 - (m[6] == "v") - 2 * (m[7] == "o") - 4 * (m[8] == "p")}.get(m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -663,7 +688,13 @@ def attention(q, k, v, offset, scale, stream):
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        if kw == 0:                             # row_attn_tcr: a warp a 16-row tile
+        if kw < 0 and (D not in (64, 128) or not wgmma_device()):   # tcr gives row_attn_wg's bits
+            kw = 0
+        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
+            name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
+            template = template[:4] + (("NB", nb), ("SPB", spb), ("VT", bool(-1 - kw & 1)),
+                                       ("OV", bool(-1 - kw & 2)), ("PF", bool(-1 - kw & 4)))
+        elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
