@@ -270,8 +270,8 @@ case "$1" in
     for M in ${ROWS:-1 16}; do
       timeout 120 ncu ${NCU_FLAGS:-} --kernel-name regex:row_attn --launch-skip 2 --launch-count 2 --section SpeedOfLight \
           --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-          --section SchedulerStats python3 bench/gpu_attn_prof.py --keys ${KEYS:-32768} --rows $M 2>&1 \
-          | tee "$out/attn_prof_M$M.txt" | grep -E "row_attn|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Shared Memory|Block Limit|Waves" | head -60
+          --section SchedulerStats python3 bench/gpu_attn_prof.py --keys ${KEYS:-32768} --rows $M ${ATTN_IMPL:+--impl $ATTN_IMPL} 2>&1 \
+          | tee "$out/attn_prof_M$M${ATTN_IMPL:+_$ATTN_IMPL}.txt" | grep -E "row_attn|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Shared Memory|Block Limit|Waves" | head -60
     done
     ;;
   cp)       # issue 3: row_qmm_cp (4-bit weights through a cp.async pipeline): bit-identical to
@@ -907,6 +907,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s33c)     # session 33: row_attn_wg with 128-byte swizzled shared memory ("z") checked, then timed
+    WG_PLANS=${WG_PLANS:-wg4z ws4z wg4.3pz} ATTN_IMPL=${ATTN_IMPL:-} LIMIT=${LIMIT:-300} bash "$0" s33a
     ;;
   s33b)     # session 33: the group-block bit test (row_attn_wg's plans next to every other), then tinycode
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \

@@ -93,42 +93,59 @@ __device__ __forceinline__ void tf_load_span(T* kvs, const T* k, const T* v, siz
   tf_cp_async_commit();
 }
 
+// Unit u (16 bytes) of a 64-row tile of D 16-bit elements a row in wgmma's shared-memory layout, as an
+// element offset, and its row j / column x: with SW (128-byte swizzle) thread u takes row u / DB,
+// chunk cc = u % DB, stored in the half cc / 8 (64 rows x 128 bytes) at chunk (cc % 8) ^ (j % 8);
+// without, core matrices: unit ((j / 8) DB + cc) 8 + j % 8 (row (u / 8DB) 8 + u % 8, chunk (u / 8) % DB).
+// Unit u + 128 i is row j + RI i (RI = 128 / DB) at offset + RI i * 64 (SW) or + 1024 i elements.
+template <int D, bool SW>
+__device__ __forceinline__ int tf_wg_unit(int u, int& j, int& x) {
+  constexpr int DB = D / 8;
+  if (SW) {
+    j = u / DB;
+    const int cc = u % DB;
+    x = cc * 8;
+    return (cc / 8) * 4096 + j * 64 + (((cc % 8) ^ (j % 8)) * 8);
+  }
+  j = (u / (8 * DB)) * 8 + u % 8;
+  x = ((u / 8) % DB) * 8;
+  return u * 8;
+}
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
-// elements a row), in wgmma's no-swizzle core-matrix layout: the 16-byte unit (key j, column
-// x / 8) at unit ((j / 8) * (D / 8) + x / 8) * 8 + j % 8, so that thread u's unit u + 128 i is key
-// j0 + RI i of the same column (one copy instruction a unit, offsets constant); rows past the last
-// needed key zeroed. Then one cp.async commit (a group even when s >= se). row_attn_wg's staging.
-template <typename T, int D, int SPAN, int NB>
+// elements a row) in tf_wg_unit's layout (one copy instruction a unit, offsets constant), rows past
+// the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's.
+template <typename T, int D, int SPAN, int NB, bool SW>
 __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
                                                 int se, int maxp) {
   constexpr int DB = D / 8;
   constexpr int RI = 128 / DB;
   constexpr int NI = SPAN * DB / 128;
-  static_assert(128 % DB == 0 && SPAN % RI == 0, "tf_wg_load_span: D");
+  constexpr int STEP = SW ? RI * 64 : 1024;          // elements between a thread's units
+  static_assert(128 % DB == 0 && SPAN % RI == 0 && RI % 8 == 0, "tf_wg_load_span: D");
   if (s < se) {
     T* ks = kvs + (s % NB) * 2 * SPAN * D;
     const int s0 = s * SPAN;
     const int nk = min(SPAN, maxp + 1 - s0);
-    const int u = threadIdx.x;
-    const int j0 = (u / (8 * DB)) * 8 + u % 8, x = ((u / 8) % DB) * 8;
+    int j0, x;
+    T* kdst = ks + tf_wg_unit<D, SW>(threadIdx.x, j0, x);
     const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
-    const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(ks + u * 8));
+    const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(kdst));
     if (nk == SPAN) {
       tf_unroll<NI>([&](auto i) {
         constexpr int B = sizeof(T);
-        tf_cp_async16s<i.value * RI * D * B>(kd + i.value * 2048, k + src);
-        tf_cp_async16s<i.value * RI * D * B>(kd + SPAN * D * B + i.value * 2048, v + src);
+        tf_cp_async16s<i.value * RI * D * B>(kd + i.value * STEP * B, k + src);
+        tf_cp_async16s<i.value * RI * D * B>(kd + (SPAN * D + i.value * STEP) * B, v + src);
       });
     } else {
 #pragma unroll
       for (int i = 0; i < NI; ++i) {
-        T* kdst = ks + (u + 128 * i) * 8;
+        T* dst = kdst + STEP * i;
         if (j0 + RI * i < nk) {
-          tf_cp_async16(kdst, k + src + (size_t)RI * i * D);
-          tf_cp_async16(kdst + SPAN * D, v + src + (size_t)RI * i * D);
+          tf_cp_async16(dst, k + src + (size_t)RI * i * D);
+          tf_cp_async16(dst + SPAN * D, v + src + (size_t)RI * i * D);
         } else {
-          *reinterpret_cast<uint4*>(kdst) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(kdst + SPAN * D) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dst + SPAN * D) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -806,7 +823,8 @@ if (act) {
 // inputs, output: as row_attn_tcg
 // template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16), VT (V's
 //           descriptor strides swapped: a layout probe), OV (both value halves issued, then folded),
-//           PF (span s + 1's score chain issued before span s's fold; NB >= 3)
+//           PF (span s + 1's score chain issued before span s's fold; NB >= 3), SW (128-byte swizzled
+//           shared memory instead of plain core matrices)
 // launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
@@ -821,9 +839,10 @@ constexpr int G = HQ / HKV;
 constexpr int DB = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NH = D / 64;
-constexpr unsigned int VL = VT ? 128 : DB * 128, VS = VT ? DB * 128 : 128;   // V: LBO along keys, SBO along d
+constexpr unsigned int VL = SW ? 8192 : VT ? 128 : DB * 128, VS = SW ? 1024 : VT ? DB * 128 : 128;   // V's LBO, SBO
+constexpr unsigned int KL = SW ? 16 : 128, KS = SW ? 1024 : DB * 128;                             // q's and K's
 static_assert((D == 64 || D == 128) && NB >= 2 + PF && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
-extern __shared__ float sm[];
+extern __shared__ __align__(1024) float sm[];
 const int lane = threadIdx.x & 31;
 const int g8 = lane >> 2, t4 = lane & 3;
 T* kvs = reinterpret_cast<T*>(sm);
@@ -844,12 +863,13 @@ const int sg = blk * SPB;
 if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
+auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB, SW>(kvs, k, v, kvbase, s, se, maxp); };
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
-for (int u = threadIdx.x; u < 64 * DB; u += 128) {   // unit u: row (u / 8DB) 8 + u % 8, column (u / 8) % DB
-  const int r = rb0 + (u / (8 * DB)) * 8 + u % 8, x = ((u / 8) % DB) * 8;
-  *reinterpret_cast<uint4*>(qs + u * 8) = r < R ?
+for (int u = threadIdx.x; u < 64 * DB; u += 128) {   // the block's rows in K's layout
+  int jr, x;
+  const int e = tf_wg_unit<D, SW>(u, jr, x), r = rb0 + jr;
+  *reinterpret_cast<uint4*>(qs + e) = r < R ?
       *reinterpret_cast<const uint4*>(q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
 }
 int pr[2];
@@ -864,7 +884,7 @@ for (int h = 0; h < 2; ++h) {
   lrun[h] = 0.0f;
 }
 const float scale = scale_f[0];
-const unsigned long long qd = tf_wg_desc(qs, 128, DB * 128);
+const unsigned long long qd = tf_wg_desc(qs, KL, KS, SW);
 float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 #pragma unroll
 for (int dt = 0; dt < 2 * NDT; ++dt) {
@@ -873,11 +893,14 @@ for (int dt = 0; dt < 2 * NDT; ++dt) {
 }
 float c[32];                                        // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
 auto issue_qk = [&](int s) {
-  const unsigned long long kd = tf_wg_desc(kvs + (s % NB) * 2 * SPAN * D, 128, DB * 128);
+  const unsigned long long kd = tf_wg_desc(kvs + (s % NB) * 2 * SPAN * D, KL, KS, SW);
   tf_wg_fence();
   tf_wgmma_ss<true>(c, qd, kd, T());
 #pragma unroll
-  for (int st = 1; st < NDT; ++st) tf_wgmma_ss<false>(c, qd + 16 * st, kd + 16 * st, T());
+  for (int st = 1; st < NDT; ++st) {                // k16 step st: 16-byte units along the row
+    const int o16 = SW ? (st / 4) * 512 + (st % 4) * 2 : 16 * st;
+    tf_wgmma_ss<false>(c, qd + o16, kd + o16, T());
+  }
   tf_wg_commit();
 };
 if (PF) {                                           // span s + 1's scores run during span s's sums and fold
@@ -893,7 +916,7 @@ for (int s = sg; s < se; ++s) {
   tf_fence_async();
   __syncthreads();
   const T* kb = kvs + (s % NB) * 2 * SPAN * D;
-  const unsigned long long vd = tf_wg_desc(kb + SPAN * D, VL, VS);
+  const unsigned long long vd = tf_wg_desc(kb + SPAN * D, VL, VS, SW);
   if (!PF) issue_qk(s);
   tf_wg_wait<0>();
   tf_wg_hold(c);
@@ -961,9 +984,10 @@ for (int s = sg; s < se; ++s) {
   float cv[NH][32];                                 // d 64 nh .. 64 nh + 63: tcr's value chains
   auto issue = [&](int nh) {
     tf_wg_fence();
-    tf_wgmma_rs<true>(cv[nh], pa[0], vd + 64 * nh, T());
+    const int h16 = SW ? 512 * nh : 64 * nh, k16 = SW ? 128 : 16 * DB;   // 16-byte units a d half, a key step
+    tf_wgmma_rs<true>(cv[nh], pa[0], vd + h16, T());
 #pragma unroll
-    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv[nh], pa[ks], vd + 16 * ks * DB + 64 * nh, T());
+    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv[nh], pa[ks], vd + k16 * ks + h16, T());
     tf_wg_commit();
   };
   auto fold_half = [&](int nh) {

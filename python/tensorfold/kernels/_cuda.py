@@ -665,14 +665,15 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side; -1 - flags, flags
     1 with a "v" (V's descriptor strides swapped, a layout probe), 2 with an "o" (both value
     halves issued before the first fold), 4 with a "p" (the next span's scores issued before
-    the fold; 3 buffers up))."""
-    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?(v?)(o?)(p?)", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    the fold; 3 buffers up), 8 with a "z" (128-byte swizzled shared memory))."""
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?(v?)(o?)(p?)(z?)", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
     nb = int(m[5] or ATTN_TCG_BUFFERS) if m else 0
     if (not m or nb < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")
-            or ((m[6] or m[7] or m[8]) and m[1] != "w") or (m[8] and nb < 3)):
+            or ((m[6] or m[7] or m[8] or m[9]) and m[1] != "w") or (m[8] and nb < 3) or (m[6] and m[9])):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
                          "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>][v][o][p, 3 buffers up]")
-    kw = {"t": 0, "w": -1 - (m[6] == "v") - 2 * (m[7] == "o") - 4 * (m[8] == "p")}.get(m[1], 2 ** len(m[4]))
+    kw = {"t": 0, "w": -1 - (m[6] == "v") - 2 * (m[7] == "o") - 4 * (m[8] == "p") - 8 * (m[9] == "z")}.get(
+        m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -693,7 +694,8 @@ def attention(q, k, v, offset, scale, stream):
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb), ("VT", bool(-1 - kw & 1)),
-                                       ("OV", bool(-1 - kw & 2)), ("PF", bool(-1 - kw & 4)))
+                                       ("OV", bool(-1 - kw & 2)), ("PF", bool(-1 - kw & 4)),
+                                       ("SW", bool(-1 - kw & 8)))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
