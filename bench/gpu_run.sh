@@ -894,22 +894,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         -k "attention and (row_exact or accuracy or splits or merge)" 2>&1 | tee "$out/test_attn31b.log" | tail -4
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact31.txt" | tail -3
     ;;
-  s33a)     # session 33: row_attn_wg (wgmma, 64 rows a warpgroup) checked on small cases, then timed and
-            # checked bit for bit against the default at 1k / 8k / 32k keys ("v": V's descriptor strides
-            # swapped, a layout probe; "o": both value halves issued before the first fold)
+  s33a)     # session 33: row_attn_wg (wgmma, 64 rows a warpgroup) checked on small cases against row_attn_tc,
+            # then timed and checked bit for bit against the default at 1k / 8k / 32k keys. In session 33 this
+            # ran aa601a1's plain core-matrix layout and its variants, then 18720b3's swizzled one ("z"); the
+            # swizzled layout, both value halves one after another, is now the only row_attn_wg
     # one process a plan (a wrong layout may fault); only the plans that matched everywhere are timed
     ok=""
-    for p in ${WG_PLANS:-wg4 wg4v ws4 wg4o wg4.3 wg4.3p}; do
+    for p in ${WG_PLANS:-wg4 ws4 wg4.3}; do
       timeout 120 python3 bench/gpu_wg_check.py "$p" > "$out/wg_check33a_$p.txt" 2>&1
       cat "$out/wg_check33a_$p.txt" | cut -c1-400
       [ "$(grep -c ' 0 of ' "$out/wg_check33a_$p.txt")" = 5 ] && ok="$ok,$p"
     done
     echo "timed: ${ok#,}"
-    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4} TAG=attn33a \
+    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s33c)     # session 33: row_attn_wg with 128-byte swizzled shared memory ("z") checked, then timed
-    WG_PLANS=${WG_PLANS:-wg4z ws4z wg4.3pz} ATTN_IMPL=${ATTN_IMPL:-} LIMIT=${LIMIT:-300} bash "$0" s33a
     ;;
   s33b)     # session 33: the group-block bit test (row_attn_wg's plans next to every other), then tinycode
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \

@@ -39,4 +39,4 @@ def main(plans):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["wg4", "wg4v", "ws4", "wg4o"])
+    main(sys.argv[1:] or ["wg4", "ws4", "wg4.3"])

@@ -93,41 +93,35 @@ __device__ __forceinline__ void tf_load_span(T* kvs, const T* k, const T* v, siz
   tf_cp_async_commit();
 }
 
-// Unit u (16 bytes) of a 64-row tile of D 16-bit elements a row in wgmma's shared-memory layout, as an
-// element offset, and its row j / column x: with SW (128-byte swizzle) thread u takes row u / DB,
-// chunk cc = u % DB, stored in the half cc / 8 (64 rows x 128 bytes) at chunk (cc % 8) ^ (j % 8);
-// without, core matrices: unit ((j / 8) DB + cc) 8 + j % 8 (row (u / 8DB) 8 + u % 8, chunk (u / 8) % DB).
-// Unit u + 128 i is row j + RI i (RI = 128 / DB) at offset + RI i * 64 (SW) or + 1024 i elements.
-template <int D, bool SW>
+// Unit u (16 bytes) of a 64-row tile of D 16-bit elements a row in wgmma's 128-byte swizzled layout,
+// as an element offset, and its row j / column x: row u / DB, chunk cc = u % DB, stored in the half
+// cc / 8 (64 rows x 128 bytes, 8-row atoms of 1,024 bytes) at chunk (cc % 8) ^ (j % 8). Unit u + 128 i
+// is row j + RI i (RI = 128 / DB, a multiple of 8: the same swizzle) at offset + 64 RI i.
+template <int D>
 __device__ __forceinline__ int tf_wg_unit(int u, int& j, int& x) {
   constexpr int DB = D / 8;
-  if (SW) {
-    j = u / DB;
-    const int cc = u % DB;
-    x = cc * 8;
-    return (cc / 8) * 4096 + j * 64 + (((cc % 8) ^ (j % 8)) * 8);
-  }
-  j = (u / (8 * DB)) * 8 + u % 8;
-  x = ((u / 8) % DB) * 8;
-  return u * 8;
+  j = u / DB;
+  const int cc = u % DB;
+  x = cc * 8;
+  return (cc / 8) * 4096 + j * 64 + (((cc % 8) ^ (j % 8)) * 8);
 }
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
 // elements a row) in tf_wg_unit's layout (one copy instruction a unit, offsets constant), rows past
 // the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's.
-template <typename T, int D, int SPAN, int NB, bool SW>
+template <typename T, int D, int SPAN, int NB>
 __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
                                                 int se, int maxp) {
   constexpr int DB = D / 8;
   constexpr int RI = 128 / DB;
   constexpr int NI = SPAN * DB / 128;
-  constexpr int STEP = SW ? RI * 64 : 1024;          // elements between a thread's units
+  constexpr int STEP = RI * 64;                      // elements between a thread's units
   static_assert(128 % DB == 0 && SPAN % RI == 0 && RI % 8 == 0, "tf_wg_load_span: D");
   if (s < se) {
     T* ks = kvs + (s % NB) * 2 * SPAN * D;
     const int s0 = s * SPAN;
     const int nk = min(SPAN, maxp + 1 - s0);
     int j0, x;
-    T* kdst = ks + tf_wg_unit<D, SW>(threadIdx.x, j0, x);
+    T* kdst = ks + tf_wg_unit<D>(threadIdx.x, j0, x);
     const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
     const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(kdst));
     if (nk == SPAN) {
@@ -821,16 +815,15 @@ if (act) {
 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16), VT (V's
-//           descriptor strides swapped: a layout probe), OV (both value halves issued, then folded),
-//           PF (span s + 1's score chain issued before span s's fold; NB >= 3), SW (128-byte swizzled
-//           shared memory instead of plain core matrices)
+// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16)
 // launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
 // 16 w .. 16 w + 15, tcr's layout), its scores one m64n64k16 chain over the k16 steps of D (q and
 // K from shared memory by descriptor), its sums one m64n64k16 chain over the span's four 16-key
-// steps a 64-column half of D (the weights from registers, V by descriptor, MN-major). Every
+// steps a 64-column half of D (the weights from registers, V by descriptor, MN-major); q, K and V
+// in shared memory with the 128-byte swizzle (tf_wg_unit; plain core matrices were ~25 % slower at
+// 32k keys: the tensor core's reads conflict without it). Every
 // output is mma.sync.m16n8k16's dot product in the same steps and order, and the softmax, the
 // weight sum's tree and the fold are tcr's, so the same bits as row_attn_tcr, whatever NB and SPB.
 // No ldmatrix: the tensor core reads K, V and q from shared memory itself.
@@ -839,14 +832,12 @@ constexpr int G = HQ / HKV;
 constexpr int DB = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NH = D / 64;
-constexpr unsigned int VL = SW ? 8192 : VT ? 128 : DB * 128, VS = SW ? 1024 : VT ? DB * 128 : 128;   // V's LBO, SBO
-constexpr unsigned int KL = SW ? 16 : 128, KS = SW ? 1024 : DB * 128;                             // q's and K's
-static_assert((D == 64 || D == 128) && NB >= 2 + PF && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
+static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
 extern __shared__ __align__(1024) float sm[];
 const int lane = threadIdx.x & 31;
 const int g8 = lane >> 2, t4 = lane & 3;
 T* kvs = reinterpret_cast<T*>(sm);
-T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, core matrices
+T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, K's layout
 const int M = q_shape[2];
 const int cap = k_shape[2];
 const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
@@ -863,12 +854,12 @@ const int sg = blk * SPB;
 if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB, SW>(kvs, k, v, kvbase, s, se, maxp); };
+auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 for (int u = threadIdx.x; u < 64 * DB; u += 128) {   // the block's rows in K's layout
   int jr, x;
-  const int e = tf_wg_unit<D, SW>(u, jr, x), r = rb0 + jr;
+  const int e = tf_wg_unit<D>(u, jr, x), r = rb0 + jr;
   *reinterpret_cast<uint4*>(qs + e) = r < R ?
       *reinterpret_cast<const uint4*>(q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
 }
@@ -884,40 +875,30 @@ for (int h = 0; h < 2; ++h) {
   lrun[h] = 0.0f;
 }
 const float scale = scale_f[0];
-const unsigned long long qd = tf_wg_desc(qs, KL, KS, SW);
+const unsigned long long qd = tf_wg_desc(qs, 16, 1024, 1);   // K-major, 128-byte swizzle: SBO the 8-row atoms
 float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 #pragma unroll
 for (int dt = 0; dt < 2 * NDT; ++dt) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
 }
-float c[32];                                        // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
-auto issue_qk = [&](int s) {
-  const unsigned long long kd = tf_wg_desc(kvs + (s % NB) * 2 * SPAN * D, KL, KS, SW);
-  tf_wg_fence();
-  tf_wgmma_ss<true>(c, qd, kd, T());
-#pragma unroll
-  for (int st = 1; st < NDT; ++st) {                // k16 step st: 16-byte units along the row
-    const int o16 = SW ? (st / 4) * 512 + (st % 4) * 2 : 16 * st;
-    tf_wgmma_ss<false>(c, qd + o16, kd + o16, T());
-  }
-  tf_wg_commit();
-};
-if (PF) {                                           // span s + 1's scores run during span s's sums and fold
-  tf_cp_async_wait<NB - 2>();
-  tf_fence_async();
-  __syncthreads();
-  issue_qk(sg);
-}
 for (int s = sg; s < se; ++s) {
   __syncthreads();
   load_kv(s + NB - 1);
-  tf_cp_async_wait<PF ? NB - 2 : NB - 1>();
+  tf_cp_async_wait<NB - 1>();
   tf_fence_async();
   __syncthreads();
   const T* kb = kvs + (s % NB) * 2 * SPAN * D;
-  const unsigned long long vd = tf_wg_desc(kb + SPAN * D, VL, VS, SW);
-  if (!PF) issue_qk(s);
+  const unsigned long long kd = tf_wg_desc(kb, 16, 1024, 1), vd = tf_wg_desc(kb + SPAN * D, 8192, 1024, 1);
+  float c[32];                                      // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
+  tf_wg_fence();
+  tf_wgmma_ss<true>(c, qd, kd, T());
+#pragma unroll
+  for (int st = 1; st < NDT; ++st) {                // k16 step st: 32 bytes along a 128-byte row, then the other half
+    const int o16 = (st / 4) * 512 + (st % 4) * 2;
+    tf_wgmma_ss<false>(c, qd + o16, kd + o16, T());
+  }
+  tf_wg_commit();
   tf_wg_wait<0>();
   tf_wg_hold(c);
   float sc[32];                                     // the scores, then the rounded weights (c only ever wgmma's)
@@ -981,58 +962,25 @@ for (int s = sg; s < se; ++s) {
       mrun[h] = mn;
     }
   }
-  float cv[NH][32];                                 // d 64 nh .. 64 nh + 63: tcr's value chains
-  auto issue = [&](int nh) {
-    tf_wg_fence();
-    const int h16 = SW ? 512 * nh : 64 * nh, k16 = SW ? 128 : 16 * DB;   // 16-byte units a d half, a key step
-    tf_wgmma_rs<true>(cv[nh], pa[0], vd + h16, T());
 #pragma unroll
-    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv[nh], pa[ks], vd + k16 * ks + h16, T());
+  for (int nh = 0; nh < NH; ++nh) {                 // d 64 nh .. 64 nh + 63: tcr's value chains (V MN-major,
+    float cv[32];                                   // SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
+    tf_wg_fence();
+    tf_wgmma_rs<true>(cv, pa[0], vd + 512 * nh, T());
+#pragma unroll
+    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vd + 128 * ks + 512 * nh, T());
     tf_wg_commit();
-  };
-  auto fold_half = [&](int nh) {
-    tf_wg_hold(cv[nh]);
+    tf_wg_wait<0>();
+    tf_wg_hold(cv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int h = i >> 1;
         float& x = o[8 * nh + j][i];
-        if (SPB == 1) x = cv[nh][4 * j + i];
-        else if (fold[h]) x = __fmaf_rn(cv[nh][4 * j + i], fb[h], __fmul_rn(x, fa[h]));
+        if (SPB == 1) x = cv[4 * j + i];
+        else if (fold[h]) x = __fmaf_rn(cv[4 * j + i], fb[h], __fmul_rn(x, fa[h]));
       }
-    }
-  };
-  const bool pf = PF && s + 1 < se;
-  if (PF && NH == 1) {
-    issue(0);
-    if (pf) {
-      issue_qk(s + 1);
-      tf_wg_wait<1>();
-    } else {
-      tf_wg_wait<0>();
-    }
-    fold_half(0);
-  } else if (PF || OV) {                            // the second half's chain runs during the first's fold
-    issue(0);
-    issue(1);
-    if (pf) {
-      issue_qk(s + 1);
-      tf_wg_wait<2>();
-      fold_half(0);
-      tf_wg_wait<1>();
-    } else {
-      tf_wg_wait<1>();
-      fold_half(0);
-      tf_wg_wait<0>();
-    }
-    fold_half(1);
-  } else {
-#pragma unroll
-    for (int nh = 0; nh < NH; ++nh) {
-      issue(nh);
-      tf_wg_wait<0>();
-      fold_half(nh);
     }
   }
 #pragma unroll

@@ -646,13 +646,19 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
     29.4 against s4's 36.1 (at 16 rows, where 4-tile blocks reach 128, g2k takes 40.1).
     Session 31 (base-2 scores): row_attn_tcr's group blocks of four 16-row warps ("tg4") where g8
     was: 32k keys, 16 rows 69.5 against g8's 73.9; elsewhere its one warp's chain a span is
-    longer (1k keys, one row: 36.3 against g4k's 24.8; 8k keys, 16 rows 46.8 against 34.8)."""
+    longer (1k keys, one row: 36.3 against g4k's 24.8; 8k keys, 16 rows 46.8 against 34.8).
+    Session 33: row_attn_wg's group blocks ("wg4": tcr's arithmetic on wgmma, a warpgroup of 64
+    rows, 128-byte swizzled shared memory) where tg4 was: 32k keys, 16 rows 54.4 against 70.0.
+    Elsewhere no faster than the defaults (8k keys, 16 rows 35.0 against 34.4; 32k keys, one row
+    41.2 against g4k's 42.8, within the spread between runs) or slower (fewer group blocks than
+    SMs: 8k keys, one row 26.9 against 20.2). Off Hopper, or at head sizes other than 64 / 128,
+    "wg4" runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
         if blocks >= 128:
-            impl = "tg4" if R > 32 and blocks > 384 else "g4k"
+            impl = "wg4" if R > 32 and blocks > 384 else "g4k"
         else:
             impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
@@ -662,18 +668,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
-    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side; -1 - flags, flags
-    1 with a "v" (V's descriptor strides swapped, a layout probe), 2 with an "o" (both value
-    halves issued before the first fold), 4 with a "p" (the next span's scores issued before
-    the fold; 3 buffers up), 8 with a "z" (128-byte swizzled shared memory))."""
-    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?(v?)(o?)(p?)(z?)", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
-    nb = int(m[5] or ATTN_TCG_BUFFERS) if m else 0
-    if (not m or nb < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")
-            or ((m[6] or m[7] or m[8] or m[9]) and m[1] != "w") or (m[8] and nb < 3) or (m[6] and m[9])):
+    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>][v][o][p, 3 buffers up]")
-    kw = {"t": 0, "w": -1 - (m[6] == "v") - 2 * (m[7] == "o") - 4 * (m[8] == "p") - 8 * (m[9] == "z")}.get(
-        m[1], 2 ** len(m[4]))
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
+    kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -693,9 +693,7 @@ def attention(q, k, v, offset, scale, stream):
             kw = 0
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
-            template = template[:4] + (("NB", nb), ("SPB", spb), ("VT", bool(-1 - kw & 1)),
-                                       ("OV", bool(-1 - kw & 2)), ("PF", bool(-1 - kw & 4)),
-                                       ("SW", bool(-1 - kw & 8)))
+            template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
