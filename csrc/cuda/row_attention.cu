@@ -42,6 +42,74 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma, tf_ldmatrix4(t), tf_ex2,
 // tf_put_partial, tf_merge_partial,
 // TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
+// One 64-key span's softmax for a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
+// row_attn_wg): lane (g8, t4) holds c[n][2 h + e], the score of key s0 + 8 n + 2 t4 + e for row
+// g8 + 8 h at position pr[h]. Masks keys past pr, scales, takes the span's max mc, writes the
+// weights 2^(s - mc) rounded to T into c and as the value chains' A fragments pa[key step 16][4];
+// the weight sum's tree (row_attn_tc's: key bits 5, 4, 3 inside the lane over n, then lanes ^ 2,
+// ^ 1, then bit 0); and the fold factors fa, fb with the running (m, l) (SPB 1: the span's own).
+template <typename T, int SPB>
+__device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4, float scale,
+                                                const int (&pr)[2], const bool (&rok)[2],
+                                                float (&mrun)[2], float (&lrun)[2],
+                                                unsigned int (&pa)[4][4], float (&fa)[2],
+                                                float (&fb)[2], bool (&fold)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mc = TF_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
+        mc = fmaxf(mc, x);
+      }
+    }
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
+    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
+    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
+    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      T e2[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = c[n][2 * h + e];
+        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
+        x = tf_to_float(e2[e]);
+      }
+      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pa[ks][h] = eb[2 * ks];
+      pa[ks][2 + h] = eb[2 * ks + 1];
+    }
+    float y[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
+      const int i = 2 * h + e;
+      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(c[0][i], c[4][i]), __fadd_rn(c[2][i], c[6][i])),
+                       __fadd_rn(__fadd_rn(c[1][i], c[5][i]), __fadd_rn(c[3][i], c[7][i])));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
+      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
+    }
+    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
+    fold[h] = rok[h] && pr[h] >= s0;
+    const float mn = fmaxf(mrun[h], mc);
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
+    fb[h] = tf_ex2(__fsub_rn(mc, mn));
+    if (SPB == 1) {
+      mrun[h] = mc;
+      lrun[h] = lc;
+    } else if (fold[h]) {
+      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
+      mrun[h] = mn;
+    }
+}
+}
+
 // One span's K and V rows s0 .. s0 + nk - 1 into shared rows of KST elements (cp.async, the
 // block's NTH threads), rows nk .. SPAN - 1 zeroed: row_attn_tc's staging, and row_attn_tcg's
 // for a partial span or a head size whose 16-byte columns do not divide its threads
@@ -717,60 +785,7 @@ for (int s = sg; s < se; ++s) {
   float fa[2], fb[2];
   bool fold[2];
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mc = TF_NEG_INF;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = c[n][2 * h + e];
-        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
-        mc = fmaxf(mc, x);
-      }
-    }
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
-    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
-    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      T e2[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = c[n][2 * h + e];
-        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
-        x = tf_to_float(e2[e]);
-      }
-      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
-    }
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      pa[ks][h] = eb[2 * ks];
-      pa[ks][2 + h] = eb[2 * ks + 1];
-    }
-    float y[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
-      const int i = 2 * h + e;
-      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(c[0][i], c[4][i]), __fadd_rn(c[2][i], c[6][i])),
-                       __fadd_rn(__fadd_rn(c[1][i], c[5][i]), __fadd_rn(c[3][i], c[7][i])));
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
-    }
-    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
-    fold[h] = rok[h] && pr[h] >= s0;
-    const float mn = fmaxf(mrun[h], mc);
-    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-    fb[h] = tf_ex2(__fsub_rn(mc, mn));
-    if (SPB == 1) {
-      mrun[h] = mc;
-      lrun[h] = lc;
-    } else if (fold[h]) {
-      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
-      mrun[h] = mn;
-    }
-  }
+  tf_span_softmax<T, SPB>(c, s0, t4, scale, pr, rok, mrun, lrun, pa, fa, fb, fold);
   const T* vl = kvb + SPAN * KST + ((((lane >> 3) & 1) << 3) + (lane & 7)) * KST + ((lane >> 4) << 3);
 #pragma unroll
   for (int dp = 0; dp < NDT; ++dp) {                // d tiles 2 dp, 2 dp + 1: row_attn_tc's value chains
@@ -908,60 +923,7 @@ for (int s = sg; s < se; ++s) {
   float fa[2], fb[2];
   bool fold[2];
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mc = TF_NEG_INF;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = sc[4 * n + 2 * h + e];
-        x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
-        mc = fmaxf(mc, x);
-      }
-    }
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
-    mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
-    const float mz = mc == TF_NEG_INF ? 0.0f : mc;
-    unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      T e2[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = sc[4 * n + 2 * h + e];
-        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
-        x = tf_to_float(e2[e]);
-      }
-      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
-    }
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      pa[ks][h] = eb[2 * ks];
-      pa[ks][2 + h] = eb[2 * ks + 1];
-    }
-    float y[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4, 3 in the lane, then 2, 1 across lanes
-      const int i = 2 * h + e;
-      y[e] = __fadd_rn(__fadd_rn(__fadd_rn(sc[i], sc[16 + i]), __fadd_rn(sc[8 + i], sc[24 + i])),
-                       __fadd_rn(__fadd_rn(sc[4 + i], sc[20 + i]), __fadd_rn(sc[12 + i], sc[28 + i])));
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
-    }
-    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
-    fold[h] = rok[h] && pr[h] >= s0;
-    const float mn = fmaxf(mrun[h], mc);
-    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-    fb[h] = tf_ex2(__fsub_rn(mc, mn));
-    if (SPB == 1) {
-      mrun[h] = mc;
-      lrun[h] = lc;
-    } else if (fold[h]) {
-      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
-      mrun[h] = mn;
-    }
-  }
+  tf_span_softmax<T, SPB>(reinterpret_cast<float(&)[8][4]>(sc), s0, t4, scale, pr, rok, mrun, lrun, pa, fa, fb, fold);
 #pragma unroll
   for (int nh = 0; nh < NH; ++nh) {                 // d 64 nh .. 64 nh + 63: tcr's value chains (V MN-major,
     float cv[32];                                   // SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
