@@ -110,6 +110,30 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
 }
 }
 
+// The partials (o, m, l) of a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
+// row_attn_wg): lane (g8, t4) holds o[dt][2 h + e] = d 8 dt + 2 t4 + e of row r = rg + 8 h (rg = r0 +
+// g8), written where the row is valid and reaches the block's first key k0; q head h0 + r / M.
+template <int D>
+__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[D / 8][4], const float (&mrun)[2],
+                                              const float (&lrun)[2], const int (&pr)[2], const bool (&rok)[2],
+                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rg + 8 * h;
+    if (rok[h] && pr[h] >= k0) {
+      float* dst = part + ((size_t)((h0 + r / M) * M + r % M) * nblk + blk) * (D + 2);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        dst[8 * dt + 2 * t4] = o[dt][2 * h];
+        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
+      }
+      if (t4 == 0) {
+        dst[D] = mrun[h];
+        dst[D + 1] = lrun[h];
+      }
+    }
+  }
+}
 // One span's K and V rows s0 .. s0 + nk - 1 into shared rows of KST elements (cp.async, the
 // block's NTH threads), rows nk .. SPAN - 1 zeroed: row_attn_tc's staging, and row_attn_tcg's
 // for a partial span or a head size whose 16-byte columns do not divide its threads
@@ -809,24 +833,7 @@ for (int s = sg; s < se; ++s) {
     }
   }
 }
-if (act) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + g8 + 8 * h;
-    if (rok[h] && pr[h] >= sg * SPAN) {
-      float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
-#pragma unroll
-      for (int dt = 0; dt < 2 * NDT; ++dt) {
-        dst[8 * dt + 2 * t4] = o[dt][2 * h];
-        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
-      }
-      if (t4 == 0) {
-        dst[D] = mrun[h];
-        dst[D + 1] = lrun[h];
-      }
-    }
-  }
-}
+if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
@@ -948,22 +955,7 @@ for (int s = sg; s < se; ++s) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
 }
-#pragma unroll
-for (int h = 0; h < 2; ++h) {
-  const int r = r0 + g8 + 8 * h;
-  if (rok[h] && pr[h] >= sg * SPAN) {
-    float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
-#pragma unroll
-    for (int dt = 0; dt < 2 * NDT; ++dt) {
-      dst[8 * dt + 2 * t4] = o[dt][2 * h];
-      dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
-    }
-    if (t4 == 0) {
-      dst[D] = mrun[h];
-      dst[D + 1] = lrun[h];
-    }
-  }
-}
+tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
