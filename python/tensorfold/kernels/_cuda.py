@@ -618,7 +618,7 @@ def wgmma_device() -> bool:
 
 def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     """Dynamic shared memory of row_attn_wg: NB spans' K and V and the block's 64 query rows, in
-    wgmma's core-matrix layout (no padding)."""
+    wgmma's 128-byte swizzled layout (no padding)."""
     return (NB * 2 * 64 + 64) * D * 2
 
 
