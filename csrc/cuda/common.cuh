@@ -205,17 +205,15 @@ __device__ __forceinline__ void tf_wgmma_rs(float (&d)[32], const unsigned int (
   if (Z) asm volatile(TF_WG_I("f16", "{%32,%33,%34,%35},%36,0,1,1,1;\n") : TF_WG_OPS("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
   else asm volatile(TF_WG_I("f16", "{%32,%33,%34,%35},%36,1,1,1,1;\n") : TF_WG_OPS("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b) : "memory");
 }
-// A shared-memory descriptor. No swizzle (mode 0): core matrices of 8 rows x 16 bytes (128 contiguous
-// bytes); LBO the byte step between core matrices along K, SBO along M / N (MN-major: LBO along K,
-// SBO along MN). 128-byte swizzle (mode 1): atoms of 8 rows x 128 bytes (1024-byte aligned), the
-// 16-byte chunk c of row r at chunk c ^ (r % 8); SBO the step between 8-row atoms (K-major: along
-// M / N; MN-major: along K, LBO then between 64-element blocks along MN). The
-// address sits in the low 14 bits (bytes / 16, shared memory < 256 KB): p + n bytes is desc + n / 16.
-__device__ __forceinline__ unsigned long long tf_wg_desc(const void* p, unsigned int lbo, unsigned int sbo,
-                                                       unsigned int mode = 0) {
+// A shared-memory descriptor with the 128-byte swizzle: atoms of 8 rows x 128 bytes (1024-byte
+// aligned), the 16-byte chunk c of row r at chunk c ^ (r % 8); SBO the step between 8-row atoms
+// (K-major: along M / N, LBO unused; MN-major: along K, LBO then between 64-element blocks along MN).
+// The address sits in the low 14 bits (bytes / 16, shared memory < 256 KB): p + n bytes is
+// desc + n / 16.
+__device__ __forceinline__ unsigned long long tf_wg_desc(const void* p, unsigned int lbo, unsigned int sbo) {
   const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(p));
   return (unsigned long long)((s & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-         ((unsigned long long)(sbo >> 4) << 32) | ((unsigned long long)mode << 62);
+         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 // generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
 __device__ __forceinline__ void tf_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

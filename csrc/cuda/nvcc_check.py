@@ -3,7 +3,8 @@
 Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
 tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
 tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
-`nvcc -arch=sm_90a -c` (MLX's JIT targets sm_90a on Hopper: jit_module.cpp's arch tag). Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
+`nvcc -gencode arch=compute_90a,code=sm_90a -c` (MLX's JIT targets sm_90a on Hopper: jit_module.cpp's
+arch tag; this image's `nvcc -arch=sm_90a` still emits sm_90 PTX). Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
 
 By default the cases go into files of about 24 (--batch=N; each case in a namespace of its own),
 since nvcc's fixed cost per file is most of a case's time; -v (ptxas's register report) and

@@ -107,7 +107,7 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
       lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
       mrun[h] = mn;
     }
-}
+  }
 }
 
 // The partials (o, m, l) of a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
@@ -844,8 +844,8 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 // 16 w .. 16 w + 15, tcr's layout), its scores one m64n64k16 chain over the k16 steps of D (q and
 // K from shared memory by descriptor), its sums one m64n64k16 chain over the span's four 16-key
 // steps a 64-column half of D (the weights from registers, V by descriptor, MN-major); q, K and V
-// in shared memory with the 128-byte swizzle (tf_wg_unit; plain core matrices were ~25 % slower at
-// 32k keys: the tensor core's reads conflict without it). Every
+// in shared memory with the 128-byte swizzle (tf_wg_unit; plain core matrices took a third more
+// time on the H200, likely bank conflicts of the tensor core's reads, not profiled). Every
 // output is mma.sync.m16n8k16's dot product in the same steps and order, and the softmax, the
 // weight sum's tree and the fold are tcr's, so the same bits as row_attn_tcr, whatever NB and SPB.
 // No ldmatrix: the tensor core reads K, V and q from shared memory itself.
@@ -897,7 +897,7 @@ for (int h = 0; h < 2; ++h) {
   lrun[h] = 0.0f;
 }
 const float scale = scale_f[0];
-const unsigned long long qd = tf_wg_desc(qs, 16, 1024, 1);   // K-major, 128-byte swizzle: SBO the 8-row atoms
+const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
 float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 #pragma unroll
 for (int dt = 0; dt < 2 * NDT; ++dt) {
@@ -911,7 +911,7 @@ for (int s = sg; s < se; ++s) {
   tf_fence_async();
   __syncthreads();
   const T* kb = kvs + (s % NB) * 2 * SPAN * D;
-  const unsigned long long kd = tf_wg_desc(kb, 16, 1024, 1), vd = tf_wg_desc(kb + SPAN * D, 8192, 1024, 1);
+  const unsigned long long kd = tf_wg_desc(kb, 16, 1024), vd = tf_wg_desc(kb + SPAN * D, 8192, 1024);
   float c[32];                                      // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
   tf_wg_fence();
   tf_wgmma_ss<true>(c, qd, kd, T());
