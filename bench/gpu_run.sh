@@ -108,8 +108,8 @@
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
 #   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
-#   bash bench/gpu_run.sh s34a          # session 34: row_attn_wgc (a group's spans on a thread-block cluster): small-case
-#                                       # check, the group-block bit test, timed next to the default; tinycode
+#   (session 34's s34a -- row_attn_wgc, a group's spans on a thread-block cluster: small-case check, bit test,
+#    timing, tinycode -- exists only in 8dd14aa, the kernel's commit: measured slower everywhere, removed after it)
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
 #                                       # then its launch plans timed (two calls)
 #   (session 23's s23f, SPC -- each chunk's scales copied with its stage, not all with the first --
@@ -910,22 +910,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s34a)     # session 34: row_attn_wgc (clusters of CL blocks, a group's spans side by side, folded through
-            # distributed shared memory): the small cases against row_attn_tc, the group-block bit test with
-            # every plan, timed next to the default and wg4 at 1k / 8k / 32k keys, then tinycode end to end
-    ok=""
-    for p in ${WG_PLANS:-wc8 wc4}; do
-      timeout 120 python3 bench/gpu_wg_check.py "$p" > "$out/wg_check34a_$p.txt" 2>&1
-      cat "$out/wg_check34a_$p.txt" | cut -c1-400
-      [ "$(grep -c ' 0 of ' "$out/wg_check34a_$p.txt")" = 5 ] && ok="$ok,$p"
-    done
-    echo "timed: ${ok#,}"
-    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},wg4,g4k} TAG=attn34a \
-        LIMIT=${LIMIT:-300} bash "$0" attn-rows
-    [ -n "$ok" ] && timeout ${TLIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
-        | tee "$out/test_attn34a.log" | tail -3
-    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact34a.txt" | tail -3
     ;;
   s33b)     # session 33: the group-block bit test (row_attn_wg's plans next to every other), then tinycode
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \

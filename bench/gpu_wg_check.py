@@ -1,6 +1,6 @@
-"""row_attn_wg / row_attn_wgc (wgmma) against row_attn_tc's bits on a few small cases, with the size of any
+"""row_attn_wg (wgmma) against row_attn_tc's bits on a few small cases, with the size of any
 difference: a first check of the kernel's layouts before the bit test and the timings
-(bash bench/gpu_run.sh s33a / s34a run it first). Prints one line a (case, plan)."""
+(bash bench/gpu_run.sh s33a runs it first). Prints one line a (case, plan)."""
 
 from __future__ import annotations
 

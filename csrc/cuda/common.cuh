@@ -217,35 +217,6 @@ __device__ __forceinline__ unsigned long long tf_wg_desc(const void* p, unsigned
 }
 // generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads
 __device__ __forceinline__ void tf_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Thread-block clusters (sm_90; the kernel's __cluster_dims__ come from _cuda.cluster_header): the
-// block's rank in its cluster; every thread of the cluster's blocks arrives (its shared-memory writes
-// released) and waits (the others' acquired); a shared-memory address of this block mapped to the
-// same offset in block `rank`'s shared memory; and 16 bytes read from such an address.
-__device__ __forceinline__ unsigned int tf_cluster_rank() {
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void tf_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned int tf_cluster_map(const void* p, unsigned int rank) {
-  const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(p));
-  unsigned int d;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(s), "r"(rank));
-  return d;
-}
-__device__ __forceinline__ float4 tf_cluster_ld4(unsigned int a) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ float2 tf_cluster_ld2(unsigned int a) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
-  return v;
-}
 
 // 2^x in one instruction (ex2.approx.ftz.f32: 2^-inf = +0): row_attention.cu's exponential, whose
 // scores are in base 2 (the softmax scale times log2(e), rounded to fp32 by the host).

@@ -240,8 +240,8 @@ __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, 
 }
 
 // A warp's 16 query rows rg + 8 h (lane (g8, t4): rg = the warp's first row + g8) at the start of a
-// block (row_attn_tcr, row_attn_wg, row_attn_wgc): positions pr, whether the row exists and lies in
-// the KV buffer (rok), the running (m, l) = (-inf, 0) and o = 0.
+// block (row_attn_tcr, row_attn_wg): positions pr, whether the row exists and lies in the KV buffer
+// (rok), the running (m, l) = (-inf, 0) and o = 0.
 template <int D>
 __device__ __forceinline__ void tf_rows16_init(int rg, int off, int M, int R, int cap, int (&pr)[2],
                                                bool (&rok)[2], float (&mrun)[2], float (&lrun)[2],
@@ -262,7 +262,7 @@ __device__ __forceinline__ void tf_rows16_init(int rg, int off, int M, int R, in
 }
 
 // A block's 64 query rows rb0 .. rb0 + 63 (of R; q head h0 + r / M, row r % M) into qs in tf_wg_unit's
-// layout, rows past R zeroed (row_attn_wg, row_attn_wgc; 128 threads).
+// layout, rows past R zeroed (row_attn_wg; 128 threads).
 template <typename T, int D>
 __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R, int M, int h0) {
   for (int u = threadIdx.x; u < 64 * (D / 8); u += 128) {
@@ -273,7 +273,7 @@ __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R,
   }
 }
 
-// One 64-key span s0 .. s0 + 63 of a warpgroup's 64 query rows on wgmma (row_attn_wg, row_attn_wgc):
+// One 64-key span s0 .. s0 + 63 of a warpgroup's 64 query rows on wgmma (row_attn_wg):
 // K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
 // span's four 16-key steps a 64-column half of D (the weights from registers, V MN-major); then o
@@ -970,128 +970,6 @@ for (int s = sg; s < se; ++s) {
   tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
 }
 tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
-
-// @@body row_attn_wgc
-// inputs, output: as row_attn_tcg (part: the group results, [B*HQ*M, ngroup, D+2], as SPB 16's)
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, CL (blocks a cluster: 4 or 8)
-// launch: grid (ngroup * ceil(HQ/HKV * M / 64) * CL * 128, B*HKV, 1), threadgroup (128, 1, 1), the
-//         kernel compiled with __cluster_dims__(CL, 1, 1) (_cuda.cluster_header), dynamic shared
-//         memory (SPC*2*64 + 64)*D*2 + SPC*64*2*4, SPC = 16 / CL (_cuda.attn_wgc_smem)
-// row_attn_wg's group blocks with a group's 16 spans computed side by side: a cluster of CL blocks
-// takes one (group, 64 query rows), block rank c the spans 16 g + SPC c .. + SPC - 1, each as its own
-// span partial (row_attn_wg with SPB 1: tf_wg_span) kept in the block's shared memory (o over the
-// span's own K/V buffer, fp32, the 8-column pieces of row r at piece ^ (r % 4); m, l beside it).
-// After a cluster barrier each block folds the 16 partials of every row for D / CL columns, reading
-// the others' shared memory (distributed shared memory), span after span in order with the merge's
-// formula: the fold row_attn_wg's group blocks do as they go, so the same group results, the same
-// bits as row_attn_tc + row_attn_merge, whatever CL. No partial goes through global memory but the
-// group's.
-constexpr int SPAN = 64;
-constexpr int G = HQ / HKV;
-constexpr int NDT = D / 16;
-constexpr int SPC = 16 / CL;                        // spans a block
-constexpr int NGC = D / 8 / CL;                     // 8-column pieces a row a block folds
-static_assert((D == 64 || D == 128) && (CL == 4 || CL == 8), "row_attn_wgc: plan");
-extern __shared__ __align__(1024) float sm[];
-const int lane = threadIdx.x & 31;
-const int g8 = lane >> 2, t4 = lane & 3;
-T* kvs = reinterpret_cast<T*>(sm);                  // SPC spans' K and V; then each span's o (fp32)
-T* qs = kvs + SPC * 2 * SPAN * D;                   // the block's 64 query rows, K's layout
-float* ml = reinterpret_cast<float*>(qs + 64 * D);  // (m, l) of span j, row r at 2 (64 j + r)
-const int M = q_shape[2];
-const int cap = k_shape[2];
-const int nblk = (cap + SPAN * 16 - 1) / (SPAN * 16);
-const int R = G * M;
-const int nrb = (R + 63) / 64;
-const int unit = blockIdx.x / CL;
-const int rank = static_cast<int>(tf_cluster_rank());   // blockIdx.x % CL
-const int blk = unit / nrb;
-const int rb0 = (unit % nrb) * 64;
-const int r0 = rb0 + 16 * (threadIdx.x >> 5);
-const int b = blockIdx.y / HKV;
-const int hk = blockIdx.y % HKV;
-const int off = offset[0];
-const int maxp = min(off + M - 1, cap - 1);
-const int sg = blk * 16;
-if (sg * SPAN > maxp) return;                       // the whole cluster: blk is the cluster's
-const int se = min(sg + 16, maxp / SPAN + 1);
-const int s1 = sg + SPC * rank;                     // this block's first span
-const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-#pragma unroll
-for (int j = 0; j < SPC; ++j) tf_wg_load_span<T, D, SPAN, SPC>(kvs, k, v, kvbase, s1 + j, se, maxp);
-tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);
-int pr[2];
-bool rok[2];
-float mrun[2], lrun[2];
-float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
-tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
-const float scale = scale_f[0];
-const unsigned long long qd = tf_wg_desc(qs, 16, 1024);
-tf_unroll<SPC>([&](auto jc) {
-  constexpr int j = decltype(jc)::value;
-  const int s = s1 + j;
-  tf_cp_async_wait<SPC - 1 - j>();
-  tf_fence_async();
-  __syncthreads();
-  if (s < se) {
-    T* kb = kvs + j * 2 * SPAN * D;
-    tf_wg_span<T, D, 1>(kb, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
-    __syncthreads();                                // every warp's chains have read the buffer
-    float* po = reinterpret_cast<float*>(kb);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rl = r0 - rb0 + g8 + 8 * h;
-#pragma unroll
-      for (int dt = 0; dt < 2 * NDT; ++dt) {
-        *reinterpret_cast<float2*>(po + rl * D + (((dt ^ (rl & 3)) << 3) | (2 * t4))) =
-            make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
-      }
-      if (t4 == 0) *reinterpret_cast<float2*>(ml + 2 * (64 * j + rl)) = make_float2(mrun[h], lrun[h]);
-    }
-  }
-});
-tf_cluster_sync();                                  // every block's span partials written
-for (int u = threadIdx.x; u < 64 * NGC; u += 128) {
-  const int rl = u / NGC, gi = rank * NGC + u % NGC, r = rb0 + rl;
-  const int p = off + r % M;
-  if (r >= R || p >= cap || p < sg * SPAN) continue;
-  const int sl = min(se, p / SPAN + 1);             // the row's spans end here
-  float m = TF_NEG_INF, l = 0.0f, of[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) of[i] = 0.0f;
-  const int ob = rl * D + ((gi ^ (rl & 3)) << 3);   // the piece's offset in a span's o
-  for (int s4 = sg; s4 < sl; s4 += 4) {             // four spans' partials read, then folded in order
-    float2 pm[4];
-    float4 pa[4], pb[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int s = s4 + i, j = (s - sg) % SPC, c = (s - sg) / SPC;
-      if (s < sl) {
-        const float* po = reinterpret_cast<const float*>(kvs + j * 2 * SPAN * D) + ob;
-        pm[i] = tf_cluster_ld2(tf_cluster_map(ml + 2 * (64 * j + rl), c));
-        pa[i] = tf_cluster_ld4(tf_cluster_map(po, c));
-        pb[i] = tf_cluster_ld4(tf_cluster_map(po + 4, c));
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (s4 + i < sl) {
-        const float ps[8] = {pa[i].x, pa[i].y, pa[i].z, pa[i].w, pb[i].x, pb[i].y, pb[i].z, pb[i].w};
-        const float mn = fmaxf(m, pm[i].x);
-        const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm[i].x, mn));
-        l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pm[i].y, fb));
-#pragma unroll
-        for (int e = 0; e < 8; ++e) of[e] = __fmaf_rn(ps[e], fb, __fmul_rn(of[e], fa));
-        m = mn;
-      }
-    }
-  }
-  float* dst = part + ((size_t)((b * HQ + hk * G + r / M) * M + r % M) * nblk + blk) * (D + 2);
-#pragma unroll
-  for (int i = 0; i < 8; i += 2) *reinterpret_cast<float2*>(dst + 8 * gi + i) = make_float2(of[i], of[i + 1]);
-  if (gi == 0) *reinterpret_cast<float2*>(dst + D) = make_float2(m, l);
-}
-tf_cluster_sync();                                  // no block leaves while another reads its memory
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),

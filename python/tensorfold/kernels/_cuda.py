@@ -47,7 +47,6 @@ _KERNELS = {
     "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcr": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_wg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
-    "row_attn_wgc": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -77,21 +76,8 @@ _KERNELS = {
 }
 
 
-def cluster_header(cluster: int) -> str:
-    """The end of a kernel's header that compiles it for thread-block clusters of `cluster` blocks
-    along x (sm_90). mx.fast.cuda_kernel has no cluster launch, but a kernel whose cluster size is
-    fixed at compile time (__cluster_dims__) runs in clusters under a plain launch. MLX writes
-    `__global__ void <name>(` after the header, so `__global__` is redefined there, as CUDA's
-    crt/host_defines.h spells it (`__location__(global)`), with the attribute after it; the header
-    holds no other kernel."""
-    if not cluster:
-        return ""
-    return ("#undef __global__\n#define __global__ __location__(global) "
-            f"__cluster_dims__({cluster}, 1, 1)\n")
-
-
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, shared_memory: int, cluster: int = 0):
+def _kernel(name: str, shared_memory: int):
     inputs, outputs, filename = _KERNELS[name]
     header, body = kernel_text("cuda", filename, name)
     return mx.fast.cuda_kernel(
@@ -99,7 +85,7 @@ def _kernel(name: str, shared_memory: int, cluster: int = 0):
         input_names=inputs,
         output_names=outputs,
         source=body,
-        header=header + cluster_header(cluster),
+        header=header,
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
@@ -636,13 +622,6 @@ def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 + 64) * D * 2
 
 
-def attn_wgc_smem(D: int, CL: int) -> int:
-    """Dynamic shared memory of row_attn_wgc: each of the block's 16 / CL spans' K and V (then its
-    fp32 partial o, which fits the same bytes), the block's 64 query rows, and each span's (m, l)."""
-    spc = 16 // CL
-    return (spc * 2 * 64 + 64) * D * 2 + spc * 64 * 2 * 4
-
-
 def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
     """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
@@ -689,15 +668,11 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
-    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side), -CL for
-    row_attn_wgc ("wc<CL>": a group's spans on a cluster of CL such blocks, NB = 16 / CL each)."""
-    c = re.fullmatch(r"wc([48])", impl)             # row_attn_wgc: clusters of 4 / 8 blocks
-    if c:
-        return 16, 4, 16 // int(c[1]), -int(c[1])
+    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
     m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
     if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], ws4 / wg4[.<buffers>], or wc4 / wc8")
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
     kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
@@ -713,15 +688,10 @@ def attention(q, k, v, offset, scale, stream):
     if plan is not None:
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
-        if kw < 0 and (D not in (64, 128) or not wgmma_device()):   # tcr gives row_attn_wg's bits
-            kw, nb = 0, (nb if kw == -1 else ATTN_TCG_BUFFERS)
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        cl = 0
-        if kw < -1:                             # row_attn_wgc: a group's spans on a cluster of -kw blocks
-            cl = -kw
-            name, threads, rows, smem = "row_attn_wgc", 128, 64, attn_wgc_smem(D, cl)
-            template = template[:4] + (("CL", cl),)
-        elif kw < 0:                            # row_attn_wg: a warpgroup 64 rows (sm_90a)
+        if kw < 0 and (D not in (64, 128) or not wgmma_device()):   # tcr gives row_attn_wg's bits
+            kw = 0
+        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
@@ -729,10 +699,10 @@ def attention(q, k, v, offset, scale, stream):
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
             template = template + (("KW", kw),)
-        grid = nspan * -(-R // rows) * threads * max(cl, 1)
+        grid = nspan * -(-R // rows) * threads
     else:
-        cl, grid = 0, nspan * threads
-    part = _kernel(name, smem, cl)(
+        grid = nspan * threads
+    part = _kernel(name, smem)(
         inputs=[q, k, v, offset, _scale_array(scale * LOG2E)],
         template=list(template),
         grid=(grid, B * HKV, 1), threadgroup=(threads, 1, 1),
@@ -1037,8 +1007,7 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
         "struct Shape { int32_t d[8]; __device__ int32_t operator[](int i) const "
         "{ return d[i]; } };\n"
     )
-    src = prelude + header + cluster_header(template["CL"] if name == "row_attn_wgc" else 0) + \
-        "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    src = prelude + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
     params = []
     for n in inputs:
         params.append(f"const {_CUDA_TYPES[input_dtypes[n]]}* {n}")
