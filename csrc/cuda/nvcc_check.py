@@ -1,8 +1,9 @@
 """Offline syntax / type check of the CUDA faces with nvcc (no GPU needed).
 
-Builds each kernel exactly as mx.fast.cuda_kernel would wrap it (see
-tensorfold.kernels._cuda.standalone_source; the header includes common.cuh through
-tensorfold.kernels._sources.sections, the same path as the JIT) for a few template configurations and runs
+Builds each kernel, from the sources in this folder (not the installed package's copy), exactly as
+mx.fast.cuda_kernel would wrap it (see tensorfold.kernels._cuda.standalone_source; the header includes
+common.cuh through tensorfold.kernels._sources.sections, the same path as the JIT) for a few template
+configurations and runs
 `nvcc -gencode arch=compute_90a,code=sm_90a -c` (MLX's JIT targets sm_90a on Hopper: jit_module.cpp's
 arch tag; this image's `nvcc -arch=sm_90a` still emits sm_90 PTX). Usage: python csrc/cuda/nvcc_check.py [-v] [--ptx-hash] [--batch=N] [kernel names]
 
@@ -24,6 +25,9 @@ import sys
 import tempfile
 
 import mlx.core as mx
+
+# the kernel sources next to this file, not the installed package's copy (which may predate an edit)
+os.environ["TENSORFOLD_CUDA_SOURCES"] = os.path.dirname(os.path.abspath(__file__))
 
 try:    # the installed package (CI), else this checkout's python/ (development)
     import tensorfold.kernels._cuda  # noqa: F401

@@ -18,6 +18,7 @@ is the same (`csrc/cuda/nvcc_check.py --ptx-hash` prints identical hashes).
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -25,7 +26,12 @@ _PKG = Path(__file__).resolve().parent.parent  # .../tensorfold
 
 
 def kernel_dir(kind: str) -> Path:
-    """Installed copy (tensorfold/_kernels/<kind>) first, else the repository's sources."""
+    """TENSORFOLD_<KIND>_SOURCES where set (csrc/cuda/nvcc_check.py sets it to its own folder, so an
+    offline check reads the sources being edited, not a stale installed copy); else the installed
+    copy (tensorfold/_kernels/<kind>); else the repository's sources."""
+    override = os.environ.get(f"TENSORFOLD_{kind.upper()}_SOURCES")
+    if override:
+        return Path(override)
     installed = _PKG / "_kernels" / kind
     if installed.is_dir():
         return installed
