@@ -11,9 +11,7 @@ cache (offset = keys - M), the offset a device array as in the compiled step. Ev
 alone with cold caches (ncu flushes them before each replay). Between cases a marker kernel names
 the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
 row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
-kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit;
-"<plan>+r<RB>+u<UL>" also sets the merge's units a block and its loads ahead (`_cuda.attn_merge_rows`,
-`attn_merge_ahead`; an empty plan is the default's: "+r4").
+kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit.
 """
 
 from __future__ import annotations
@@ -30,18 +28,6 @@ KEYS = [int(v) for v in os.environ.get("ATTN_KEYS", "1024,8192,32768").split(","
 ROWS = [int(v) for v in os.environ.get("ATTN_ROWS", "1,2,4,8,16").split(",")]
 REPS = int(os.environ.get("ATTN_REPS", "5"))
 HQ, HKV, D = 32, 8, 128
-
-
-def set_impl(_cuda, impl):
-    """_cuda's launch-plan knobs from an ATTN_IMPL entry ("g4k", "+r4", "s4+r8+u16"); None: defaults."""
-    parts = (impl or "").split("+")
-    _cuda.attn_impl = parts[0] or None
-    _cuda.attn_merge_rows = _cuda.attn_merge_ahead = None
-    for p in parts[1:]:
-        if p[:1] == "r":
-            _cuda.attn_merge_rows = int(p[1:])
-        elif p[:1] == "u":
-            _cuda.attn_merge_ahead = int(p[1:])
 
 
 def run():
@@ -64,16 +50,16 @@ def run():
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
-                set_impl(_cuda, impl)
+                _cuda.attn_impl = impl
                 if impl is not None:
                     marker("setup")
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
                     bad += not same
                     print(f"L{L} M{M} {impl}: {'same bits' if same else 'MISMATCH'}", file=sys.stderr)
-                marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b').replace('+', '_')}")
+                marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     mx.eval(K.row_attention(q, k, v, off, scale))
-            set_impl(_cuda, None)
+            _cuda.attn_impl = None
             marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
                 mx.eval(mx.fast.scaled_dot_product_attention(

@@ -108,8 +108,8 @@
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
 #   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
-#   bash bench/gpu_run.sh s34b          # session 34: the merge's launch (units a block RB, partials loaded ahead UL) timed
-#   bash bench/gpu_run.sh s34c          # session 34: the group-block bit test (the merge's RB / UL too), tinycode
+#   (session 34's s34b -- the merge's units a block RB and loads ahead UL timed -- exists only in 0a82ce7:
+#    within 0.5 us of the default everywhere, removed after it)
 #   (session 34's s34a -- row_attn_wgc, a group's spans on a thread-block cluster: small-case check, bit test,
 #    timing, tinycode -- exists only in 8dd14aa, the kernel's commit: measured slower everywhere, removed after it)
 #   bash bench/gpu_run.sh s28a | s28b   # session 28: row_attn_tcg bit-identity + attention tests;
@@ -912,16 +912,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s34b)     # session 34: row_attn_merge with RB (row, column block) units a block (a warp each) and UL span partials
-            # loaded ahead, next to the default (RB 1, UL 8), each checked bit for bit against it
-    ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-+r4,+r8,+r16,+u16,+r4+u16} TAG=attn34b \
-        LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s34c)     # session 34: the group-block bit test (every plan, the merge's RB / UL), then tinycode end to end
-    timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \
-        | tee "$out/test_attn34c.log" | tail -3
-    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact34c.txt" | tail -3
     ;;
   s33b)     # session 33: the group-block bit test (row_attn_wg's plans next to every other), then tinycode
     timeout ${TLIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k group_blocks 2>&1 \

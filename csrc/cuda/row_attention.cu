@@ -976,30 +976,25 @@ tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
 // output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC, MW (warps: groups merged side by
 //         side; any count gives the same bits), PRE (part holds the group results, [.., ngrp,
-//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below), RB
-//         ((row, c) units a block, a warp each: MW 1 only), UL (span partials loaded ahead of use)
-// launch: grid (ceil(B*HQ*M*ceil(D/DC) / RB)*32*MW*RB, 1, 1), threadgroup (32*MW*RB, 1, 1), dynamic
-//         shared memory MW*RB*(DC+2)*4.
+//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below)
+// launch: grid (B*HQ*M*ceil(D/DC)*32*MW, 1, 1), threadgroup (32*MW, 1, 1), dynamic shared memory
+//         MW*(DC+2)*4.
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
 constexpr int GS = 16;                              // spans per group
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
-constexpr int U = UL;
-static_assert(RB == 1 || MW == 1, "row_attn_merge: RB > 1 takes one warp a unit");
-extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l) a unit
+constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
+extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int cap = k_shape[2];
 const int nstride = part_shape[1];                  // partials a row: spans, or groups (PRE)
 const int nspan = PRE ? (cap + SPAN - 1) / SPAN : nstride;
-const unsigned int unit = blockIdx.x * RB + (RB > 1 ? threadIdx.x >> 5 : 0u);
-if (RB > 1 && unit >= (unsigned int)(q_shape[0] * q_shape[1] * M * NDB)) return;   // the grid's last block
-const int row = unit / NDB;
-const int c0 = (unit % NDB) * DC;                   // this unit's first column
+const int row = blockIdx.x / NDB;
+const int c0 = (blockIdx.x % NDB) * DC;             // this block's first column
 const int lane = threadIdx.x & 31;
-const int warp = RB > 1 ? 0 : threadIdx.x >> 5;
-float* sb = sm + (RB > 1 ? (threadIdx.x >> 5) * (DC + 2) : 0);   // this unit's group results
+const int warp = threadIdx.x >> 5;
 const int p = offset[0] + row % M;
 T* dst = out + (size_t)row * D + c0;
 if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
@@ -1075,15 +1070,13 @@ for (int gb = 0; gb < (PRE ? 0 : ng); gb += MW) {
         }
       }
     }
-    tf_put_partial<DC, NT>(sb + warp * (DC + 2), o, m, l, lane);
+    tf_put_partial<DC, NT>(sm + warp * (DC + 2), o, m, l, lane);
   }
-  if (RB > 1) __syncwarp();
-  else __syncthreads();
+  __syncthreads();
   if (warp == 0) {
-    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sb + w * (DC + 2), lane);
+    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sm + w * (DC + 2), lane);
   }
-  if (RB > 1) __syncwarp();
-  else __syncthreads();
+  __syncthreads();
 }
 if (warp == 0) {
 #pragma unroll

@@ -590,9 +590,6 @@ ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
 # (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3")
 attn_impl = None
-ATTN_MERGE_ROWS = 1         # row_attn_merge: (row, column block) units a block where MW is 1 (a warp each)
-attn_merge_rows = None      # benchmarks: another RB
-attn_merge_ahead = None     # benchmarks: span partials a merge warp loads ahead (UL), else by its columns
 
 
 def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, KW: int = 1) -> int:
@@ -715,15 +712,11 @@ def attention(q, k, v, offset, scale, stream):
     dc = ATTN_MERGE_COLS or D
     # warps a merge block: one for group results, else one a group of the capacity, up to 16
     mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (16 * span)))
-    rb = (attn_merge_rows or ATTN_MERGE_ROWS) if mw == 1 else 1     # (row, column block) units a block
-    nt = -(-dc // 32)
-    units = B * HQ * M * -(-D // dc)
-    out = _kernel("row_attn_merge", rb * mw * (dc + 2) * 4)(
+    out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre),
-                  ("RB", rb), ("UL", attn_merge_ahead or (8 if nt <= 4 else (4 if nt <= 8 else 2)))],
-        grid=(-(-units // rb) * 32 * mw * rb, 1, 1),
-        threadgroup=(32 * mw * rb, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre)],
+        grid=(B * HQ * M * -(-D // dc) * 32 * mw, 1, 1),
+        threadgroup=(32 * mw, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
     )[0]
     return out
