@@ -173,20 +173,19 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
     an SM: 4 row tiles of two warps each, or row_attn_wg's warpgroup of 64 rows (row_attn_tcr's 4
     warps of 16 rows off Hopper) at 64 rows a KV head once 4-tile blocks would pass three an SM, and
-    at 17-32 rows past 192 groups on Hopper; 2-tile blocks of two warps a tile where those
+    at 17-32 rows past 192 groups where row_attn_wg runs; 2-tile blocks of two warps a tile where those
     reach a block an SM; span blocks with each warp on its own rows (SPB 1, 4 warps) below, at any
     row count. Any plan gives the same bits (test_cuda_attention_group_blocks_are_bit_identical),
     so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
-    plan = lambda M, cap: _cuda.attn_tcg_plan(4 * M, cap, 8)  # noqa: E731  32 q / 8 KV heads
+    plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
     assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1)
     assert plan(8, 8192) == (16, 2, nb, 2)
-    monkeypatch.setattr(_cuda, "wgmma_device", lambda: False)
-    assert plan(1, 32768) == plan(4, 32768) == plan(8, 32768) == plan(16, 8192) == (16, 4, nb, 2)
-    assert plan(16, 32768) == (16, 4, nb, -1)              # row_attn_wg (tcr's tg4 off Hopper)
-    monkeypatch.setattr(_cuda, "wgmma_device", lambda: True)
-    assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (16, 4, nb, -1)   # Hopper: wg at 17-32 rows too
+    no = False                                              # row_attn_wg does not run (off Hopper, D 80)
+    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == (16, 4, nb, 2)
+    assert plan(16, 32768, no) == (16, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
+    assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (16, 4, nb, -1)   # where it runs: 17-32 rows too
     assert plan(4, 32768) == plan(8, 16384) == plan(16, 16384) == (16, 4, nb, 2)   # 16 rows; 128 groups
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)

@@ -616,15 +616,21 @@ def wgmma_device() -> bool:
         return False
 
 
+def attn_wg_runs(D: int) -> bool:
+    """Whether row_attn_wg runs for head size D here (64 or 128, on Hopper); else a "w" plan runs
+    row_attn_tcr, which gives the same bits."""
+    return D in (64, 128) and wgmma_device()
+
+
 def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     """Dynamic shared memory of row_attn_wg: NB spans' K and V and the block's 64 query rows, in
     wgmma's 128-byte swizzled layout (no padding)."""
     return (NB * 2 * 64 + 64) * D * 2
 
 
-def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | None:
+def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, int] | None:
     """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
-    HKV). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
+    HKV, wg: attn_wg_runs). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
     back; row_attn_tcg gives each warp 8 rows alone: with SPB 1 (span blocks) it writes the span
@@ -659,8 +665,8 @@ def attn_tcg_plan(R: int, cap: int, nkv: int) -> tuple[int, int, int, int] | Non
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
         if blocks >= 128:   # row_attn_wg: past 384 4-tile blocks at 64 rows (else tcr's tg4, measured
-            # before it), past 192 groups at 17-32 rows on Hopper only (tg4 lost to g4k there)
-            wide = blocks > 384 if R > 32 else R > 16 and groups > 192 and wgmma_device()
+            # before it), past 192 groups at 17-32 rows where wg runs (tg4 lost to g4k there)
+            wide = blocks > 384 if R > 32 else R > 16 and groups > 192 and wg
             impl = "wg4" if wide else "g4k"
         else:
             impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
@@ -686,13 +692,14 @@ def attention(q, k, v, offset, scale, stream):
     name, template, threads, smem, span = _attn_launch(q.dtype, k.dtype, v.dtype, D, HQ, HKV)
     nspan = -(-cap // span)
     R = HQ // HKV * M                           # query rows a KV head
-    plan = attn_tcg_plan(R, cap, B * HKV) if name == "row_attn_tc" else None
+    wg = attn_wg_runs(D)
+    plan = attn_tcg_plan(R, cap, B * HKV, wg) if name == "row_attn_tc" else None
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        if kw < 0 and (D not in (64, 128) or not wgmma_device()):   # tcr gives row_attn_wg's bits
+        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
             kw = 0
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
