@@ -108,6 +108,7 @@
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
 #   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
+#   bash bench/gpu_run.sh s35a          # session 35: row_attn_wgp (pg4) checked against row_attn_tc, then timed
 #   bash bench/gpu_run.sh s34d          # session 34: wg4 against g4k and the default at 16k / 32k / 64k keys, M = 1..16
 #   (session 34's s34b -- the merge's units a block RB and loads ahead UL timed -- exists only in 0a82ce7:
 #    within 0.5 us of the default everywhere, removed after it)
@@ -913,6 +914,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s35a)     # session 35: row_attn_wgp (pg4: two warpgroups on a group's spans in turn) -- bits against
+            # row_attn_tc on gpu_wg_check's five cases, then timed next to wg4 / g4k and the default
+    timeout 150 python3 bench/gpu_wg_check.py pg4 wg4 2>&1 | tee "$out/wgcheck35a.txt" | tail -12
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \
+        ATTN_IMPL=${ATTN_IMPL:-pg4,wg4,g4k} TAG=attn35a LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
   s34d)     # session 34: row_attn_wg's group blocks (wg4) where the default took g4k below 64 rows a KV head:
             # 16k / 32k / 64k keys at M = 1, 4, 8, 12, 16, each plan checked bit for bit against the default

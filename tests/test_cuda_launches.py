@@ -24,17 +24,17 @@ def launches(monkeypatch):
     seen = []
 
     class Stub:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, smem):
+            self.name, self.smem = name, smem
 
         def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
                      stream=None):
-            seen.append(dict(name=self.name, inputs=inputs, template=template, grid=grid,
+            seen.append(dict(name=self.name, shared_memory=self.smem, inputs=inputs, template=template, grid=grid,
                              threadgroup=threadgroup, output_shapes=output_shapes,
                              output_dtypes=output_dtypes))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(_cuda, "_kernel", lambda name, smem: Stub(name))
+    monkeypatch.setattr(_cuda, "_kernel", lambda name, smem: Stub(name, smem))
     monkeypatch.setattr(K, "backend_face", lambda stream=None: "cuda")
     monkeypatch.setattr(K, "_gpu_stream", lambda s: None)
     return seen
@@ -141,7 +141,7 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     monkeypatch.setattr(_cuda, "wgmma_device", lambda: True)    # row_attn_wg's launches (Hopper)
     monkeypatch.setattr(_cuda, "attn_impl", "span")     # row_attn_tc (the default takes row_attn_tcg)
     K.row_attention(q, kc, vc, 5, hd ** -0.5)
-    for plan in ("g4", "s2", "tg2", "ts1", "wg4", "ws4.3"):   # tcg's, tcr's, wg's group and span blocks
+    for plan in ("g4", "s2", "tg2", "ts1", "wg4", "ws4.3", "pg4"):   # tcg's, tcr's, wg's group and span blocks, wgp
         monkeypatch.setattr(_cuda, "attn_impl", plan)
         K.row_attention(mx.ones((1, H, 16, hd), dtype), kc, vc, 5, hd ** -0.5)
     monkeypatch.setattr(_cuda, "attn_impl", None)
@@ -163,8 +163,11 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
         wg = [lc for lc in launches if lc["name"] == "row_attn_wg"]
         assert [(dict(lc["template"])["SPB"], dict(lc["template"])["NB"], lc["threadgroup"][0]) for lc in wg] == \
             [(16, 2, 128), (1, 3, 128)]
+        wgp = [lc for lc in launches if lc["name"] == "row_attn_wgp"]
+        assert [(dict(lc["template"])["NB"], lc["threadgroup"][0], lc["shared_memory"]) for lc in wgp] == \
+            [(2, 256, _cuda.attn_wgp_smem(hd, 2))]
         merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
-        assert [m["PRE"] for m in merges] == [False, True, False, True, False, True, False]
+        assert [m["PRE"] for m in merges] == [False, True, False, True, False, True, False, True]
     for lc in launches:
         _check(lc)
 
@@ -199,7 +202,10 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == (16, 2, nb, 4)
     monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1
     assert plan(1, 1024) == (16, 4, 3, -1)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o"):   # what the kernels' static_asserts refuse
+    monkeypatch.setattr(_cuda, "attn_impl", "pg4")      # row_attn_wgp: KW -2
+    assert plan(1, 1024) == (16, 4, nb, -2)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o",
+                "ps4", "pg2", "pg4k"):   # what the kernels' static_asserts refuse
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)
