@@ -921,6 +921,24 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \
         ATTN_IMPL=${ATTN_IMPL:-pg4,wg4,g4k} TAG=attn35a LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s35b)     # session 35: why a group block's spans take what they take -- wg4 / pg4 / g4k with warm caches
+            # (ncu --cache-control none: K / V from L2) next to the cold default, then ncu's full set and
+            # SASS stall samples of wg4 at 1k keys / 1 row (a block an SM on 8 SMs) and 8k keys / 16 rows
+    ATTN_REPS=3 ATTN_KEYS=1024,8192 ATTN_ROWS=1,16 ATTN_IMPL=wg4,pg4,g4k timeout 200 ncu --clock-control none \
+        --cache-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
+        python3 bench/gpu_attn_rows.py > "$out/warm35b.csv" 2> "$out/warm35b.err"
+    python3 bench/gpu_attn_rows.py --report "$out/warm35b.csv" | tee "$out/warm35b.md"
+    for c in ${PROF_CASES:-1024/1 8192/16}; do
+      L=${c%/*}; M=${c#*/}; rep="$out/prof35b_${L}_$M"
+      ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=${PROF_IMPL:-wg4} timeout 150 ncu --set full --import-source no \
+          --kernel-name regex:${PROF_KERNEL:-row_attn_wg} --launch-skip 1 -c 1 -f -o "$rep" python3 bench/gpu_attn_rows.py > "$rep.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
+      python3 bench/gpu_sass_stalls.py "$rep.csv" --top 30 > "$rep.md" 2>&1; head -45 "$rep.md"
+      ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
+      grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Eligible|Achieved Occupancy|DRAM Throughput|L2 Hit|Registers" "${rep}_details.txt" | head -40
+      rm -f "$rep.ncu-rep"
+    done
+    ;;
   s34d)     # session 34: row_attn_wg's group blocks (wg4) where the default took g4k below 64 rows a KV head:
             # 16k / 32k / 64k keys at M = 1, 4, 8, 12, 16, each plan checked bit for bit against the default
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-16384,32768,65536} ATTN_ROWS=${ATTN_ROWS:-1,4,8,12,16} \
