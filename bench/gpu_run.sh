@@ -921,6 +921,11 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \
         ATTN_IMPL=${ATTN_IMPL:-pg4,wg4,g4k} TAG=attn35a LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s35c)     # session 35: the default's wg4 from 128 groups past 16 rows (16k, 24k keys), next to g4k and wg4
+            # at 12k keys (96 groups: g4k stays), M = 5, 8, 12, 16
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-12288,16384,24576} ATTN_ROWS=${ATTN_ROWS:-5,8,12,16} \
+        ATTN_IMPL=${ATTN_IMPL:-g4k,wg4} TAG=attn35c LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    ;;
   s35b)     # session 35: why a group block's spans take what they take -- wg4 / pg4 / g4k with warm caches
             # (ncu --cache-control none: K / V from L2) next to the cold default, then ncu's full set and
             # SASS stall samples of wg4 at 1k keys / 1 row (a block an SM on 8 SMs) and 8k keys / 16 rows

@@ -667,14 +667,17 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     41.2 against g4k's 42.8, within the spread between runs) or slower (fewer group blocks than
     SMs: 8k keys, one row 26.9 against 20.2). Session 34: also at 32k keys and 8 rows (32 rows a
     KV head, half a warpgroup's), 45.3 against g4k's 52.6 (8k keys, 8 rows: 29.6 against g2k's
-    27.1). Off Hopper, or at head sizes other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
+    27.1). Session 35: from 128 groups (16k keys) where row_attn_wg runs: 16k keys, 16 rows 38.6 against
+    g4k's 50.7, 8 rows 31.9 against 34.8 (8k keys, 16 rows: 34.3 against 34.4; at 16 rows a KV head
+    g4k stays: 16k keys 29.0 against 30.2). Off Hopper, or at head sizes other than 64 / 128, "wg4"
+    runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
-        if blocks >= 128:   # row_attn_wg: past 384 4-tile blocks at 64 rows (else tcr's tg4, measured
-            # before it), past 192 groups at 17-32 rows where wg runs (tg4 lost to g4k there)
-            wide = blocks > 384 if R > 32 else R > 16 and groups > 192 and wg
+        if blocks >= 128:   # "wg4" past 384 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost
+            # to g4k below that), and where row_attn_wg runs past 16 rows from 128 groups
+            wide = (R > 32 and blocks > 384) or (wg and R > 16 and groups >= 128)
             impl = "wg4" if wide else "g4k"
         else:
             impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
