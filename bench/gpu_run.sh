@@ -108,7 +108,10 @@
 #   bash bench/gpu_run.sh s31a | s31b   # session 31: base-2 scores, row_attn_tcr: bits + tests; timed
 #   bash bench/gpu_run.sh s31c | s31d   # session 31, prepared, not run: KW 4 bits + tinycode; timed
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
-#   bash bench/gpu_run.sh s35a          # session 35: row_attn_wgp (pg4) checked against row_attn_tc, then timed
+#   (session 35's s35a -- row_attn_wgp, plan pg4: two warpgroups on a group's spans in turn, checked against
+#    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
+#   bash bench/gpu_run.sh s35b | s35c   # session 35: wg4 / g4k with warm caches + wg4's stall samples;
+#                                       # the default's wg4 from past 64 groups checked at 12k / 16k / 24k keys
 #   bash bench/gpu_run.sh s34d          # session 34: wg4 against g4k and the default at 16k / 32k / 64k keys, M = 1..16
 #   (session 34's s34b -- the merge's units a block RB and loads ahead UL timed -- exists only in 0a82ce7:
 #    within 0.5 us of the default everywhere, removed after it)
@@ -915,21 +918,15 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s35a)     # session 35: row_attn_wgp (pg4: two warpgroups on a group's spans in turn) -- bits against
-            # row_attn_tc on gpu_wg_check's five cases, then timed next to wg4 / g4k and the default
-    timeout 150 python3 bench/gpu_wg_check.py pg4 wg4 2>&1 | tee "$out/wgcheck35a.txt" | tail -12
-    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \
-        ATTN_IMPL=${ATTN_IMPL:-pg4,wg4,g4k} TAG=attn35a LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s35c)     # session 35: the default's wg4 from 128 groups past 16 rows (16k, 24k keys), next to g4k and wg4
-            # at 12k keys (96 groups: g4k stays), M = 5, 8, 12, 16
+  s35c)     # session 35: row_attn_wg's group blocks (wg4) against g4k at 12k / 16k / 24k keys (96 / 128 / 192
+            # groups), M = 5, 8, 12, 16 (the run that moved the default's wg4 to past 64 groups)
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-12288,16384,24576} ATTN_ROWS=${ATTN_ROWS:-5,8,12,16} \
         ATTN_IMPL=${ATTN_IMPL:-g4k,wg4} TAG=attn35c LIMIT=${LIMIT:-300} bash "$0" attn-rows
     ;;
-  s35b)     # session 35: why a group block's spans take what they take -- wg4 / pg4 / g4k with warm caches
+  s35b)     # session 35: why a group block's spans take what they take -- wg4 / g4k with warm caches
             # (ncu --cache-control none: K / V from L2) next to the cold default, then ncu's full set and
             # SASS stall samples of wg4 at 1k keys / 1 row (a block an SM on 8 SMs) and 8k keys / 16 rows
-    ATTN_REPS=3 ATTN_KEYS=1024,8192 ATTN_ROWS=1,16 ATTN_IMPL=wg4,pg4,g4k timeout 200 ncu --clock-control none \
+    ATTN_REPS=3 ATTN_KEYS=1024,8192 ATTN_ROWS=1,16 ATTN_IMPL=wg4,g4k timeout 200 ncu --clock-control none \
         --cache-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
         python3 bench/gpu_attn_rows.py > "$out/warm35b.csv" 2> "$out/warm35b.err"
     python3 bench/gpu_attn_rows.py --report "$out/warm35b.csv" | tee "$out/warm35b.md"

@@ -34,8 +34,6 @@
 // the group result, which the merge takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
 // Kernel row_attn_tcr: row_attn_tcg with the mma's sides swapped (16 query rows a warp on the M
 // side, the weights passed to the value chains in registers): the same bits, every plan.
-// Kernel row_attn_wgp: row_attn_wg's group blocks with two warpgroups taking a group's spans in
-// turn, each round's two spans folded in order (d halves split between them): the same bits.
 // Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
 // batch of MW groups, then warp 0 merges the batch's group results in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
@@ -115,23 +113,21 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
 // The partials (o, m, l) of a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
 // row_attn_wg): lane (g8, t4) holds o[dt][2 h + e] = d 8 dt + 2 t4 + e of row r = rg + 8 h (rg = r0 +
 // g8), written where the row is valid and reaches the block's first key k0; q head h0 + r / M.
-// (NO, dt0, ml: o holds d tiles dt0 .. dt0 + NO - 1 only, and (m, l) are written where ml.)
-template <int D, int NO = D / 8>
-__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[NO][4], const float (&mrun)[2],
+template <int D>
+__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[D / 8][4], const float (&mrun)[2],
                                               const float (&lrun)[2], const int (&pr)[2], const bool (&rok)[2],
-                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4,
-                                              int dt0 = 0, bool ml = true) {
+                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rg + 8 * h;
     if (rok[h] && pr[h] >= k0) {
       float* dst = part + ((size_t)((h0 + r / M) * M + r % M) * nblk + blk) * (D + 2);
 #pragma unroll
-      for (int dt = 0; dt < NO; ++dt) {
-        dst[8 * (dt0 + dt) + 2 * t4] = o[dt][2 * h];
-        dst[8 * (dt0 + dt) + 2 * t4 + 1] = o[dt][2 * h + 1];
+      for (int dt = 0; dt < D / 8; ++dt) {
+        dst[8 * dt + 2 * t4] = o[dt][2 * h];
+        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
       }
-      if (ml && t4 == 0) {
+      if (t4 == 0) {
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }
@@ -203,11 +199,10 @@ __device__ __forceinline__ int tf_wg_unit(int u, int& j, int& x) {
 }
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
 // elements a row) in tf_wg_unit's layout (one copy instruction a unit, offsets constant), rows past
-// the last needed key zeroed; then one cp.async commit (a group even when s >= se), by the 128
-// threads tid of a warpgroup. row_attn_wg's and row_attn_wgp's.
+// the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's.
 template <typename T, int D, int SPAN, int NB>
 __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
-                                                int se, int maxp, int tid) {
+                                                int se, int maxp) {
   constexpr int DB = D / 8;
   constexpr int RI = 128 / DB;
   constexpr int NI = SPAN * DB / 128;
@@ -218,7 +213,7 @@ __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, 
     const int s0 = s * SPAN;
     const int nk = min(SPAN, maxp + 1 - s0);
     int j0, x;
-    T* kdst = ks + tf_wg_unit<D>(tid, j0, x);
+    T* kdst = ks + tf_wg_unit<D>(threadIdx.x, j0, x);
     const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
     const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(kdst));
     if (nk == SPAN) {
@@ -267,10 +262,10 @@ __device__ __forceinline__ void tf_rows16_init(int rg, int off, int M, int R, in
 }
 
 // A block's 64 query rows rb0 .. rb0 + 63 (of R; q head h0 + r / M, row r % M) into qs in tf_wg_unit's
-// layout, rows past R zeroed (row_attn_wg, row_attn_wgp; NTH threads).
-template <typename T, int D, int NTH = 128>
+// layout, rows past R zeroed (row_attn_wg; 128 threads).
+template <typename T, int D>
 __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R, int M, int h0) {
-  for (int u = threadIdx.x; u < 64 * (D / 8); u += NTH) {
+  for (int u = threadIdx.x; u < 64 * (D / 8); u += 128) {
     int jr, x;
     const int e = tf_wg_unit<D>(u, jr, x), r = rb0 + jr;
     *reinterpret_cast<uint4*>(qs + e) = r < R ?
@@ -955,7 +950,7 @@ const int sg = blk * SPB;
 if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp, threadIdx.x); };
+auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);
@@ -975,116 +970,6 @@ for (int s = sg; s < se; ++s) {
   tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
 }
 tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
-
-// @@body row_attn_wgp
-// inputs, output: as row_attn_tcg (SPB 16: group results)
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers a warpgroup, >= 2)
-// launch: grid (nblk * ceil(HQ/HKV * M / 64) * 256, B*HKV, 1), threadgroup (256, 1, 1), dynamic
-//         shared memory (4*NB*64 + 64)*D*2 + 2*(D/4 + 4)*128*4 (_cuda.attn_wgp_smem)
-// row_attn_wg's group blocks with two warpgroups on the same 64 query rows, the group's spans
-// side by side: warpgroup w takes spans sg + w + 2 i (its own K/V ring), one a round, each span's
-// (m, l, o) as row_attn_wg computes it (tf_wg_span, SPB 1). Each round then folds its two spans in
-// span order with tf_span_softmax's formula: warpgroup w keeps the rows' running (m, l) and o of d
-// half w (tiles w H ..), and hands the other half of its span's o and its (m, l) over through
-// shared memory. So every row folds the spans row_attn_wg folds, in its order: the same bits.
-constexpr int SPAN = 64;
-constexpr int G = HQ / HKV;
-constexpr int H = D / 16;                           // 8-column d tiles a half
-constexpr int XN = 4 * H + 4;                       // floats a thread hands over: a half of o, (m, l) x 2
-static_assert((D == 64 || D == 128) && NB >= 2, "row_attn_wgp: plan");
-extern __shared__ __align__(1024) float sm[];
-const int w = threadIdx.x >> 7, tid = threadIdx.x & 127;
-const int lane = threadIdx.x & 31;
-const int g8 = lane >> 2, t4 = lane & 3;
-T* kvs = reinterpret_cast<T*>(sm) + w * NB * 2 * SPAN * D;   // this warpgroup's ring
-T* qs = reinterpret_cast<T*>(sm) + 2 * NB * 2 * SPAN * D;
-float* xs = reinterpret_cast<float*>(qs + 64 * D);  // [2][XN][128]: warpgroup w's hand-over
-const int M = q_shape[2];
-const int cap = k_shape[2];
-const int nblk = (cap + SPAN * 16 - 1) / (SPAN * 16);
-const int R = G * M;
-const int nrb = (R + 63) / 64;
-const int blk = blockIdx.x / nrb;
-const int rb0 = (blockIdx.x % nrb) * 64;
-const int r0 = rb0 + 16 * (tid >> 5);
-const int b = blockIdx.y / HKV;
-const int hk = blockIdx.y % HKV;
-const int off = offset[0];
-const int maxp = min(off + M - 1, cap - 1);
-const int sg = blk * 16;
-if (sg * SPAN > maxp) return;
-const int se = min(sg + 16, maxp / SPAN + 1);
-const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int i) {                         // span sg + w + 2 i into buffer i % NB
-  tf_wg_load_span<T, D, SPAN, 1>(kvs + (i % NB) * 2 * SPAN * D, k, v, kvbase, sg + w + 2 * i, se, maxp, tid);
-};
-#pragma unroll
-for (int i = 0; i < NB - 1; ++i) load_kv(i);
-tf_wg_stage_q<T, D, 256>(qs, q, rb0, R, M, b * HQ + hk * G);
-tf_fence_async();
-int pr[2];
-bool rok[2];
-float mrun[2], lrun[2];                             // the running (m, l)
-float o[2 * H][4];                                  // the span's o: d tile dt as in row_attn_wg
-tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
-float pm[2] = {mrun[0], mrun[1]}, pl[2] = {lrun[0], lrun[1]};   // the span's (m, l)
-float os[H][4];                                     // the running o, d tiles w H ..
-#pragma unroll
-for (int j = 0; j < H; ++j) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) os[j][i] = 0.0f;
-}
-const float scale = scale_f[0];
-const unsigned long long qd = tf_wg_desc(qs, 16, 1024);
-float* xw = xs + w * XN * 128 + tid;
-const float* xr = xs + (1 - w) * XN * 128 + tid;
-for (int i = 0; sg + 2 * i < se; ++i) {
-  __syncthreads();                                  // the last round's buffers and hand-overs read
-  load_kv(i + NB - 1);
-  tf_cp_async_wait<NB - 1>();
-  tf_fence_async();
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory");   // this warpgroup's span staged
-  if (sg + w + 2 * i < se) {
-    tf_wg_span<T, D, 1>(kvs + (i % NB) * 2 * SPAN * D, qd, (sg + w + 2 * i) * SPAN, t4, scale, pr, rok, pm, pl, o);
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) xw[(4 * j + e) * 128] = w ? o[j][e] : o[H + j][e];
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      xw[(4 * H + h) * 128] = pm[h];
-      xw[(4 * H + 2 + h) * 128] = pl[h];
-    }
-  }
-  __syncthreads();                                  // both spans handed over
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {                     // span sg + 2 i + u: this warpgroup's when u == w
-    const int s0 = (sg + 2 * i + u) * SPAN;
-    if (s0 >= se * SPAN) break;
-    const bool mine = u == w;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {                   // tf_span_softmax's fold
-      const float mc = mine ? pm[h] : xr[(4 * H + h) * 128];
-      const float lc = mine ? pl[h] : xr[(4 * H + 2 + h) * 128];
-      const float mn = fmaxf(mrun[h], mc);
-      const float fa = tf_ex2(__fsub_rn(mrun[h], mn)), fb = tf_ex2(__fsub_rn(mc, mn));
-      if (rok[h] && pr[h] >= s0) {
-        lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa), __fmul_rn(lc, fb));
-        mrun[h] = mn;
-#pragma unroll
-        for (int j = 0; j < H; ++j) {
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            const float cv = mine ? (w ? o[H + j][e] : o[j][e]) : xr[(4 * j + e) * 128];
-            os[j][e] = __fmaf_rn(cv, fb, __fmul_rn(os[j][e], fa));
-          }
-        }
-      }
-    }
-  }
-}
-tf_put_rows16<D, H>(part, os, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4, w * H, w == 0);
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),

@@ -47,7 +47,6 @@ _KERNELS = {
     "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcr": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_wg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
-    "row_attn_wgp": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -629,13 +628,6 @@ def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 + 64) * D * 2
 
 
-def attn_wgp_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
-    """Dynamic shared memory of row_attn_wgp: each warpgroup's NB spans of K and V, the block's 64
-    query rows (row_attn_wg's layout) and each warpgroup's hand-over (half of o and (m, l) of two
-    rows a thread, fp32). D 128: 180 KB with NB 2 (one block an SM)."""
-    return (4 * NB * 64 + 64) * D * 2 + 2 * (D // 4 + 4) * 128 * 4
-
-
 def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, int] | None:
     """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV, wg: attn_wg_runs). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
@@ -667,18 +659,20 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     41.2 against g4k's 42.8, within the spread between runs) or slower (fewer group blocks than
     SMs: 8k keys, one row 26.9 against 20.2). Session 34: also at 32k keys and 8 rows (32 rows a
     KV head, half a warpgroup's), 45.3 against g4k's 52.6 (8k keys, 8 rows: 29.6 against g2k's
-    27.1). Session 35: from 128 groups (16k keys) where row_attn_wg runs: 16k keys, 16 rows 38.6 against
-    g4k's 50.7, 8 rows 31.9 against 34.8 (8k keys, 16 rows: 34.3 against 34.4; at 16 rows a KV head
-    g4k stays: 16k keys 29.0 against 30.2). Off Hopper, or at head sizes other than 64 / 128, "wg4"
-    runs tcr's tg4 (the same bits)."""
+    27.1). Session 35: at any row count past 16 rows a KV head from 96 groups where row_attn_wg runs,
+    where g4k's or g2k's blocks outnumber the SMs: 12k keys, 16 / 12 / 8 / 5 rows 37.4 / 35.0 / 31.0 /
+    29.6 against the default's 50.2 / 49.4 / 37.3 / 37.0; 16k keys, 16 rows 38.5 against 50.7; 24k keys
+    46.1 against 77.3 (8k keys, 64 groups: 16 rows 34.3 against g4k's 34.4, 8 rows 29.9 against g2k's
+    27.4; at 16 rows a KV head g4k stays: 16k keys 29.0 against 30.2). Off Hopper, or at head sizes
+    other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
-        if blocks >= 128:   # "wg4" past 384 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost
-            # to g4k below that), and where row_attn_wg runs past 16 rows from 128 groups
-            wide = (R > 32 and blocks > 384) or (wg and R > 16 and groups >= 128)
-            impl = "wg4" if wide else "g4k"
+        if wg and R > 16 and groups > 64:   # row_attn_wg past 16 rows past 64 groups (8k keys at 8 KV heads)
+            impl = "wg4"
+        elif blocks >= 128:  # off Hopper "wg4" runs tcr's tg4: past 384 4-tile blocks only (it lost to g4k below)
+            impl = "wg4" if R > 32 and blocks > 384 else "g4k"
         else:
             impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
@@ -688,14 +682,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
-    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side), -2 for row_attn_wgp
-    ("pg4": two warpgroups on a group block's spans in turn; group blocks only)."""
-    m = re.fullmatch(r"([twp]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w|p] s|g <NW> [k|kk] [.NB]
-    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] in ("w", "p") and m[3] != "4")
-            or (m[1] == "p" and m[2] != "g")):
+    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4 / pg4[.<buffers>]")
-    kw = {"t": 0, "w": -1, "p": -2}.get(m[1], 2 ** len(m[4]))
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
+    kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -712,12 +704,9 @@ def attention(q, k, v, offset, scale, stream):
         spb, nw, nb, kw = plan
         nspan = -(-cap // (span * spb))
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        if kw < 0 and not wg:                   # tcr gives row_attn_wg's and row_attn_wgp's bits
+        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
             kw = 0
-        if kw == -2:                            # row_attn_wgp: two warpgroups, a group's spans in turn
-            name, threads, rows, smem = "row_attn_wgp", 256, 64, attn_wgp_smem(D, nb)
-            template = template[:4] + (("NB", nb),)
-        elif kw < 0:                            # row_attn_wg: a warpgroup 64 rows (sm_90a)
+        if kw < 0:                            # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
