@@ -918,6 +918,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s35d)     # session 35: row_attn_wg's span blocks (ws4, swizzled: never timed at 1k / 8k keys) against s4 / s2
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \
+        ATTN_IMPL=${ATTN_IMPL:-ws4,ws4.3,s2} TAG=attn35d LIMIT=${LIMIT:-240} bash "$0" attn-rows
+    ;;
   s35c)     # session 35: row_attn_wg's group blocks (wg4) against g4k at 12k / 16k / 24k keys (96 / 128 / 192
             # groups), M = 5, 8, 12, 16 (the run that moved the default's wg4 to past 64 groups)
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-12288,16384,24576} ATTN_ROWS=${ATTN_ROWS:-5,8,12,16} \
