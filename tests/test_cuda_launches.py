@@ -173,7 +173,7 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
     an SM: 4 row tiles of two warps each, or row_attn_wg's warpgroup of 64 rows (row_attn_tcr's 4
     warps of 16 rows off Hopper) at 64 rows a KV head once 4-tile blocks would pass three an SM, and
-    past 16 rows from 96 groups where row_attn_wg runs; 2-tile blocks of two warps a tile where those
+    past 16 rows past 64 groups where row_attn_wg runs; 2-tile blocks of two warps a tile where those
     reach a block an SM; span blocks with each warp on its own rows (SPB 1, 4 warps) below, at any
     row count. Any plan gives the same bits (test_cuda_attention_group_blocks_are_bit_identical),
     so this pins speed only."""
@@ -186,7 +186,7 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == (16, 4, nb, 2)
     assert plan(16, 32768, no) == (16, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
     assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (16, 4, nb, -1)   # where it runs: 17-32 rows too
-    assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (16, 4, nb, -1)   # from 96 groups
+    assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (16, 4, nb, -1)   # past 64 groups
     assert plan(4, 32768) == plan(4, 16384) == plan(16, 8192) == (16, 4, nb, 2)    # 16 rows; 64 groups
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
@@ -200,8 +200,8 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == (16, 2, nb, 4)
     monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1
     assert plan(1, 1024) == (16, 4, 3, -1)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o",
-                "pg4"):   # session 35's row_attn_wgp (git show 3b817f5): removed   # what the kernels' static_asserts refuse
+    # what the kernels' static_asserts refuse, and removed plans (pg4: session 35's row_attn_wgp, 3b817f5)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4"):
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

@@ -659,11 +659,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     41.2 against g4k's 42.8, within the spread between runs) or slower (fewer group blocks than
     SMs: 8k keys, one row 26.9 against 20.2). Session 34: also at 32k keys and 8 rows (32 rows a
     KV head, half a warpgroup's), 45.3 against g4k's 52.6 (8k keys, 8 rows: 29.6 against g2k's
-    27.1). Session 35: at any row count past 16 rows a KV head from 96 groups where row_attn_wg runs,
-    where g4k's or g2k's blocks outnumber the SMs: 12k keys, 16 / 12 / 8 / 5 rows 37.4 / 35.0 / 31.0 /
-    29.6 against the default's 50.2 / 49.4 / 37.3 / 37.0; 16k keys, 16 rows 38.5 against 50.7; 24k keys
-    46.1 against 77.3 (8k keys, 64 groups: 16 rows 34.3 against g4k's 34.4, 8 rows 29.9 against g2k's
-    27.4; at 16 rows a KV head g4k stays: 16k keys 29.0 against 30.2). Off Hopper, or at head sizes
+    27.1). Session 35: past 16 rows a KV head and past 64 groups where row_attn_wg runs (measured
+    from 96 groups, where g4k's or g2k's blocks outnumber the SMs; 72-88 groups not measured): 12k
+    keys, 16 / 12 / 8 / 5 rows 37.4 / 35.0 / 31.0 / 29.6 against the default's 50.2 / 49.4 / 37.3 /
+    37.0; 16k keys, 16 rows 38.5 against 50.7; 24k keys 46.1 against 77.3 (8k keys, 64 groups: 16
+    rows 34.3 against g4k's 34.4, 8 rows 29.9 against g2k's 27.4; at 16 rows a KV head g4k stays:
+    16k keys 29.0 against 30.2). Off Hopper, or at head sizes
     other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
@@ -706,7 +707,7 @@ def attention(q, k, v, offset, scale, stream):
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
         if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
             kw = 0
-        if kw < 0:                            # row_attn_wg: a warpgroup 64 rows (sm_90a)
+        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
