@@ -941,8 +941,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
       python3 bench/gpu_sass_stalls.py "$rep.csv" --top 30 > "$rep.md" 2>&1; head -45 "$rep.md"
       ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
-      grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Eligible|Achieved Occupancy|DRAM Throughput|L2 Hit|Registers" "${rep}_details.txt" | head -40
-      rm -f "$rep.ncu-rep"
+      grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Eligible|Achieved Occupancy|DRAM Throughput|L2 Hit|Registers" "${rep}_details.txt" \
+          | head -40 | tee "${rep}_summary.txt"
+      rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log" "${rep}_details.txt"   # what comes back is limited in count
     done
     ;;
   s34d)     # session 34: row_attn_wg's group blocks (wg4) where the default took g4k below 64 rows a KV head:
