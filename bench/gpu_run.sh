@@ -933,7 +933,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_KEYS=1024,8192 ATTN_ROWS=1,16 ATTN_IMPL=wg4,g4k timeout 200 ncu --clock-control none \
         --cache-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
         python3 bench/gpu_attn_rows.py > "$out/warm35b.csv" 2> "$out/warm35b.err"
-    python3 bench/gpu_attn_rows.py --report "$out/warm35b.csv" | tee "$out/warm35b.md"
+    ATTN_REPS=3 python3 bench/gpu_attn_rows.py --report "$out/warm35b.csv" | tee "$out/warm35b.md"
     for c in ${PROF_CASES:-1024/1 8192/16}; do
       L=${c%/*}; M=${c#*/}; rep="$out/prof35b_${L}_$M"
       ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=${PROF_IMPL:-wg4} timeout 150 ncu --set full --import-source no \
