@@ -273,6 +273,19 @@ __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R,
   }
 }
 
+// A span's sums cv of one 8-column d tile (the C-fragment layout: rows g8 + 8 (i >> 1)) into the
+// running o: taken as they are (SPB 1), or folded where the row saw the span (row_attn_tcr, row_attn_wg).
+template <int SPB>
+__device__ __forceinline__ void tf_take_sums(float (&x)[4], const float* cv, const bool (&fold)[2],
+                                             const float (&fa)[2], const float (&fb)[2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int h = i >> 1;
+    if (SPB == 1) x[i] = cv[i];
+    else if (fold[h]) x[i] = __fmaf_rn(cv[i], fb[h], __fmul_rn(x[i], fa[h]));
+  }
+}
+
 // One 64-key span s0 .. s0 + 63 of a warpgroup's 64 query rows on wgmma (row_attn_wg):
 // K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
@@ -313,15 +326,7 @@ __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, i
     tf_wg_wait<0>();
     tf_wg_hold(cv);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1;
-        float& x = o[8 * nh + j][i];
-        if (SPB == 1) x = cv[4 * j + i];
-        else if (fold[h]) x = __fmaf_rn(cv[4 * j + i], fb[h], __fmul_rn(x, fa[h]));
-      }
-    }
+    for (int j = 0; j < 8; ++j) tf_take_sums<SPB>(o[8 * nh + j], cv + 4 * j, fold, fa, fb);
   }
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
@@ -898,15 +903,7 @@ for (int s = sg; s < se; ++s) {
       tf_mma(cv[1], pa[ks], bv + 2, T());
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1;
-        float& x = o[2 * dp + j][i];
-        if (SPB == 1) x = cv[j][i];
-        else if (fold[h]) x = __fmaf_rn(cv[j][i], fb[h], __fmul_rn(x, fa[h]));
-      }
-    }
+    for (int j = 0; j < 2; ++j) tf_take_sums<SPB>(o[2 * dp + j], cv[j], fold, fa, fb);
   }
 }
 if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
