@@ -110,7 +110,6 @@
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
 #   (session 35's s35a -- row_attn_wgp, plan pg4: two warpgroups on a group's spans in turn, checked against
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
-#   bash bench/gpu_run.sh s36a          # session 36: row_attn_wg's schedules (PL) checked, bit-tested, timed
 #   bash bench/gpu_run.sh s35b | s35c   # session 35: wg4 / g4k with warm caches + wg4's stall samples;
 #                                       # the default's wg4 from past 64 groups checked at 12k / 16k / 24k keys
 #   bash bench/gpu_run.sh s34d          # session 34: wg4 against g4k and the default at 16k / 32k / 64k keys, M = 1..16
@@ -918,19 +917,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
-    ;;
-  s36a)     # session 36: row_attn_wg's schedules (PL: value halves issued together; the next span's scores
-            # before this span's softmax; this span's sums folded after the next softmax): small cases against
-            # row_attn_tc (one process), the plans that matched timed; then the group-block bit test
-    plans="${WG_PLANS:-wg4 wg4p1 wg4p3 wg4p3.3 wg4p7.3 wg4p7.4 ws4p1}"
-    timeout 150 python3 bench/gpu_wg_check.py $plans 2>&1 | cut -c1-300 | tee "$out/wg_check36a.txt" | grep -v device_info
-    ok=""
-    for p in $plans; do [ "$(grep -c " $p: 0 of " "$out/wg_check36a.txt")" = 5 ] && ok="$ok,$p"; done
-    echo "timed: ${ok#,}"
-    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} \
-        ATTN_IMPL=${ATTN_IMPL:-${ok#,},g4k} TAG=attn36a LIMIT=${LIMIT:-300} bash "$0" attn-rows
-    [ -n "${BIT:-1}" ] && timeout ${BIT_LIMIT:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-        -k "group_blocks_are_bit_identical" 2>&1 | tail -4 | tee "$out/bit36a.txt"
     ;;
   s35d)     # session 35: row_attn_wg's span blocks (ws4, swizzled: never timed at 1k / 8k keys) against s4 / s2
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \

@@ -286,44 +286,52 @@ __device__ __forceinline__ void tf_take_sums(float (&x)[4], const float* cv, con
   }
 }
 
-// row_attn_wg's chains on wgmma, for the warpgroup's 64 query rows. tf_wg_scores issues a span's
-// scores (K at kb, tf_wg_load_span's layout; q by the descriptor qd): one m64n64k16 chain over the
-// k16 steps of D, one commit group. tf_wg_values issues the sums of the 64-column halves h0 .. h1 - 1
-// of D: one m64n64k16 chain a half over the span's four 16-key steps (the weights pa from
-// registers, V MN-major: SBO the 8-key atoms, a key step 2 of them, a d half 8 KB), one commit
-// group. tf_wg_fold: o (tcr's C-fragment layout) takes a half's sums (SPB 1) or folds them.
-template <typename T, int D>
-__device__ __forceinline__ void tf_wg_scores(float (&c)[32], const T* kb, unsigned long long qd) {
-  const unsigned long long kd = tf_wg_desc(kb, 16, 1024);
+// One 64-key span s0 .. s0 + 63 of a warpgroup's 64 query rows on wgmma (row_attn_wg):
+// K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
+// over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
+// span's four 16-key steps a 64-column half of D (the weights from registers, V MN-major); then o
+// (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 16).
+template <typename T, int D, int SPB>
+__device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, int s0, int t4, float scale,
+                                           const int (&pr)[2], const bool (&rok)[2], float (&mrun)[2],
+                                           float (&lrun)[2], float (&o)[D / 8][4]) {
+  constexpr int NDT = D / 16;
+  const unsigned long long kd = tf_wg_desc(kb, 16, 1024), vd = tf_wg_desc(kb + 64 * D, 8192, 1024);
+  float c[32];                                      // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
   tf_wg_fence();
   tf_wgmma_ss<true>(c, qd, kd, T());
 #pragma unroll
-  for (int st = 1; st < D / 16; ++st) {             // k16 step st: 32 bytes along a 128-byte row, then the other half
+  for (int st = 1; st < NDT; ++st) {                // k16 step st: 32 bytes along a 128-byte row, then the other half
     const int o16 = (st / 4) * 512 + (st % 4) * 2;
     tf_wgmma_ss<false>(c, qd + o16, kd + o16, T());
   }
   tf_wg_commit();
-}
-template <typename T, int D>
-__device__ __forceinline__ void tf_wg_values(float (&cv)[D / 64][32], const unsigned int (&pa)[4][4], const T* kb,
-                                             int h0, int h1) {
-  const unsigned long long vd = tf_wg_desc(kb + 64 * D, 8192, 1024);
-  tf_wg_fence();
+  tf_wg_wait<0>();
+  tf_wg_hold(c);
+  float sc[32];                                     // the scores, then the rounded weights (c only ever wgmma's)
 #pragma unroll
-  for (int nh = h0; nh < h1; ++nh) {
-    tf_wgmma_rs<true>(cv[nh], pa[0], vd + 512 * nh, T());
+  for (int i = 0; i < 32; ++i) sc[i] = c[i];
+  float fa[2], fb[2];
+  bool fold[2];
+  unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
+  tf_span_softmax<T, SPB>(reinterpret_cast<float(&)[8][4]>(sc), s0, t4, scale, pr, rok, mrun, lrun, pa, fa, fb, fold);
 #pragma unroll
-    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv[nh], pa[ks], vd + 128 * ks + 512 * nh, T());
+  for (int nh = 0; nh < D / 64; ++nh) {             // d 64 nh .. 64 nh + 63: tcr's value chains (V MN-major,
+    float cv[32];                                   // SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
+    tf_wg_fence();
+    tf_wgmma_rs<true>(cv, pa[0], vd + 512 * nh, T());
+#pragma unroll
+    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vd + 128 * ks + 512 * nh, T());
+    tf_wg_commit();
+    tf_wg_wait<0>();
+    tf_wg_hold(cv);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tf_take_sums<SPB>(o[8 * nh + j], cv + 4 * j, fold, fa, fb);
   }
-  tf_wg_commit();
-}
-template <int D, int SPB>
-__device__ __forceinline__ void tf_wg_fold(float (&o)[D / 8][4], float (&cv)[32], int nh, const bool (&fold)[2],
-                                           const float (&fa)[2], const float (&fb)[2]) {
-  tf_wg_hold(cv);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) tf_take_sums<SPB>(o[8 * nh + j], cv + 4 * j, fold, fa, fb);
+  for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
 }
+
 // @@body row_attn_partial
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (TK), offset [1] int32,
 //         scale_f [1] float32
@@ -902,10 +910,7 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16), PL (the
-//           schedule, flags: 1 a span's value chains issued together, one wait; 2 the next span's
-//           scores issued before this span's softmax; 4 (with 1 and 2, NB >= 3) this span's sums
-//           folded after the next span's softmax. Issue order only: the same bits for every PL)
+// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16)
 // launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
@@ -920,10 +925,7 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 constexpr int SPAN = 64;
 constexpr int G = HQ / HKV;
 constexpr int NDT = D / 16;
-constexpr int NH = D / 64;
-constexpr bool VB = PL & 1, SA = PL & 2, DF = PL & 4;
-static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 16) && PL < 8 && (!DF || (VB && SA && NB >= 3)),
-              "row_attn_wg: plan");
+static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
 extern __shared__ __align__(1024) float sm[];
 const int lane = threadIdx.x & 31;
 const int g8 = lane >> 2, t4 = lane & 3;
@@ -946,9 +948,8 @@ if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
 auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
-constexpr int P = SA && !DF ? NB : NB - 1;         // spans loaded ahead of the loop
 #pragma unroll
-for (int i = 0; i < P; ++i) load_kv(sg + i);
+for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);
 int pr[2];
 bool rok[2];
@@ -957,84 +958,13 @@ float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 
 tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
 const float scale = scale_f[0];
 const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
-auto kb = [&](int s) { return kvs + (s % NB) * 2 * SPAN * D; };
-float c[32], cv[NH][32], fa[2], fb[2];              // c: scores (key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i])
-bool fold[2];
-unsigned int pa[4][4];                              // A fragments of the weights, key steps of 16
-if (SA) {
-  tf_cp_async_wait<P - 1>();
+for (int s = sg; s < se; ++s) {
+  __syncthreads();
+  load_kv(s + NB - 1);
+  tf_cp_async_wait<NB - 1>();
   tf_fence_async();
   __syncthreads();
-  tf_wg_scores<T, D>(c, kb(sg), qd);
-}
-for (int s = sg; s < se; ++s) {
-  if (!SA) {
-    __syncthreads();
-    load_kv(s + NB - 1);
-    tf_cp_async_wait<NB - 1>();
-    tf_fence_async();
-    __syncthreads();
-    tf_wg_scores<T, D>(c, kb(s), qd);
-  }
-  if (DF && s > sg) tf_wg_wait<1>();                 // span s's scores; s - 1's sums may still run
-  else tf_wg_wait<0>();
-  tf_wg_hold(c);
-  float sc[32];                                     // the scores, then the rounded weights (c only ever wgmma's)
-#pragma unroll
-  for (int i = 0; i < 32; ++i) sc[i] = c[i];
-  if (SA && s + 1 < se) {
-    tf_cp_async_wait<P - 2>();
-    tf_fence_async();
-    __syncthreads();
-    tf_wg_scores<T, D>(c, kb(s + 1), qd);
-  }
-  float fa2[2], fb2[2];
-  bool fold2[2];
-  unsigned int pa2[4][4];
-  tf_span_softmax<T, SPB>(reinterpret_cast<float(&)[8][4]>(sc), s * SPAN, t4, scale, pr, rok, mrun, lrun,
-                          DF ? pa2 : pa, DF ? fa2 : fa, DF ? fb2 : fb, DF ? fold2 : fold);
-  if (DF) {
-    if (s + 1 < se) tf_wg_wait<1>();                 // span s - 1's sums
-    else tf_wg_wait<0>();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);
-    if (s > sg) {
-#pragma unroll
-      for (int nh = 0; nh < NH; ++nh) tf_wg_fold<D, SPB>(o, cv[nh], nh, fold, fa, fb);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      fa[i] = fa2[i];
-      fb[i] = fb2[i];
-      fold[i] = fold2[i];
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) pa[ks][i] = pa2[ks][i], pa[ks][i + 2] = pa2[ks][i + 2];
-    }
-    tf_wg_values<T, D>(cv, pa, kb(s), 0, NH);
-    __syncthreads();
-    load_kv(s + NB - 1);                            // into span s - 1's buffer
-  } else {
-#pragma unroll
-    for (int nh = 0; nh < NH; nh += VB ? NH : 1) {
-      tf_wg_values<T, D>(cv, pa, kb(s), nh, VB ? NH : nh + 1);
-      tf_wg_wait<0>();
-#pragma unroll
-      for (int h = nh; h < (VB ? NH : nh + 1); ++h) tf_wg_fold<D, SPB>(o, cv[h], h, fold, fa, fb);
-    }
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
-    if (SA) {
-      __syncthreads();
-      load_kv(s + NB);                              // into span s's buffer
-    }
-  }
-}
-if (DF) {
-  tf_wg_wait<0>();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);
-#pragma unroll
-  for (int nh = 0; nh < NH; ++nh) tf_wg_fold<D, SPB>(o, cv[nh], nh, fold, fa, fb);
+  tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
 }
 tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
 

@@ -684,14 +684,12 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
     row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
-    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:p([1-7]))?(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [pPL] [.NB]
-    nb, pl = int(m[6] or ATTN_TCG_BUFFERS) if m else 0, int(m[5] or 0) if m else 0
-    if (not m or nb < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4") or (pl and m[1] != "w")
-            or (pl & 4 and (pl != 7 or nb < 3))):
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4[p<schedule 1-3, or 7 with 3+ buffers>][.<buffers>]")
-    kw = {"t": 0, "w": -1 - pl}.get(m[1], 2 ** len(m[4]))
-    return (16 if m[2] == "g" else 1), int(m[3]), nb, kw
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
+    kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
+    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -709,9 +707,9 @@ def attention(q, k, v, offset, scale, stream):
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
         if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
             kw = 0
-        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a); KW -1 - PL
+        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
-            template = template[:4] + (("NB", nb), ("SPB", spb), ("PL", -1 - kw))
+            template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
