@@ -291,17 +291,13 @@ __device__ __forceinline__ void tf_take_sums(float (&x)[4], const float* cv, con
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
 // span's four 16-key steps a 64-column half of D (the weights from registers, V MN-major); then o
 // (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 16).
-template <typename T, int D, int SPB, int CUT>
+template <typename T, int D, int SPB>
 __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, int s0, int t4, float scale,
                                            const int (&pr)[2], const bool (&rok)[2], float (&mrun)[2],
                                            float (&lrun)[2], float (&o)[D / 8][4]) {
   constexpr int NDT = D / 16;
   const unsigned long long kd = tf_wg_desc(kb, 16, 1024), vd = tf_wg_desc(kb + 64 * D, 8192, 1024);
   float c[32];                                      // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
-  if (CUT & 1) {                                    // CUT: timing-only cuts (session 36's floor; wrong bits)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) c[i] = __int_as_float(threadIdx.x * 7 + i);
-  } else {
   tf_wg_fence();
   tf_wgmma_ss<true>(c, qd, kd, T());
 #pragma unroll
@@ -311,7 +307,6 @@ __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, i
   }
   tf_wg_commit();
   tf_wg_wait<0>();
-  }
   tf_wg_hold(c);
   float sc[32];                                     // the scores, then the rounded weights (c only ever wgmma's)
 #pragma unroll
@@ -319,36 +314,19 @@ __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, i
   float fa[2], fb[2];
   bool fold[2];
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
-  if (CUT & 2) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) pa[i / 4][i % 4] = __float_as_uint(sc[i] + sc[i + 16]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) fa[h] = sc[h], fb[h] = sc[h + 2], fold[h] = rok[h];
-  } else {
   tf_span_softmax<T, SPB>(reinterpret_cast<float(&)[8][4]>(sc), s0, t4, scale, pr, rok, mrun, lrun, pa, fa, fb, fold);
-  }
 #pragma unroll
   for (int nh = 0; nh < D / 64; ++nh) {             // d 64 nh .. 64 nh + 63: tcr's value chains (V MN-major,
     float cv[32];                                   // SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
-    if (CUT & 4) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) cv[i] = __uint_as_float(pa[i % 4][(i / 4) % 4]);
-    } else {
     tf_wg_fence();
     tf_wgmma_rs<true>(cv, pa[0], vd + 512 * nh, T());
 #pragma unroll
     for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vd + 128 * ks + 512 * nh, T());
     tf_wg_commit();
     tf_wg_wait<0>();
-    }
     tf_wg_hold(cv);
-    if (CUT & 16) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) o[8 * nh + j][j % 4] = cv[4 * j + nh];
-    } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) tf_take_sums<SPB>(o[8 * nh + j], cv + 4 * j, fold, fa, fb);
-    }
   }
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);  // the value chains' A fragments, read until here
@@ -982,11 +960,11 @@ const float scale = scale_f[0];
 const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
 for (int s = sg; s < se; ++s) {
   __syncthreads();
-  if (!(CUT & 8)) load_kv(s + NB - 1);
+  load_kv(s + NB - 1);
   tf_cp_async_wait<NB - 1>();
   tf_fence_async();
   __syncthreads();
-  tf_wg_span<T, D, SPB, CUT>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
+  tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
 }
 tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
 

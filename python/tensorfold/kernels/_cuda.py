@@ -684,9 +684,6 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
     row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
-    cut = re.fullmatch(r"(wg4)c(\d+)", impl)   # timing-only cuts of row_attn_wg (session 36's floor: wrong bits)
-    if cut:
-        return 16, 4, ATTN_TCG_BUFFERS, -1 - int(cut[2])
     m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
     if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
@@ -712,7 +709,7 @@ def attention(q, k, v, offset, scale, stream):
             kw = 0
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
-            template = template[:4] + (("NB", nb), ("SPB", spb), ("CUT", -1 - kw))
+            template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
