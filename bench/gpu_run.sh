@@ -110,6 +110,10 @@
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
 #   (session 35's s35a -- row_attn_wgp, plan pg4: two warpgroups on a group's spans in turn, checked against
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
+#   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
+#                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
+#   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
+#    its timing-only cuts wg4c<CUT> exist only in 7d785d5, run through attn-rows as its message says)
 #   bash bench/gpu_run.sh s35b | s35c   # session 35: wg4 / g4k with warm caches + wg4's stall samples;
 #                                       # the default's wg4 from past 64 groups checked at 12k / 16k / 24k keys
 #   bash bench/gpu_run.sh s34d          # session 34: wg4 against g4k and the default at 16k / 32k / 64k keys, M = 1..16
@@ -917,6 +921,19 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s36d)     # session 36: the group-block bit test on the H200 after the q-row change (every plan, 3 head layouts:
+            # D 80 runs row_attn_tcr), then the default timed at 8k / 16k keys (wg4 past 32 rows at 64 groups)
+    timeout ${BIT_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "group_blocks_are_bit_identical" 2>&1 | tail -4 | tee "$out/bit36d.txt"
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-8192,16384} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL=${ATTN_IMPL:-g4k} \
+        TAG=attn36d LIMIT=${LIMIT:-90} bash "$0" attn-rows
+    ;;
+  s36c)     # session 36: row_attn_wg's and row_attn_tcr's q rows by cp.async (were plain loads, one round trip after
+            # another): small cases against row_attn_tc, then timed against the other plans, each bit for bit
+    timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4 ws4 tg4 ts4} 2>&1 | cut -c1-200 | tee "$out/wg_check36c.txt" | grep -v device_info
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL=${ATTN_IMPL:-wg4,ws4,g4k,s4,tg4} TAG=attn36c LIMIT=${LIMIT:-330} bash "$0" attn-rows
     ;;
   s35d)     # session 35: row_attn_wg's span blocks (ws4, swizzled: never timed at 1k / 8k keys) against s4 / s2
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192} ATTN_ROWS=${ATTN_ROWS:-1,4,8,16} \

@@ -173,10 +173,10 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
     an SM: 4 row tiles of two warps each, or row_attn_wg's warpgroup of 64 rows (row_attn_tcr's 4
     warps of 16 rows off Hopper) at 64 rows a KV head once 4-tile blocks would pass three an SM, and
-    past 16 rows past 64 groups where row_attn_wg runs; 2-tile blocks of two warps a tile where those
-    reach a block an SM; span blocks with each warp on its own rows (SPB 1, 4 warps) below, at any
-    row count. Any plan gives the same bits (test_cuda_attention_group_blocks_are_bit_identical),
-    so this pins speed only."""
+    past 16 rows past 64 groups where row_attn_wg runs (past 32 rows at 64 groups); 2-tile blocks
+    of two warps a tile where those reach a block an SM; span blocks with each warp on its own
+    rows (SPB 1, 4 warps) below, at any row count. Any plan gives the same bits
+    (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
@@ -187,7 +187,8 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(16, 32768, no) == (16, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
     assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (16, 4, nb, -1)   # where it runs: 17-32 rows too
     assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (16, 4, nb, -1)   # past 64 groups
-    assert plan(4, 32768) == plan(4, 16384) == plan(16, 8192) == (16, 4, nb, 2)    # 16 rows; 64 groups
+    assert plan(4, 32768) == plan(4, 16384) == (16, 4, nb, 2)                      # 16 rows a KV head
+    assert plan(16, 8192) == (16, 4, nb, -1) and plan(8, 8192) == (16, 2, nb, 2)   # 64 groups: past 32 rows only
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile

@@ -262,14 +262,16 @@ __device__ __forceinline__ void tf_rows16_init(int rg, int off, int M, int R, in
 }
 
 // A block's 64 query rows rb0 .. rb0 + 63 (of R; q head h0 + r / M, row r % M) into qs in tf_wg_unit's
-// layout, rows past R zeroed (row_attn_wg; 128 threads).
+// layout by cp.async (the caller's next commit group), rows past R zeroed (row_attn_wg; 128 threads).
+// Plain loads each followed by its shared store ran as a chain of 8 round trips to memory.
 template <typename T, int D>
 __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R, int M, int h0) {
-  for (int u = threadIdx.x; u < 64 * (D / 8); u += 128) {
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
     int jr, x;
-    const int e = tf_wg_unit<D>(u, jr, x), r = rb0 + jr;
-    *reinterpret_cast<uint4*>(qs + e) = r < R ?
-        *reinterpret_cast<const uint4*>(q + ((size_t)(h0 + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
+    const int e = tf_wg_unit<D>(threadIdx.x + 128 * i, jr, x), r = rb0 + jr;
+    if (r < R) tf_cp_async16(qs + e, q + ((size_t)(h0 + r / M) * M + r % M) * D + x);
+    else *reinterpret_cast<uint4*>(qs + e) = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -843,15 +845,15 @@ const int se = min(sg + SPB, maxp / SPAN + 1);
 const bool act = r0 < R;
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
 auto load_kv = [&](int s) { tf_load_span<T, D, KST, SPAN, NTH, NB>(kvs, k, v, kvbase, s, se, maxp); };
+T* qs = kvs + NB * 2 * SPAN * KST + (threadIdx.x >> 5) * 16 * KST;   // the warp's 16 query rows, by cp.async
+#pragma unroll
+for (int i = 0; i < DV / 2; ++i) {                  // with span sg's commit group (the loop's first wait)
+  const int e = lane + 32 * i, r = r0 + e / DV, x = (e % DV) * 8;
+  if (r < R) tf_cp_async16(qs + (e / DV) * KST + x, q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x);
+  else *reinterpret_cast<uint4*>(qs + (e / DV) * KST + x) = make_uint4(0u, 0u, 0u, 0u);
+}
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
-T* qs = kvs + NB * 2 * SPAN * KST + (threadIdx.x >> 5) * 16 * KST;   // the warp's 16 query rows
-for (int e = lane; e < 16 * DV; e += 32) {
-  const int r = r0 + e / DV, x = (e % DV) * 8;
-  *reinterpret_cast<uint4*>(qs + (e / DV) * KST + x) = r < R ?
-      *reinterpret_cast<const uint4*>(q + ((size_t)(b * HQ + hk * G + r / M) * M + r % M) * D + x) : make_uint4(0u, 0u, 0u, 0u);
-}
-__syncwarp();
 int pr[2];
 bool rok[2];
 float mrun[2], lrun[2];
@@ -948,9 +950,9 @@ if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
 auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
+tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);   // with span sg's commit group
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
-tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);
 int pr[2];
 bool rok[2];
 float mrun[2], lrun[2];

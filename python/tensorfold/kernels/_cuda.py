@@ -664,14 +664,16 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     keys, 16 / 12 / 8 / 5 rows 37.4 / 35.0 / 31.0 / 29.6 against the default's 50.2 / 49.4 / 37.3 /
     37.0; 16k keys, 16 rows 38.5 against 50.7; 24k keys 46.1 against 77.3 (8k keys, 64 groups: 16
     rows 34.3 against g4k's 34.4, 8 rows 29.9 against g2k's 27.4; at 16 rows a KV head g4k stays:
-    16k keys 29.0 against 30.2). Off Hopper, or at head sizes other than 64 / 128, "wg4" runs
-    tcr's tg4 (the same bits)."""
+    16k keys 29.0 against 30.2). Session 36, after row_attn_wg's q rows went by cp.async (they were
+    plain loads, one round trip after another): also past 32 rows at 64 groups, 8k keys at 16 rows
+    32.9 against g4k's 34.6 (8 rows: 29.4 against g2k's 27.4, which stays). Off Hopper, or at head
+    sizes other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
-        if wg and R > 16 and groups > 64:   # row_attn_wg past 16 rows past 64 groups (8k keys at 8 KV heads)
-            impl = "wg4"
+        if wg and R > 16 and (groups > 64 or (R > 32 and groups == 64)):   # row_attn_wg past 16 rows past 64
+            impl = "wg4"                    # groups (8k keys at 8 KV heads), and past 32 rows at 64 groups
         elif blocks >= 128:  # "wg4" past 384 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
             impl = "wg4" if R > 32 and blocks > 384 else "g4k"
         else:
