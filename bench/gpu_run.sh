@@ -922,15 +922,6 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s36e)     # session 36: row_attn_wh (wg's span on two warpgroups: half the keys' softmax, half of D's sums each):
-            # small cases against row_attn_tc, timed against wg4 and the default (each bit for bit), then the
-            # group-block bit test
-    timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-hg4 hs4 hg4.3} 2>&1 | cut -c1-200 | tee "$out/wg_check36e.txt" | grep -v device_info
-    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} \
-        ATTN_IMPL=${ATTN_IMPL:-wg4,hg4,hs4,hg4.3} TAG=attn36e LIMIT=${LIMIT:-200} bash "$0" attn-rows
-    timeout ${BIT_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        -k "group_blocks_are_bit_identical" 2>&1 | tail -4 | tee "$out/bit36e.txt"
-    ;;
   s36d)     # session 36: the group-block bit test on the H200 after the q-row change (every plan, 3 head layouts:
             # D 80 runs row_attn_tcr), then the default timed at 8k / 16k keys (wg4 past 32 rows at 64 groups)
     timeout ${BIT_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \

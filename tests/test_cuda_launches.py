@@ -201,11 +201,8 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     assert plan(1, 1024) == (16, 2, nb, 4)
     monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1
     assert plan(1, 1024) == (16, 4, 3, -1)
-    monkeypatch.setattr(_cuda, "attn_impl", "hs4")      # row_attn_wh: KW -2
-    assert plan(1, 1024) == (1, 4, nb, -2)
     # what the kernels' static_asserts refuse, and removed plans (pg4: session 35's row_attn_wgp, 3b817f5)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4",
-                "hg2", "hg4k", "hwg4"):
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4"):
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

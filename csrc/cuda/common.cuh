@@ -183,19 +183,6 @@ __device__ __forceinline__ void tf_wg_hold(float (&d)[N]) {
 __device__ __forceinline__ void tf_wg_hold(unsigned int (&a)[4]) {
   asm volatile("" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3])::"memory");
 }
-// m64n32k16, A and B from shared memory (row_attn_wh's half a span's keys): D's n-tile j in d[4 j .. 4 j + 3]
-#define TF_WG_I32(t, rest) "wgmma.mma_async.sync.aligned.m64n32k16.f32." t "." t " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}," rest
-#define TF_WG_OPS16(c) c(d[0]),c(d[1]),c(d[2]),c(d[3]),c(d[4]),c(d[5]),c(d[6]),c(d[7]),c(d[8]),c(d[9]),c(d[10]),c(d[11]),c(d[12]),c(d[13]),c(d[14]),c(d[15])
-template <bool Z>
-__device__ __forceinline__ void tf_wgmma_ss32(float (&d)[16], unsigned long long a, unsigned long long b, __nv_bfloat16) {
-  if (Z) asm volatile(TF_WG_I32("bf16", "%16,%17,0,1,1,0,0;\n") : TF_WG_OPS16("=f") : "l"(a), "l"(b) : "memory");
-  else asm volatile(TF_WG_I32("bf16", "%16,%17,1,1,1,0,0;\n") : TF_WG_OPS16("+f") : "l"(a), "l"(b) : "memory");
-}
-template <bool Z>
-__device__ __forceinline__ void tf_wgmma_ss32(float (&d)[16], unsigned long long a, unsigned long long b, __half) {
-  if (Z) asm volatile(TF_WG_I32("f16", "%16,%17,0,1,1,0,0;\n") : TF_WG_OPS16("=f") : "l"(a), "l"(b) : "memory");
-  else asm volatile(TF_WG_I32("f16", "%16,%17,1,1,1,0,0;\n") : TF_WG_OPS16("+f") : "l"(a), "l"(b) : "memory");
-}
 // A and B from shared memory (descriptors; B K-major)
 template <bool Z>
 __device__ __forceinline__ void tf_wgmma_ss(float (&d)[32], unsigned long long a, unsigned long long b, __nv_bfloat16) {

@@ -70,9 +70,6 @@ for T in (bf, f16, f32):
                 for NB, SPB in ((2, 16), (3, 1)):
                     CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB),
                                   dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-                    if D == 128:
-                        CASES.append(("row_attn_wh", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB),
-                                      dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=1, PRE=True),
                           dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes

@@ -113,22 +113,21 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
 // The partials (o, m, l) of a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
 // row_attn_wg): lane (g8, t4) holds o[dt][2 h + e] = d 8 dt + 2 t4 + e of row r = rg + 8 h (rg = r0 +
 // g8), written where the row is valid and reaches the block's first key k0; q head h0 + r / M.
-template <int D, int NO = D / 8>
-__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[NO][4], const float (&mrun)[2],
+template <int D>
+__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[D / 8][4], const float (&mrun)[2],
                                               const float (&lrun)[2], const int (&pr)[2], const bool (&rok)[2],
-                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4,
-                                              int d0 = 0) {   // o: columns d0 .., (m, l) with d0 = 0
+                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rg + 8 * h;
     if (rok[h] && pr[h] >= k0) {
       float* dst = part + ((size_t)((h0 + r / M) * M + r % M) * nblk + blk) * (D + 2);
 #pragma unroll
-      for (int dt = 0; dt < NO; ++dt) {
-        dst[d0 + 8 * dt + 2 * t4] = o[dt][2 * h];
-        dst[d0 + 8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
+      for (int dt = 0; dt < D / 8; ++dt) {
+        dst[8 * dt + 2 * t4] = o[dt][2 * h];
+        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
       }
-      if (d0 == 0 && t4 == 0) {
+      if (t4 == 0) {
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }
@@ -201,14 +200,14 @@ __device__ __forceinline__ int tf_wg_unit(int u, int& j, int& x) {
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
 // elements a row) in tf_wg_unit's layout (one copy instruction a unit, offsets constant), rows past
 // the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's.
-template <typename T, int D, int SPAN, int NB, int NTH = 128>
+template <typename T, int D, int SPAN, int NB>
 __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
                                                 int se, int maxp) {
   constexpr int DB = D / 8;
-  constexpr int RI = NTH / DB;
-  constexpr int NI = SPAN * DB / NTH;
+  constexpr int RI = 128 / DB;
+  constexpr int NI = SPAN * DB / 128;
   constexpr int STEP = RI * 64;                      // elements between a thread's units
-  static_assert(NTH % DB == 0 && SPAN % RI == 0 && RI % 8 == 0, "tf_wg_load_span: D");
+  static_assert(128 % DB == 0 && SPAN % RI == 0 && RI % 8 == 0, "tf_wg_load_span: D");
   if (s < se) {
     T* ks = kvs + (s % NB) * 2 * SPAN * D;
     const int s0 = s * SPAN;
@@ -263,14 +262,14 @@ __device__ __forceinline__ void tf_rows16_init(int rg, int off, int M, int R, in
 }
 
 // A block's 64 query rows rb0 .. rb0 + 63 (of R; q head h0 + r / M, row r % M) into qs in tf_wg_unit's
-// layout by cp.async (the caller's next commit group), rows past R zeroed (row_attn_wg, row_attn_wh:
-// NTH threads). Plain loads each followed by its shared store ran as a chain of 8 round trips to memory.
-template <typename T, int D, int NTH = 128>
+// layout by cp.async (the caller's next commit group), rows past R zeroed (row_attn_wg; 128 threads).
+// Plain loads each followed by its shared store ran as a chain of 8 round trips to memory.
+template <typename T, int D>
 __device__ __forceinline__ void tf_wg_stage_q(T* qs, const T* q, int rb0, int R, int M, int h0) {
 #pragma unroll
-  for (int i = 0; i < 8 * D / NTH; ++i) {
+  for (int i = 0; i < D / 16; ++i) {
     int jr, x;
-    const int e = tf_wg_unit<D>(threadIdx.x + NTH * i, jr, x), r = rb0 + jr;
+    const int e = tf_wg_unit<D>(threadIdx.x + 128 * i, jr, x), r = rb0 + jr;
     if (r < R) tf_cp_async16(qs + e, q + ((size_t)(h0 + r / M) * M + r % M) * D + x);
     else *reinterpret_cast<uint4*>(qs + e) = make_uint4(0u, 0u, 0u, 0u);
   }
@@ -970,169 +969,6 @@ for (int s = sg; s < se; ++s) {
   tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
 }
 tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
-
-// @@body row_attn_wh
-// inputs, output: as row_attn_tcg
-// template: T (bf16 or f16), D (128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16)
-// launch: grid (nblk * ceil(HQ/HKV * M / 64) * 256, B*HKV, 1), threadgroup (256, 1, 1), dynamic
-//         shared memory (NB*2*64 + 64)*D*2 + 28*128*4 (_cuda.attn_wh_smem)
-// row_attn_wg's span step on two warpgroups of the same 64 query rows. Warpgroup w scores the keys
-// 8 n .. 8 n + 7 of the span with n = 2 j + w (one m64n32k16 chain over D's k16 steps: K's 8-row
-// atoms 2 apart), takes their softmax, and sums d half w (one m64n64k16 chain, row_attn_wg's half
-// w). A row's max is the max of the two warpgroups' (order-free). The weight sum's tree (key bits
-// 5, 4 in the lane, then bit 3, lanes ^ 2, ^ 1, then bit 0) has bit 3 across the pair: the even n
-// sum plus the odd n sum, row_attn_wg's add. The other half's rounded weights come through shared
-// memory into the value chains' A fragments. Both fold their d half with the same (m, l): the same
-// bits as row_attn_wg (and row_attn_tcr), whatever NB and SPB.
-constexpr int SPAN = 64;
-constexpr int G = HQ / HKV;
-static_assert(D == 128 && NB >= 2 && (SPB == 1 || SPB == 16), "row_attn_wh");
-extern __shared__ __align__(1024) float sm[];
-const int w = threadIdx.x >> 7;
-const int g8 = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
-T* kvs = reinterpret_cast<T*>(sm);
-T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, K's layout
-// a warpgroup's hand-overs [w][14][tid]: 0 + h its span max of row g8 + 8 h, 2 + 2 h + e its weight
-// sums over key bits 5 and 4, 6 + 2 j + h its rounded weights (as bits); xt the other warpgroup's
-float* xo = reinterpret_cast<float*>(qs + 64 * D) + w * 14 * 128 + (threadIdx.x & 127);
-const float* xt = xo + (1 - 2 * w) * 14 * 128;
-const int M = q_shape[2];
-const int cap = k_shape[2];
-const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
-const int R = G * M;
-const int nrb = (R + 63) / 64;
-const int blk = blockIdx.x / nrb;
-const int rb0 = (blockIdx.x % nrb) * 64;
-const int r0 = rb0 + 16 * ((threadIdx.x >> 5) & 3);
-const int b = blockIdx.y / HKV;
-const int hk = blockIdx.y % HKV;
-const int off = offset[0];
-const int maxp = min(off + M - 1, cap - 1);
-const int sg = blk * SPB;
-if (sg * SPAN > maxp) return;
-const int se = min(sg + SPB, maxp / SPAN + 1);
-const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
-auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB, 256>(kvs, k, v, kvbase, s, se, maxp); };
-tf_wg_stage_q<T, D, 256>(qs, q, rb0, R, M, b * HQ + hk * G);   // with span sg's commit group
-for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
-int pr[2];
-bool rok[2];
-float mrun[2], lrun[2];
-float o[8][4];                                      // d tile 8 w + dt: d 64 w + 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
-tf_rows16_init<64>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
-const float scale = scale_f[0];
-const auto qd = tf_wg_desc(qs, 16, 1024);
-for (int s = sg; s < se; ++s) {
-  __syncthreads();
-  load_kv(s + NB - 1);
-  tf_cp_async_wait<NB - 1>();
-  tf_fence_async();
-  __syncthreads();
-  const T* kb = kvs + (s % NB) * 2 * SPAN * D;
-  const auto kd = tf_wg_desc(kb + 512 * w, 16, 2048);   // atoms w, w + 2, ..: n = 2 j + w
-  float c[16];                                      // key 8 (2 j + w) + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 j + i]
-  tf_wg_fence();
-  tf_wgmma_ss32<true>(c, qd, kd, T());
-#pragma unroll
-  for (int st = 1; st < D / 16; ++st) {
-    const int o16 = (st / 4) * 512 + (st % 4) * 2;
-    tf_wgmma_ss32<false>(c, qd + o16, kd + o16, T());
-  }
-  tf_wg_commit();
-  tf_wg_wait<0>();
-  tf_wg_hold(c);
-  float x[16];
-  const int s0 = s * SPAN;
-  float mc[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mc[h] = TF_NEG_INF;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 4 * j + 2 * h + e;
-        x[i] = s0 + 8 * (2 * j + w) + 2 * t4 + e <= pr[h] ? __fmul_rn(c[i], scale) : TF_NEG_INF;
-        mc[h] = fmaxf(mc[h], x[i]);
-      }
-    }
-    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 1));
-    mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 2));
-    xo[128 * h] = mc[h];
-  }
-  __syncthreads();
-  unsigned int eb[4][2], pa[4][4];                  // this warpgroup's rounded weights; the A fragments, key steps of 16
-  float ys[2][2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mc[h] = fmaxf(mc[h], xt[128 * h]);
-    const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      T e2[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& xi = x[4 * j + 2 * h + e];
-        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(xi, mz)));
-        xi = tf_to_float(e2[e]);
-      }
-      const unsigned short* u = reinterpret_cast<unsigned short*>(e2);
-      eb[j][h] = u[0] | (u[1] << 16);
-      xo[128 * (6 + 2 * j + h)] = __uint_as_float(eb[j][h]);
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {                   // key bits 5, 4 of this warpgroup's n (j bits 1, 0)
-      const int i = 2 * h + e;
-      ys[h][e] = __fadd_rn(__fadd_rn(x[i], x[8 + i]), __fadd_rn(x[4 + i], x[12 + i]));
-      xo[128 * (2 + i)] = ys[h][e];
-    }
-  }
-  __syncthreads();
-  float fa[2], fb[2];
-  bool fold[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float y[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {                   // key bit 3 (even n + odd n: IEEE's add is commutative), then 2, 1
-      y[e] = __fadd_rn(ys[h][e], xt[128 * (2 + 2 * h + e)]);
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 2));
-      y[e] = __fadd_rn(y[e], __shfl_xor_sync(TF_FULL_MASK, y[e], 1));
-    }
-    const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {                   // keys 16 j + 8 (odd n) in a[2 + h]
-      const unsigned int ot = __float_as_uint(xt[128 * (6 + 2 * j + h)]);
-      pa[j][h] = w ? ot : eb[j][h];
-      pa[j][2 + h] = w ? eb[j][h] : ot;
-    }
-    fold[h] = rok[h] && pr[h] >= s0;
-    const float mn = fmaxf(mrun[h], mc[h]);
-    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-    fb[h] = tf_ex2(__fsub_rn(mc[h], mn));
-    if (SPB == 1) {
-      mrun[h] = mc[h];
-      lrun[h] = lc;
-    } else if (fold[h]) {
-      lrun[h] = __fadd_rn(__fmul_rn(lrun[h], fa[h]), __fmul_rn(lc, fb[h]));
-      mrun[h] = mn;
-    }
-  }
-  const auto vd = tf_wg_desc(kb + 64 * D, 8192, 1024) + 512 * w;   // d half w
-  float cv[32];
-  tf_wg_fence();
-  tf_wgmma_rs<true>(cv, pa[0], vd, T());
-#pragma unroll
-  for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vd + 128 * ks, T());
-  tf_wg_commit();
-  tf_wg_wait<0>();
-  tf_wg_hold(cv);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) tf_take_sums<SPB>(o[j], cv + 4 * j, fold, fa, fb);
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) tf_wg_hold(pa[ks]);
-}
-tf_put_rows16<D, 8>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4, 64 * w);
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),

@@ -47,7 +47,6 @@ _KERNELS = {
     "row_attn_tcg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_tcr": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_wg": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
-    "row_attn_wh": (["q", "k", "v", "offset", "scale_f"], ["part"], "row_attention.cu"),
     "row_attn_merge": (["part", "offset", "q", "k"], ["out"], "row_attention.cu"),
     "sparse_attn": (["q", "k", "v", "indices", "offset", "scale_f"], ["out"],
                     "sparse_attention.cu"),
@@ -629,12 +628,6 @@ def attn_wg_smem(D: int, NB: int = ATTN_TCG_BUFFERS) -> int:
     return (NB * 2 * 64 + 64) * D * 2
 
 
-def attn_wh_smem(NB: int = ATTN_TCG_BUFFERS) -> int:
-    """Dynamic shared memory of row_attn_wh (D 128): row_attn_wg's, and the two warpgroups' hand-overs
-    (a span's max, weight sums and rounded weights: 28 words a thread of a warpgroup)."""
-    return attn_wg_smem(128, NB) + 28 * 128 * 4
-
-
 def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, int] | None:
     """(SPB, NW, NB, KW) of row_attn_tcg, or None for row_attn_tc (R query rows a KV head, nkv = B *
     HKV, wg: attn_wg_runs). Launch shape only: every plan gives every row the same bits (row_attention.cu), so this
@@ -693,11 +686,11 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
     row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
-    m = re.fullmatch(r"([twh]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w|h] s|g <NW> [k|kk] [.NB]
-    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] in ("w", "h") and m[3] != "4")):
+    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4 / hs4 / hg4[.<buffers>]")
-    kw = {"t": 0, "w": -1, "h": -2}.get(m[1], 2 ** len(m[4]))
+                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
+    kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
     return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -716,10 +709,7 @@ def attention(q, k, v, offset, scale, stream):
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
         if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
             kw = 0
-        if kw == -2 and D == 128:               # row_attn_wh: two warpgroups a span (sm_90a)
-            name, threads, rows, smem = "row_attn_wh", 256, 64, attn_wh_smem(nb)
-            template = template[:4] + (("NB", nb), ("SPB", spb))
-        elif kw < 0:                            # row_attn_wg: a warpgroup 64 rows (sm_90a; wh's bits at D 64)
+        if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
