@@ -113,7 +113,8 @@
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
-#    its timing-only cuts wg4c<CUT> exist only in 7d785d5, run through attn-rows as its message says)
+#    its timing-only cuts wg4c<CUT> exist only in 7d785d5, run through attn-rows as its message says;
+#    row_attn_wh and its mode s36e -- a span on two warpgroups -- only in fa05b77: same bits, slower)
 #   bash bench/gpu_run.sh s35b | s35c   # session 35: wg4 / g4k with warm caches + wg4's stall samples;
 #                                       # the default's wg4 from past 64 groups checked at 12k / 16k / 24k keys
 #   bash bench/gpu_run.sh s34d          # session 34: wg4 against g4k and the default at 16k / 32k / 64k keys, M = 1..16
