@@ -110,6 +110,7 @@
 #   bash bench/gpu_run.sh s33a ; s33b   # session 33: row_attn_wg (wgmma) timed + checked against the default; bit test + tinycode
 #   (session 35's s35a -- row_attn_wgp, plan pg4: two warpgroups on a group's spans in turn, checked against
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
+#   bash bench/gpu_run.sh s37a | s37b   # session 37: groups of 8 spans: bit test, tests, tinycode; timed against every plan
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -922,6 +923,18 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s37a)     # session 37: groups of 8 spans (the tree changed: every CUDA row's bits): the group-block bit test by
+            # head layout (D 80 runs row_attn_tcr's q staging) and the other CUDA attention tests side by side;
+            # row_attn_wg's small cases (wd4: two groups a block); tinycode drafted == serial, resumed == fresh
+    par_tests bit37a ${TLIMIT:-300} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4 wd4 ws4 tg4} 2>&1 | cut -c1-200 | tee "$out/wg_check37a.txt" | grep -v device_info
+    timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact37a.txt" | tail -3
+    ;;
+  s37b)     # session 37: groups of 8 spans timed: the default (session 36's rule in keys) against every plan
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL=${ATTN_IMPL:-wg4,wd4,g4k,g2k,s4} TAG=attn37b LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
   s36d)     # session 36: the group-block bit test on the H200 after the q-row change (every plan, 3 head layouts:
             # D 80 runs row_attn_tcr), then the default timed at 8k / 16k keys (wg4 past 32 rows at 64 groups)

@@ -157,12 +157,12 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
     if dtype == mx.bfloat16:        # tensor-core attention: row_attn_tc, and row_attn_tcg where asked
         assert {"row_attn_tc", "row_attn_tcg"} <= names, names
         tcg = [lc for lc in launches if lc["name"] == "row_attn_tcg"]
-        assert [dict(lc["template"])["SPB"] for lc in tcg] == [16, 1]
+        assert [dict(lc["template"])["SPB"] for lc in tcg] == [8, 1]
         tcr = [lc for lc in launches if lc["name"] == "row_attn_tcr"]
-        assert [(dict(lc["template"])["SPB"], lc["threadgroup"][0]) for lc in tcr] == [(16, 64), (1, 32)]
+        assert [(dict(lc["template"])["SPB"], lc["threadgroup"][0]) for lc in tcr] == [(8, 64), (1, 32)]
         wg = [lc for lc in launches if lc["name"] == "row_attn_wg"]
         assert [(dict(lc["template"])["SPB"], dict(lc["template"])["NB"], lc["threadgroup"][0]) for lc in wg] == \
-            [(16, 2, 128), (1, 3, 128)]
+            [(8, 2, 128), (1, 3, 128)]
         merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
         assert [m["PRE"] for m in merges] == [False, True, False, True, False, True, False]
     for lc in launches:
@@ -181,26 +181,26 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
     assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1)
-    assert plan(8, 8192) == (16, 2, nb, 2)
+    assert plan(8, 8192) == (8, 2, nb, 2)
     no = False                                              # row_attn_wg does not run (off Hopper, D 80)
-    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == (16, 4, nb, 2)
-    assert plan(16, 32768, no) == (16, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
-    assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (16, 4, nb, -1)   # where it runs: 17-32 rows too
-    assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (16, 4, nb, -1)   # past 64 groups
-    assert plan(4, 32768) == plan(4, 16384) == (16, 4, nb, 2)                      # 16 rows a KV head
-    assert plan(16, 8192) == (16, 4, nb, -1) and plan(8, 8192) == (16, 2, nb, 2)   # 64 groups: past 32 rows only
+    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == (8, 4, nb, 2)
+    assert plan(16, 32768, no) == (8, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
+    assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (8, 4, nb, -1)   # where it runs: 17-32 rows too
+    assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (8, 4, nb, -1)   # past 64 groups
+    assert plan(4, 32768) == plan(4, 16384) == (8, 4, nb, 2)                      # 16 rows a KV head
+    assert plan(16, 8192) == (8, 4, nb, -1) and plan(8, 8192) == (8, 2, nb, 2)   # 64 groups: past 32 rows only
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile
-    assert plan(1, 1024) == (16, 4, nb, 2)
+    assert plan(1, 1024) == (8, 4, nb, 2)
     monkeypatch.setattr(_cuda, "attn_impl", "s8k.3")
     assert plan(1, 1024) == (1, 8, 3, 2)
     monkeypatch.setattr(_cuda, "attn_impl", "tg4.3")    # row_attn_tcr: KW 0
-    assert plan(1, 1024) == (16, 4, 3, 0)
+    assert plan(1, 1024) == (8, 4, 3, 0)
     monkeypatch.setattr(_cuda, "attn_impl", "g2kk")     # four warps an 8-row tile
-    assert plan(1, 1024) == (16, 2, nb, 4)
+    assert plan(1, 1024) == (8, 2, nb, 4)
     monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1
-    assert plan(1, 1024) == (16, 4, 3, -1)
+    assert plan(1, 1024) == (8, 4, 3, -1)
     # what the kernels' static_asserts refuse, and removed plans (pg4: session 35's row_attn_wgp, 3b817f5)
     for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4"):
         monkeypatch.setattr(_cuda, "attn_impl", bad)

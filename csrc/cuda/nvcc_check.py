@@ -59,15 +59,15 @@ for T in (bf, f16, f32):
         if attn_tc_smem(D, T, T, T) is not None:
             CASES.append(("row_attn_tc", dict(T=T, D=D, HQ=32, HKV=8),
                           dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-            for NW, NB, SPB, KW in ((1, 2, 16, 1), (8, 2, 1, 1), (4, 2, 16, 1), (4, 2, 16, 2), (8, 2, 16, 2),
-                                    (1, 2, 1, 2), (4, 2, 16, 4)):
+            for NW, NB, SPB, KW in ((1, 2, 8, 1), (8, 2, 1, 1), (4, 2, 8, 1), (4, 2, 8, 2), (8, 2, 8, 2),
+                                    (1, 2, 1, 2), (4, 2, 8, 4)):
                 CASES.append(("row_attn_tcg", dict(T=T, D=D, HQ=32, HKV=8, NW=NW, NB=NB, SPB=SPB, KW=KW),
                               dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-            for NW, SPB in ((4, 16), (2, 1), (1, 16)):
+            for NW, SPB in ((4, 8), (2, 1), (1, 8)):
                 CASES.append(("row_attn_tcr", dict(T=T, D=D, HQ=32, HKV=8, NW=NW, NB=2, SPB=SPB),
                               dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             if D in (64, 128):
-                for NB, SPB in ((2, 16), (3, 1)):
+                for NB, SPB in ((2, 8), (3, 1), (2, 16)):
                     CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB),
                                   dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=1, PRE=True),

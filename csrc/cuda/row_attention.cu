@@ -15,7 +15,8 @@
 //           m' = max(m, mc); a = 2^(m - m'); b = 2^(mc - m')
 //           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
 //   span   = the span's chunks merged ascending
-//   group  = spans 16g .. 16g+15 (capped at p's span) merged ascending
+//   group  = spans 8g .. 8g+7 (capped at p's span) merged ascending (16 spans until session 37:
+//            8 lets a 16-row verify window at 8k keys take 128 group blocks instead of 64)
 //   row    = groups merged ascending;  out = o / l, rounded once to q's dtype.
 // Kernel row_attn_partial: one block per (span, b*Hkv + kv head); the span's K and V come into
 // shared memory once (cp.async, 16 bytes each) for every query row of that KV head (all GQA heads
@@ -30,7 +31,7 @@
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
 // Kernel row_attn_tcg (where row_attn_tc applies; _cuda.attn_tcg_plan picks it): the same span
 // arithmetic with each 8-row tile of query rows taken by its own warp (or 2 or 4: KW); with
-// SPB = 16 a block also folds a group's spans itself (the merge's formula and order) and writes
+// SPB = 8 a block also folds a group's spans itself (the merge's formula and order) and writes
 // the group result, which the merge takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
 // Kernel row_attn_tcr: row_attn_tcg with the mma's sides swapped (16 query rows a warp on the M
 // side, the weights passed to the value chains in registers): the same bits, every plan.
@@ -292,7 +293,7 @@ __device__ __forceinline__ void tf_take_sums(float (&x)[4], const float* cv, con
 // K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
 // span's four 16-key steps a 64-column half of D (the weights from registers, V MN-major); then o
-// (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 16).
+// (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 8).
 template <typename T, int D, int SPB>
 __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, int s0, int t4, float scale,
                                            const int (&pr)[2], const bool (&rok)[2], float (&mrun)[2],
@@ -582,9 +583,9 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // @@body row_attn_tcg
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (T), offset [1] int32, scale_f [1] float32
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
-//         row_attn_tc's span partials, with SPB = 16 group results (only those <= p written)
+//         row_attn_tc's span partials, with SPB = 8 group results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (8-row tiles a block),
-//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16), KW (warps a row tile, 1, 2 or 4:
+//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 8, a group), KW (warps a row tile, 1, 2 or 4:
 //           warp kh scores keys 64 / KW kh .. and sums d tiles kh NDW ..)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW KW, B*HKV, 1), threadgroup (32 NW KW, 1,
 //         1), dynamic shared memory (NB*2*64*(D+8) + NW*8*72)*2 + NW*KW*8*4 (_cuda.attn_tcg_smem)
@@ -595,7 +596,7 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // order-free: with KW > 1 each warp's max of its keys, exchanged; lc row_attn_tc's butterfly
 // tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8 inside a lane, l ^ 4, 2, 1
 // across lanes, with KW > 1 from the rounded weights in shared memory). SPB 1 writes the span
-// partial as row_attn_tc does. SPB 16 folds the group's spans (capped at each row's span) in
+// partial as row_attn_tc does. SPB 8 folds the group's spans (capped at each row's span) in
 // order with row_attn_merge's formula, in registers, from (-inf, 0, 0), and writes the state a
 // merge warp reaches for that group: row_attn_merge (PRE) folds these as its group results.
 // Either way the bits of row_attn_tc + row_attn_merge, whatever NW, NB, SPB and KW.
@@ -607,7 +608,7 @@ constexpr int NDT = D / 16;
 constexpr int NKT = 4 / KW;                         // key tiles a warp scores
 constexpr int NDW = (NDT + KW - 1) / KW;            // d tiles a warp sums
 constexpr int NTH = 32 * NW * KW;
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16) &&
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 8) &&
               (KW == 1 || KW == 2 || KW == 4), "row_attn_tcg: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
@@ -806,7 +807,7 @@ if (act) {
 // @@body row_attn_tcr
 // inputs, output: as row_attn_tcg
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (16-row tiles a block, a warp
-//           each), NB (K/V buffers, >= 2), SPB (spans a block: 1 or 16)
+//           each), NB (K/V buffers, >= 2), SPB (spans a block: 1 or 8)
 // launch: grid (nblk * ceil(HQ/HKV * M / (16 NW)) * 32 NW, B*HKV, 1), threadgroup (32 NW, 1, 1),
 //         dynamic shared memory (NB*2*64 + 16 NW)*(D+8)*2 (_cuda.attn_tcr_smem)
 // row_attn_tcg (KW 1) with the mma's sides swapped: a warp's 16 query rows on the M side, keys (the
@@ -822,7 +823,7 @@ constexpr int G = HQ / HKV;
 constexpr int DV = D / 8;
 constexpr int NDT = D / 16;
 constexpr int NTH = 32 * NW;
-static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 16),
+static_assert(D % 16 == 0 && D <= 128 && NW >= 1 && NW <= 8 && NB >= 2 && (SPB == 1 || SPB == 8),
               "row_attn_tcr: plan");
 extern __shared__ float sm[];
 const int lane = threadIdx.x & 31;
@@ -912,7 +913,8 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1 or 16)
+// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1, 8, or 16: two
+//           groups a block, each folded from (-inf, 0, 0) and written as SPB 8 writes it)
 // launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
@@ -927,7 +929,7 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 constexpr int SPAN = 64;
 constexpr int G = HQ / HKV;
 constexpr int NDT = D / 16;
-static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 16), "row_attn_wg: plan");
+static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 8 || SPB == 16), "row_attn_wg: plan");
 extern __shared__ __align__(1024) float sm[];
 const int lane = threadIdx.x & 31;
 const int g8 = lane >> 2, t4 = lane & 3;
@@ -935,40 +937,42 @@ T* kvs = reinterpret_cast<T*>(sm);
 T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, K's layout
 const int M = q_shape[2];
 const int cap = k_shape[2];
-const int nblk = (cap + SPAN * SPB - 1) / (SPAN * SPB);
+constexpr int GSP = SPB > 8 ? 8 : SPB;              // spans a partial: a span, or a group
+const int npart = (cap + SPAN * GSP - 1) / (SPAN * GSP);
 const int R = G * M;
 const int nrb = (R + 63) / 64;
 const int blk = blockIdx.x / nrb;
 const int rb0 = (blockIdx.x % nrb) * 64;
 const int r0 = rb0 + 16 * (threadIdx.x >> 5);
-const int b = blockIdx.y / HKV;
-const int hk = blockIdx.y % HKV;
+const int h0 = blockIdx.y * G;                      // (b HKV + kv head) G: the first q head
 const int off = offset[0];
 const int maxp = min(off + M - 1, cap - 1);
 const int sg = blk * SPB;
 if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
-const size_t kvbase = (size_t)(b * HKV + hk) * cap * D;
+const size_t kvbase = (size_t)blockIdx.y * cap * D;
 auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
-tf_wg_stage_q<T, D>(qs, q, rb0, R, M, b * HQ + hk * G);   // with span sg's commit group
+tf_wg_stage_q<T, D>(qs, q, rb0, R, M, h0);          // with span sg's commit group
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 int pr[2];
 bool rok[2];
 float mrun[2], lrun[2];
 float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
-tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
 const float scale = scale_f[0];
 const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
-for (int s = sg; s < se; ++s) {
-  __syncthreads();
-  load_kv(s + NB - 1);
-  tf_cp_async_wait<NB - 1>();
-  tf_fence_async();
-  __syncthreads();
-  tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
+for (int g0 = sg; g0 < se; g0 += GSP) {             // each partial from (-inf, 0, 0)
+  tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
+  for (int s = g0; s < min(g0 + GSP, se); ++s) {
+    __syncthreads();
+    load_kv(s + NB - 1);
+    tf_cp_async_wait<NB - 1>();
+    tf_fence_async();
+    __syncthreads();
+    tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
+  }
+  tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, h0, npart, g0 / GSP, g0 * SPAN, t4);
 }
-tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk, blk, sg * SPAN, t4);
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
@@ -981,7 +985,7 @@ tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk * G, nblk
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
-constexpr int GS = 16;                              // spans per group
+constexpr int GS = 8;                               // spans per group
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use

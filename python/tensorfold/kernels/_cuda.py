@@ -584,7 +584,8 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
             32 * ATTN_WARPS, smem, 32 * NCH)
 
 
-ATTN_GROUP_KEYS = 64 * 16   # row_attn_merge's group: 16 spans of 64 keys
+ATTN_GROUP_SPANS = 8        # row_attn_merge's group (row_attention.cu's tree; 16 until session 37)
+ATTN_GROUP_KEYS = 64 * ATTN_GROUP_SPANS   # of row_attn_tc's 64-key spans
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
@@ -672,12 +673,12 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     if impl is None:
         groups = -(-cap // ATTN_GROUP_KEYS) * nkv
         blocks = groups * -(-R // 32)                               # of 4-tile group blocks
-        if wg and R > 16 and (groups > 64 or (R > 32 and groups == 64)):   # row_attn_wg past 16 rows past 64
-            impl = "wg4"                    # groups (8k keys at 8 KV heads), and past 32 rows at 64 groups
-        elif blocks >= 128:  # "wg4" past 384 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
-            impl = "wg4" if R > 32 and blocks > 384 else "g4k"
+        if wg and R > 16 and (groups > 128 or (R > 32 and groups == 128)):   # row_attn_wg past 16 rows past
+            impl = "wg4"                    # 128 groups (8k keys at 8 KV heads), past 32 rows at 128 groups
+        elif blocks >= 256:  # "wg4" past 768 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
+            impl = "wg4" if R > 32 and blocks > 768 else "g4k"
         else:
-            impl = "g2k" if groups * -(-R // 16) >= 128 else "s4"
+            impl = "g2k" if groups * -(-R // 16) >= 256 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
 
 
@@ -686,12 +687,14 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
     row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
-    m = re.fullmatch(r"([tw]?)([sg])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g <NW> [k|kk] [.NB]
-    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")):
+    m = re.fullmatch(r"([tw]?)([sgd])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g|d <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")
+            or (m[2] == "d" and m[1] != "w")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4[.<buffers>]")
+                         "[.<buffers, >= 2>], or ws4 / wg4 / wd4[.<buffers>]")
     kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
-    return (16 if m[2] == "g" else 1), int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
+    spb = {"s": 1, "g": ATTN_GROUP_SPANS, "d": 2 * ATTN_GROUP_SPANS}[m[2]]
+    return spb, int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
 def attention(q, k, v, offset, scale, stream):
@@ -705,10 +708,11 @@ def attention(q, k, v, offset, scale, stream):
     pre = plan is not None and plan[0] > 1      # the partials are group results
     if plan is not None:
         spb, nw, nb, kw = plan
-        nspan = -(-cap // (span * spb))
+        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits (a group a block)
+            kw, spb = 0, min(spb, ATTN_GROUP_SPANS)
+        nblk = -(-cap // (span * spb))          # blocks along the keys
+        nspan = -(-cap // (span * min(spb, ATTN_GROUP_SPANS)))   # partials a row: spans or groups
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits
-            kw = 0
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
             template = template[:4] + (("NB", nb), ("SPB", spb))
@@ -717,7 +721,7 @@ def attention(q, k, v, offset, scale, stream):
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
             template = template + (("KW", kw),)
-        grid = nspan * -(-R // rows) * threads
+        grid = nblk * -(-R // rows) * threads
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
@@ -729,7 +733,7 @@ def attention(q, k, v, offset, scale, stream):
     )[0]
     dc = ATTN_MERGE_COLS or D
     # warps a merge block: one for group results, else one a group of the capacity, up to 16
-    mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (16 * span)))
+    mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (ATTN_GROUP_SPANS * span)))
     out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
         template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre)],
