@@ -924,6 +924,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s37c)     # session 37, second tree: groups of 16 spans again, each two halves of 8 folded from (-inf, 0, 0);
+            # half blocks (SPB 8), row_attn_wg's wd4 (a group a block, the halves in registers), the merge's
+            # groups side by side for group results too: bit test, other attention tests, small cases; then s37b
+    par_tests bit37c ${TLIMIT:-300} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4 wd4 ws4 tg4} 2>&1 | cut -c1-200 | tee "$out/wg_check37c.txt" | grep -v device_info
+    ;;
   s37a)     # session 37: groups of 8 spans (the tree changed: every CUDA row's bits): the group-block bit test by
             # head layout (D 80 runs row_attn_tcr's q staging) and the other CUDA attention tests side by side;
             # row_attn_wg's small cases (wd4: two groups a block); tinycode drafted == serial, resumed == fresh

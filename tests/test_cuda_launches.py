@@ -164,7 +164,7 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
         assert [(dict(lc["template"])["SPB"], dict(lc["template"])["NB"], lc["threadgroup"][0]) for lc in wg] == \
             [(8, 2, 128), (1, 3, 128)]
         merges = [dict(lc["template"]) for lc in launches if lc["name"] == "row_attn_merge"]
-        assert [m["PRE"] for m in merges] == [False, True, False, True, False, True, False]
+        assert [m["E"] for m in merges] == [1, 8, 1, 8, 1, 8, 1]
     for lc in launches:
         _check(lc)
 

@@ -289,6 +289,26 @@ __device__ __forceinline__ void tf_take_sums(float (&x)[4], const float* cv, con
   }
 }
 
+// (m2, l2, o2) folded, the merge's formula, into (m, l, o), or into (-inf, 0, 0) with Z, for the
+// rows where c (the C-fragment layout: row g8 + 8 h in o[.][2 h + e]): row_attn_wg's group of two halves.
+template <int D, bool Z>
+__device__ __forceinline__ void tf_fold_rows16(float (&m)[2], float (&l)[2], float (&o)[D / 8][4], const float (&m2)[2],
+                                               const float (&l2)[2], const float (&o2)[D / 8][4], const bool (&c)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!c[h]) continue;
+    const float m1 = Z ? TF_NEG_INF : m[h], mn = fmaxf(m1, m2[h]);
+    const float fa = tf_ex2(__fsub_rn(m1, mn)), fb = tf_ex2(__fsub_rn(m2[h], mn));
+    l[h] = __fadd_rn(__fmul_rn(Z ? 0.0f : l[h], fa), __fmul_rn(l2[h], fb));
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+      float& x = o[i / 2][2 * h + i % 2];
+      x = __fmaf_rn(o2[i / 2][2 * h + i % 2], fb, __fmul_rn(Z ? 0.0f : x, fa));
+    }
+    m[h] = mn;
+  }
+}
+
 // One 64-key span s0 .. s0 + 63 of a warpgroup's 64 query rows on wgmma (row_attn_wg):
 // K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
@@ -937,8 +957,8 @@ T* kvs = reinterpret_cast<T*>(sm);
 T* qs = kvs + NB * 2 * SPAN * D;                     // the block's 64 query rows, K's layout
 const int M = q_shape[2];
 const int cap = k_shape[2];
-constexpr int GSP = SPB > 8 ? 8 : SPB;              // spans a partial: a span, or a group
-const int npart = (cap + SPAN * GSP - 1) / (SPAN * GSP);
+constexpr int GSP = SPB > 8 ? 8 : SPB;              // spans a fold from (-inf, 0, 0): a span, or a half
+const int npart = (cap + SPAN * SPB - 1) / (SPAN * SPB);
 const int R = G * M;
 const int nrb = (R + 63) / 64;
 const int blk = blockIdx.x / nrb;
@@ -961,7 +981,8 @@ float mrun[2], lrun[2];
 float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 const float scale = scale_f[0];
 const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
-for (int g0 = sg; g0 < se; g0 += GSP) {             // each partial from (-inf, 0, 0)
+float ma[2], la[2], oa[2 * NDT][4];                // SPB 16: the group, half 0 while half 1 runs
+for (int g0 = sg; g0 < se; g0 += GSP) {
   tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
   for (int s = g0; s < min(g0 + GSP, se); ++s) {
     __syncthreads();
@@ -971,29 +992,34 @@ for (int g0 = sg; g0 < se; g0 += GSP) {             // each partial from (-inf, 
     __syncthreads();
     tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
   }
-  tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, h0, npart, g0 / GSP, g0 * SPAN, t4);
+  if (SPB > 8 && g0 == sg) tf_fold_rows16<D, true>(ma, la, oa, mrun, lrun, o, rok);
 }
+const bool h1[2] = {pr[0] >= (sg + 8) * SPAN, pr[1] >= (sg + 8) * SPAN};   // rows that reach half 1
+if (SPB > 8) tf_fold_rows16<D, false>(ma, la, oa, mrun, lrun, o, h1);
+tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lrun, pr, rok, r0 + g8, M, h0, npart, blk, sg * SPAN, t4);
 
 // @@body row_attn_merge
-// inputs: part [B*HQ*M, nspan, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
+// inputs: part [B*HQ*M, nent, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),
 //         k [B, HKV, cap, D] (TK)  (q and k are passed only for their shapes)
 // output: out [B, HQ, M, D] (T).  template: T, D, SPAN, DC, MW (warps: groups merged side by
-//         side; any count gives the same bits), PRE (part holds the group results, [.., ngrp,
-//         D+2], of row_attn_tcg: warp 0 folds them in order, as it folds the groups' below)
+//         side; any count gives the same bits), E (spans an entry of part: 1, the span partials;
+//         8, the halves of group blocks of SPB 8; 16, the groups of row_attn_wg's SPB 16)
 // launch: grid (B*HQ*M*ceil(D/DC)*32*MW, 1, 1), threadgroup (32*MW, 1, 1), dynamic shared memory
 //         MW*(DC+2)*4.
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
-constexpr int GS = 8;                               // spans per group
+// Warp w takes group gb + w of each batch of MW groups: its halves (spans folded from (-inf, 0, 0)
+// with E 1, else loaded as they are), the group = halves folded from (-inf, 0, 0) (E 16: loaded);
+// then warp 0 folds the batch's groups in order.
+constexpr int GS = 16;                              // spans per group, 8 a half
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
 extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int cap = k_shape[2];
-const int nstride = part_shape[1];                  // partials a row: spans, or groups (PRE)
-const int nspan = PRE ? (cap + SPAN - 1) / SPAN : nstride;
+const int nspan = (cap + SPAN - 1) / SPAN;
 const int row = blockIdx.x / NDB;
 const int c0 = (blockIdx.x % NDB) * DC;             // this block's first column
 const int lane = threadIdx.x & 31;
@@ -1006,72 +1032,68 @@ if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
 }
 const int ns = min(p / SPAN + 1, nspan);
 const int ng = (ns + GS - 1) / GS;
-const float* src = part + (size_t)row * nstride * (D + 2);
+const float* src = part + (size_t)row * part_shape[1] * (D + 2);
 float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
 #pragma unroll
 for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
-if (PRE && warp == 0) {         // the group results folded in order, as warp 0 does below
-  for (int s = 0; s < ng; s += U) {
-    float pm[U], pl[U], po[U][NT];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u < ng) {
-        const float* x = src + (size_t)(s + u) * (D + 2);
-        pm[u] = x[D];
-        pl[u] = x[D + 1];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const int d = lane + 32 * t;
-          po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u < ng) {
-        const float mn = fmaxf(m2, pm[u]);
-        const float fa = tf_ex2(__fsub_rn(m2, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
-        l2 = __fadd_rn(__fmul_rn(l2, fa), __fmul_rn(pl[u], fb));
-#pragma unroll
-        for (int t = 0; t < NT; ++t) o2[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(o2[t], fa));
-        m2 = mn;
-      }
-    }
-  }
-}
-for (int gb = 0; gb < (PRE ? 0 : ng); gb += MW) {
+for (int gb = 0; gb < ng; gb += MW) {
   const int grp = gb + warp;
   if (grp < ng) {
     float m = TF_NEG_INF, l = 0.0f, o[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) o[t] = 0.0f;
-    const int se = min(grp * GS + GS, ns);
-    for (int s = grp * GS; s < se; s += U) {
-      float pm[U], pl[U], po[U][NT];
+    for (int h0 = grp * GS; h0 < min(grp * GS + GS, ns); h0 += GS / 2) {   // the group's halves
+      float mh = TF_NEG_INF, lh = 0.0f, oh[NT];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (s + u < se) {
-          const float* x = src + (size_t)(s + u) * (D + 2);
-          pm[u] = x[D];
-          pl[u] = x[D + 1];
+      for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
+      const int se = E > 1 ? h0 / E + 1 : min(h0 + GS / 2, ns);   // entries: the half's spans, or one
+      for (int s = E > 1 ? h0 / E : h0; s < se; s += U) {
+        float pm[U], pl[U], po[U][NT];
 #pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const int d = lane + 32 * t;
-            po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
+        for (int u = 0; u < U; ++u) {
+          if (s + u < se) {
+            const float* x = src + (size_t)(s + u) * (D + 2);
+            pm[u] = x[D];
+            pl[u] = x[D + 1];
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              const int d = lane + 32 * t;
+              po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (s + u < se) {
+            if (E > 1) {                            // an entry as it is
+              mh = pm[u];
+              lh = pl[u];
+#pragma unroll
+              for (int t = 0; t < NT; ++t) oh[t] = po[u][t];
+            } else {
+              const float mn = fmaxf(mh, pm[u]);
+              const float fa = tf_ex2(__fsub_rn(mh, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
+              lh = __fadd_rn(__fmul_rn(lh, fa), __fmul_rn(pl[u], fb));
+#pragma unroll
+              for (int t = 0; t < NT; ++t) oh[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(oh[t], fa));
+              mh = mn;
+            }
           }
         }
       }
+      if (E == 16) {                                // the group as it is
+        m = mh;
+        l = lh;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (s + u < se) {
-          const float mn = fmaxf(m, pm[u]);
-          const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
-          l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl[u], fb));
-#pragma unroll
-          for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(o[t], fa));
-          m = mn;
-        }
+        for (int t = 0; t < NT; ++t) o[t] = oh[t];
+        break;
       }
+      const float mn = fmaxf(m, mh);                // the half into the group
+      const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(mh, mn));
+      l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(lh, fb));
+#pragma unroll
+      for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(oh[t], fb, __fmul_rn(o[t], fa));
+      m = mn;
     }
     tf_put_partial<DC, NT>(sm + warp * (DC + 2), o, m, l, lane);
   }

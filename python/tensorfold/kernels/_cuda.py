@@ -584,8 +584,8 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
             32 * ATTN_WARPS, smem, 32 * NCH)
 
 
-ATTN_GROUP_SPANS = 8        # row_attn_merge's group (row_attention.cu's tree; 16 until session 37)
-ATTN_GROUP_KEYS = 64 * ATTN_GROUP_SPANS   # of row_attn_tc's 64-key spans
+ATTN_HALF_SPANS = 8         # row_attention.cu's tree: spans folded into a half, two halves a group
+ATTN_GROUP_KEYS = 64 * 2 * ATTN_HALF_SPANS   # a group of row_attn_tc's 64-key spans
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
@@ -671,14 +671,14 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     sizes other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
     impl = attn_impl
     if impl is None:
-        groups = -(-cap // ATTN_GROUP_KEYS) * nkv
-        blocks = groups * -(-R // 32)                               # of 4-tile group blocks
-        if wg and R > 16 and (groups > 128 or (R > 32 and groups == 128)):   # row_attn_wg past 16 rows past
-            impl = "wg4"                    # 128 groups (8k keys at 8 KV heads), past 32 rows at 128 groups
+        halves = -(-cap // (64 * ATTN_HALF_SPANS)) * nkv
+        blocks = halves * -(-R // 32)                               # of 4-tile group blocks
+        if wg and R > 16 and (halves > 128 or (R > 32 and halves == 128)):   # row_attn_wg past 16 rows past
+            impl = "wg4"                    # 128 halves (8k keys at 8 KV heads), past 32 rows at 128 halves
         elif blocks >= 256:  # "wg4" past 768 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
             impl = "wg4" if R > 32 and blocks > 768 else "g4k"
         else:
-            impl = "g2k" if groups * -(-R // 16) >= 256 else "s4"
+            impl = "g2k" if halves * -(-R // 16) >= 256 else "s4"
     return None if impl == "span" else _tcg_plan(impl)
 
 
@@ -693,7 +693,7 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
                          "[.<buffers, >= 2>], or ws4 / wg4 / wd4[.<buffers>]")
     kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
-    spb = {"s": 1, "g": ATTN_GROUP_SPANS, "d": 2 * ATTN_GROUP_SPANS}[m[2]]
+    spb = {"s": 1, "g": ATTN_HALF_SPANS, "d": 2 * ATTN_HALF_SPANS}[m[2]]
     return spb, int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
@@ -705,13 +705,12 @@ def attention(q, k, v, offset, scale, stream):
     R = HQ // HKV * M                           # query rows a KV head
     wg = attn_wg_runs(D)
     plan = attn_tcg_plan(R, cap, B * HKV, wg) if name == "row_attn_tc" else None
-    pre = plan is not None and plan[0] > 1      # the partials are group results
+    spb = 1                                     # spans a partial: a span, a half or a group
     if plan is not None:
         spb, nw, nb, kw = plan
-        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits (a group a block)
-            kw, spb = 0, min(spb, ATTN_GROUP_SPANS)
-        nblk = -(-cap // (span * spb))          # blocks along the keys
-        nspan = -(-cap // (span * min(spb, ATTN_GROUP_SPANS)))   # partials a row: spans or groups
+        if kw < 0 and not wg:                   # tcr gives row_attn_wg's bits (halves)
+            kw, spb = 0, min(spb, ATTN_HALF_SPANS)
+        nspan = -(-cap // (span * spb))         # blocks along the keys, a partial each
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
@@ -721,7 +720,7 @@ def attention(q, k, v, offset, scale, stream):
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
             template = template + (("KW", kw),)
-        grid = nblk * -(-R // rows) * threads
+        grid = nspan * -(-R // rows) * threads
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
@@ -732,11 +731,11 @@ def attention(q, k, v, offset, scale, stream):
         stream=stream,
     )[0]
     dc = ATTN_MERGE_COLS or D
-    # warps a merge block: one for group results, else one a group of the capacity, up to 16
-    mw = 1 if pre else min(ATTN_MERGE_WARPS, -(-cap // (ATTN_GROUP_SPANS * span)))
+    # warps a merge block: one a group of the capacity, up to 16
+    mw = min(ATTN_MERGE_WARPS, -(-cap // (2 * ATTN_HALF_SPANS * span)))
     out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
-        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("PRE", pre)],
+        template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("E", spb)],
         grid=(B * HQ * M * -(-D // dc) * 32 * mw, 1, 1),
         threadgroup=(32 * mw, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype], stream=stream,
