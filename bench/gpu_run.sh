@@ -111,6 +111,7 @@
 #   (session 35's s35a -- row_attn_wgp, plan pg4: two warpgroups on a group's spans in turn, checked against
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
 #   bash bench/gpu_run.sh s37a | s37b   # session 37: groups of 8 spans: bit test, tests, tinycode; timed against every plan
+#   bash bench/gpu_run.sh s37c | s37d   # session 37: groups of two 8-span halves: bit test; then with the merge's serial walk, timed
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -923,6 +924,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s37d)     # session 37, the second tree with the merge walking halves / groups 16 at a time (one warp a row):
+            # the bit test by head layout (+ the merge's groups side by side) and the other attention tests, then
+            # every plan timed (s37b), then tinycode drafted == serial, resumed == fresh
+    par_tests bit37d ${TLIMIT:-150} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    LIMIT=${LIMIT:-260} bash "$0" s37b
+    timeout 110 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact37d.txt" | tail -3
     ;;
   s37c)     # session 37, second tree: groups of 16 spans again, each two halves of 8 folded from (-inf, 0, 0);
             # half blocks (SPB 8), row_attn_wg's wd4 (a group a block, the halves in registers), the merge's

@@ -373,7 +373,14 @@ def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, mon
             got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
             assert np.array_equal(got, ref), (M, off, plan)
             n += 1
-    assert n == 297
+        monkeypatch.setattr(_cuda, "ATTN_MERGE_WARPS_PRE", 4)   # halves / groups merged side by side
+        for plan in ("g4k", "tg2", "wg4", "wd4"):
+            monkeypatch.setattr(_cuda, "attn_impl", plan)
+            got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+            assert np.array_equal(got, ref), (M, off, plan, "MW 4")
+            n += 1
+        monkeypatch.setattr(_cuda, "ATTN_MERGE_WARPS_PRE", 1)
+    assert n == 341
 
 
 # ---------------------------------------------------------------- dense matmul

@@ -1009,13 +1009,15 @@ tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lru
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
-// Warp w takes group gb + w of each batch of MW groups: its halves (spans folded from (-inf, 0, 0)
-// with E 1, else loaded as they are), the group = halves folded from (-inf, 0, 0) (E 16: loaded);
-// then warp 0 folds the batch's groups in order.
+// With MW > 1 or E 1, warp w takes group gb + w of each batch of MW groups: its halves (spans
+// folded from (-inf, 0, 0) with E 1, else loaded as they are), the group = the halves folded from
+// (-inf, 0, 0) (E 16: loaded); then warp 0 folds the batch's groups in order. With MW 1 and E > 1,
+// the one warp walks the entries UE at a time and folds the same halves, groups and row in order.
 constexpr int GS = 16;                              // spans per group, 8 a half
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
+constexpr int UE = NT <= 2 ? 16 : U;                // halves / groups loaded ahead (MW 1)
 extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int cap = k_shape[2];
@@ -1033,10 +1035,56 @@ if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
 const int ns = min(p / SPAN + 1, nspan);
 const int ng = (ns + GS - 1) / GS;
 const float* src = part + (size_t)row * part_shape[1] * (D + 2);
+auto fold = [&](float& m, float& l, float* o, float pm, float pl, const float* po) {   // the merge's formula
+  const float mn = fmaxf(m, pm);
+  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm, mn));
+  l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl, fb));
+#pragma unroll
+  for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[t], fb, __fmul_rn(o[t], fa));
+  m = mn;
+};
+auto load = [&](int s, float& pm, float& pl, float* po) {   // entry s: m, l and this block's columns
+  const float* x = src + (size_t)s * (D + 2);
+  pm = x[D];
+  pl = x[D + 1];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = lane + 32 * t;
+    po[t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
+  }
+};
 float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
 #pragma unroll
 for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
-for (int gb = 0; gb < ng; gb += MW) {
+if (MW == 1 && E > 1) {
+  const int ne = (ns + E - 1) / E;                  // the halves or groups the row reaches
+  float mg = TF_NEG_INF, lg = 0.0f, og[NT];         // a group's halves so far
+  for (int s = 0; s < ne; s += UE) {
+    float pm[UE], pl[UE], po[UE][NT];
+#pragma unroll
+    for (int u = 0; u < UE; ++u) {
+      if (s + u < ne) load(s + u, pm[u], pl[u], po[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < UE; ++u) {
+      if (s + u < ne) {
+        if (E == 16) {
+          fold(m2, l2, o2, pm[u], pl[u], po[u]);
+          continue;
+        }
+        if ((s + u) % 2 == 0) {
+          mg = TF_NEG_INF;
+          lg = 0.0f;
+#pragma unroll
+          for (int t = 0; t < NT; ++t) og[t] = 0.0f;
+        }
+        fold(mg, lg, og, pm[u], pl[u], po[u]);
+        if ((s + u) % 2 == 1 || s + u == ne - 1) fold(m2, l2, o2, mg, lg, og);
+      }
+    }
+  }
+}
+for (int gb = 0; gb < (MW == 1 && E > 1 ? 0 : ng); gb += MW) {
   const int grp = gb + warp;
   if (grp < ng) {
     float m = TF_NEG_INF, l = 0.0f, o[NT];
@@ -1046,54 +1094,27 @@ for (int gb = 0; gb < ng; gb += MW) {
       float mh = TF_NEG_INF, lh = 0.0f, oh[NT];
 #pragma unroll
       for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
-      const int se = E > 1 ? h0 / E + 1 : min(h0 + GS / 2, ns);   // entries: the half's spans, or one
-      for (int s = E > 1 ? h0 / E : h0; s < se; s += U) {
+      const int he = E > 1 ? h0 : min(h0 + GS / 2, ns);   // the half's spans (E 1)
+      if (E > 1) load(h0 / E, mh, lh, oh);          // a half or the group, as it is
+      for (int s = h0; s < he; s += U) {
         float pm[U], pl[U], po[U][NT];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (s + u < se) {
-            const float* x = src + (size_t)(s + u) * (D + 2);
-            pm[u] = x[D];
-            pl[u] = x[D + 1];
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-              const int d = lane + 32 * t;
-              po[u][t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
-            }
-          }
+          if (s + u < he) load(s + u, pm[u], pl[u], po[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (s + u < se) {
-            if (E > 1) {                            // an entry as it is
-              mh = pm[u];
-              lh = pl[u];
-#pragma unroll
-              for (int t = 0; t < NT; ++t) oh[t] = po[u][t];
-            } else {
-              const float mn = fmaxf(mh, pm[u]);
-              const float fa = tf_ex2(__fsub_rn(mh, mn)), fb = tf_ex2(__fsub_rn(pm[u], mn));
-              lh = __fadd_rn(__fmul_rn(lh, fa), __fmul_rn(pl[u], fb));
-#pragma unroll
-              for (int t = 0; t < NT; ++t) oh[t] = __fmaf_rn(po[u][t], fb, __fmul_rn(oh[t], fa));
-              mh = mn;
-            }
-          }
+          if (s + u < he) fold(mh, lh, oh, pm[u], pl[u], po[u]);
         }
       }
-      if (E == 16) {                                // the group as it is
+      if (E == 16) {
         m = mh;
         l = lh;
 #pragma unroll
         for (int t = 0; t < NT; ++t) o[t] = oh[t];
         break;
       }
-      const float mn = fmaxf(m, mh);                // the half into the group
-      const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(mh, mn));
-      l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(lh, fb));
-#pragma unroll
-      for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(oh[t], fb, __fmul_rn(o[t], fa));
-      m = mn;
+      fold(m, l, o, mh, lh, oh);                    // the half into the group
     }
     tf_put_partial<DC, NT>(sm + warp * (DC + 2), o, m, l, lane);
   }

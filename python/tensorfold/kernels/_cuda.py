@@ -28,6 +28,7 @@ GEMM_THREADS = 256
 GEMM_KT = 1024
 ATTN_WARPS = 8     # row_attn_partial: warps per block (row slots x chunks of 32 keys)
 ATTN_MERGE_WARPS = 16
+ATTN_MERGE_WARPS_PRE = 1   # for halves or group results (tests: > 1, groups side by side; the same bits)
 # columns per merge block: 32 spreads a row's merge over D / 32 blocks (4x the blocks at D = 128;
 # the merge was latency-bound on one block per row: 11.6 us at 32k keys, session 6); None: one
 # block per row. Bit-identical either way (row_attention.cu, row_attn_merge).
@@ -731,8 +732,9 @@ def attention(q, k, v, offset, scale, stream):
         stream=stream,
     )[0]
     dc = ATTN_MERGE_COLS or D
-    # warps a merge block: one a group of the capacity, up to 16
-    mw = min(ATTN_MERGE_WARPS, -(-cap // (2 * ATTN_HALF_SPANS * span)))
+    # warps a merge block: one a group of the capacity, up to 16, for span partials; one for halves
+    # or groups, walked 16 at a time (session 37: 16 warps a row at 16 rows, 32k keys, took 19.4 us)
+    mw = min(ATTN_MERGE_WARPS if spb == 1 else ATTN_MERGE_WARPS_PRE, -(-cap // (2 * ATTN_HALF_SPANS * span)))
     out = _kernel("row_attn_merge", mw * (dc + 2) * 4)(
         inputs=[part, offset, q, k],
         template=[("T", q.dtype), ("D", D), ("SPAN", span), ("DC", dc), ("MW", mw), ("E", spb)],
