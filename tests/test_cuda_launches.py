@@ -170,25 +170,27 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
 
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
-    """Group blocks (row_attn_tcg, SPB 16) where the H200 measured them faster, from about a block
-    an SM: 4 row tiles of two warps each, or row_attn_wg's warpgroup of 64 rows (row_attn_tcr's 4
-    warps of 16 rows off Hopper) at 64 rows a KV head once 4-tile blocks would pass three an SM, and
-    past 16 rows past 64 groups where row_attn_wg runs (past 32 rows at 64 groups); 2-tile blocks
-    of two warps a tile where those reach a block an SM; span blocks with each warp on its own
-    rows (SPB 1, 4 warps) below, at any row count. Any plan gives the same bits
+    """Where row_attn_wg runs (Hopper, session 37's H200 times): a group a block (wd4) from 512 halves
+    of 8 spans (32k keys at 8 KV heads) and past 32 rows a KV head from 256; half blocks from 128
+    halves, wgmma's warpgroup (wg4) past 16 rows a KV head, 4 row tiles of two warps (g4k) below;
+    span blocks (SPB 1, 4 warps) below 128 halves at any row count. Elsewhere (off Hopper, D 80)
+    session 36's rule in halves: 4-tile half blocks of two warps a tile from about a block an SM,
+    row_attn_tcr's warps of 16 rows at 64 rows a KV head past 768 such blocks, 2-tile blocks where
+    those reach 256, span blocks below. Any plan gives the same bits
     (test_cuda_attention_group_blocks_are_bit_identical), so this pins speed only."""
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
-    assert plan(1, 1024) == plan(16, 1024) == plan(1, 8192) == plan(4, 8192) == (1, 4, nb, 1)
-    assert plan(8, 8192) == (8, 2, nb, 2)
+    span, half, group = (1, 4, nb, 1), (8, 4, nb, 2), (8, 4, nb, -1)
+    assert plan(1, 1024) == plan(8, 1024) == plan(16, 1024) == plan(1, 4096) == span
+    assert plan(1, 8192) == plan(4, 8192) == plan(1, 16384) == plan(4, 16384) == half        # g4k
+    assert plan(5, 8192) == plan(8, 8192) == plan(16, 8192) == plan(8, 16384) == group       # wg4
+    assert plan(9, 16384) == plan(16, 16384) == (16, 4, nb, -1)                             # wd4
+    assert plan(1, 32768) == plan(8, 32768) == plan(16, 32768) == plan(1, 65536) == (16, 4, nb, -1)
     no = False                                              # row_attn_wg does not run (off Hopper, D 80)
-    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == (8, 4, nb, 2)
-    assert plan(16, 32768, no) == (8, 4, nb, -1)          # row_attn_wg's plan (tcr's tg4 where wg does not run)
-    assert plan(16, 32768) == plan(8, 32768) == plan(5, 32768) == (8, 4, nb, -1)   # where it runs: 17-32 rows too
-    assert plan(8, 16384) == plan(16, 12288) == plan(5, 12288) == (8, 4, nb, -1)   # past 64 groups
-    assert plan(4, 32768) == plan(4, 16384) == (8, 4, nb, 2)                      # 16 rows a KV head
-    assert plan(16, 8192) == (8, 4, nb, -1) and plan(8, 8192) == (8, 2, nb, 2)   # 64 groups: past 32 rows only
+    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == half
+    assert plan(16, 32768, no) == group                     # tcr's tg4 where wg does not run
+    assert plan(8, 8192, no) == (8, 2, nb, 2) and plan(1, 8192, no) == span
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile
@@ -202,7 +204,10 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", "wg4.3")    # row_attn_wg: KW -1
     assert plan(1, 1024) == (8, 4, 3, -1)
     # what the kernels' static_asserts refuse, and removed plans (pg4: session 35's row_attn_wgp, 3b817f5)
-    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4"):
+    monkeypatch.setattr(_cuda, "attn_impl", "wd4.3")    # row_attn_wg, a group a block
+    assert plan(1, 1024) == (16, 4, 3, -1)
+    for bad in ("s9", "g4.1", "x4", "g4w", "g0k", "tg4k", "t4", "g4kkk", "wg2", "wg4k", "wg4z", "tg4.3o", "pg4",
+                "d4", "td4", "wd2", "wd4k"):
         monkeypatch.setattr(_cuda, "attn_impl", bad)
         with pytest.raises(ValueError, match="row_attn_tcg plan"):
             plan(1, 1024)

@@ -636,8 +636,10 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     may look at the row count and the capacity. row_attn_tc walks a span's rows 8 at a time
     between block barriers and writes one fp32 partial a row and 64 keys, which the merge reads
     back; row_attn_tcg gives each warp 8 rows alone: with SPB 1 (span blocks) it writes the span
-    partials as row_attn_tc does, with SPB 16 (group blocks) it folds a group's 16 spans in the
-    block, one partial a row and 1,024 keys, but runs a block's spans one after another.
+    partials as row_attn_tc does, with SPB 8 (half blocks, "g") it folds half a group's spans in
+    the block, one partial a row and 512 keys, but runs a block's spans one after another;
+    row_attn_wg's SPB 16 ("wd4") folds both halves and the group, one partial a row and 1,024 keys.
+    (Sessions 29-36 measured group blocks of 16 spans, before the tree's halves.)
     Measured on the H200 (session 29, 32 / 8 heads, D = 128, bench/gpu_attn_rows.py, us):
     - group blocks win where the launch has at least about a block an SM (4 warps: 32k keys at
       1 row 45.5 against row_attn_tc's 53.9, 16 rows 116.7 against 269.1; 8k keys at 16 rows
@@ -669,13 +671,22 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     16k keys 29.0 against 30.2). Session 36, after row_attn_wg's q rows went by cp.async (they were
     plain loads, one round trip after another): also past 32 rows at 64 groups, 8k keys at 16 rows
     32.9 against g4k's 34.6 (8 rows: 29.4 against g2k's 27.4, which stays). Off Hopper, or at head
-    sizes other than 64 / 128, "wg4" runs tcr's tg4 (the same bits)."""
+    sizes other than 64 / 128, "wg4" runs tcr's tg4 (the same bits).
+    Session 37, the tree's halves (a group of 16 spans = two halves of 8, each folded from (-inf,
+    0, 0)): half blocks (128 at 8k keys, where groups were 64) and row_attn_wg's wd4 (a group a
+    block, the halves in registers). Where row_attn_wg runs, at 1 / 8 / 16 rows: 8k keys g4k 17.4
+    (span blocks 20.2), wg4 21.0, wg4 26.5 (were 19.9 / 27.4 / 32.9); 16k keys g4k 26.7, wg4 28.7,
+    wd4 35.9 (wg4 38.0; were 27.6 / 31.1 / 36.5); 32k keys wd4 42.0 / 44.3 / 51.8 (g4k 46.9, wg4
+    52.5 / 68.7; were 43.2 / 44.4 / 52.4); 1k keys span blocks as before (10.3 / 11.4 / 14.2).
+    Off Hopper the session-36 rule stands, in halves (unmeasured there)."""
     impl = attn_impl
     if impl is None:
         halves = -(-cap // (64 * ATTN_HALF_SPANS)) * nkv
         blocks = halves * -(-R // 32)                               # of 4-tile group blocks
-        if wg and R > 16 and (halves > 128 or (R > 32 and halves == 128)):   # row_attn_wg past 16 rows past
-            impl = "wg4"                    # 128 halves (8k keys at 8 KV heads), past 32 rows at 128 halves
+        if wg and (halves >= 512 or (halves >= 256 and R > 32)):   # row_attn_wg, a group a block (session 37)
+            impl = "wd4"
+        elif wg and halves >= 128:                                  # half blocks: wgmma's past 16 rows
+            impl = "wg4" if R > 16 else "g4k"
         elif blocks >= 256:  # "wg4" past 768 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
             impl = "wg4" if R > 32 and blocks > 768 else "g4k"
         else:
