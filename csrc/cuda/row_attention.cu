@@ -15,8 +15,10 @@
 //           m' = max(m, mc); a = 2^(m - m'); b = 2^(mc - m')
 //           l = l*a + lc*b;  o = fma(oc, b, o*a);  m = m'
 //   span   = the span's chunks merged ascending
-//   group  = spans 8g .. 8g+7 (capped at p's span) merged ascending (16 spans until session 37:
-//            8 lets a 16-row verify window at 8k keys take 128 group blocks instead of 64)
+//   half   = spans 8h .. 8h+7 (capped at p's span) merged ascending
+//   group  = halves 2g, 2g+1 (the second where p reaches it) merged ascending: spans 16g .. 16g+15
+//            (since session 37; before, the group's spans merged ascending. The halves let a
+//            16-row verify window at 8k keys take 128 blocks where groups gave 64)
 //   row    = groups merged ascending;  out = o / l, rounded once to q's dtype.
 // Kernel row_attn_partial: one block per (span, b*Hkv + kv head); the span's K and V come into
 // shared memory once (cp.async, 16 bytes each) for every query row of that KV head (all GQA heads
@@ -31,12 +33,14 @@
 //           oc[d] = mma chain over 16-key steps ascending of v[.][d] . e
 // Kernel row_attn_tcg (where row_attn_tc applies; _cuda.attn_tcg_plan picks it): the same span
 // arithmetic with each 8-row tile of query rows taken by its own warp (or 2 or 4: KW); with
-// SPB = 8 a block also folds a group's spans itself (the merge's formula and order) and writes
-// the group result, which the merge takes as it is (PRE). The same bits as row_attn_tc + row_attn_merge for every plan.
+// SPB = 8 a block also folds a half's spans itself (the merge's formula and order) and writes
+// the half's result, which the merge takes as it is (E 8; row_attn_wg's SPB 16 folds the group, E
+// 16). The same bits as row_attn_tc + row_attn_merge for every plan.
 // Kernel row_attn_tcr: row_attn_tcg with the mma's sides swapped (16 query rows a warp on the M
 // side, the weights passed to the value chains in registers): the same bits, every plan.
 // Kernel row_attn_merge: one block per (query row, DC columns); warp w merges group w of each
-// batch of MW groups, then warp 0 merges the batch's group results in order.
+// batch of MW groups, then warp 0 merges the batch's group results in order (span partials), or
+// one warp walks the halves / groups of the group blocks in order.
 // M, the capacity and the offset only decide which blocks run and which rows they visit.
 
 // @@header
@@ -603,9 +607,9 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // @@body row_attn_tcg
 // inputs: q [B, HQ, M, D] (T), k, v [B, HKV, cap, D] (T), offset [1] int32, scale_f [1] float32
 // output: part [B*HQ*M, nblk, D+2] float32, nblk = ceil(cap / (64 SPB)): with SPB = 1
-//         row_attn_tc's span partials, with SPB = 8 group results (only those <= p written)
+//         row_attn_tc's span partials, with SPB = 8 half results (only those <= p written)
 // template: T (bf16 or f16), D (multiple of 16, <= 128), HQ, HKV, NW (8-row tiles a block),
-//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 8, a group), KW (warps a row tile, 1, 2 or 4:
+//           NB (K/V buffers, >= 2), SPB (spans a block: 1 or 8, a half), KW (warps a row tile, 1, 2 or 4:
 //           warp kh scores keys 64 / KW kh .. and sums d tiles kh NDW ..)
 // launch: grid (nblk * ceil(HQ/HKV * M / (8 NW)) * 32 NW KW, B*HKV, 1), threadgroup (32 NW KW, 1,
 //         1), dynamic shared memory (NB*2*64*(D+8) + NW*8*72)*2 + NW*KW*8*4 (_cuda.attn_tcg_smem)
@@ -616,9 +620,9 @@ for (int r0 = 0; r0 < R; r0 += 8) {
 // order-free: with KW > 1 each warp's max of its keys, exchanged; lc row_attn_tc's butterfly
 // tree over lanes l of e_l + e_{l+32}: the pairs l ^ 16 and l ^ 8 inside a lane, l ^ 4, 2, 1
 // across lanes, with KW > 1 from the rounded weights in shared memory). SPB 1 writes the span
-// partial as row_attn_tc does. SPB 8 folds the group's spans (capped at each row's span) in
-// order with row_attn_merge's formula, in registers, from (-inf, 0, 0), and writes the state a
-// merge warp reaches for that group: row_attn_merge (PRE) folds these as its group results.
+// partial as row_attn_tc does. SPB 8 folds the half's spans (capped at each row's span) in
+// order with row_attn_merge's formula, in registers, from (-inf, 0, 0), and writes the half's
+// state, which row_attn_merge (E 8) folds into its group as it folds the halves it computes.
 // Either way the bits of row_attn_tc + row_attn_merge, whatever NW, NB, SPB and KW.
 constexpr int SPAN = 64;
 constexpr int KST = D + 8;
