@@ -588,9 +588,10 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 ATTN_HALF_SPANS = 8         # row_attention.cu's tree: spans folded into a half, two halves a group
 ATTN_GROUP_KEYS = 64 * 2 * ATTN_HALF_SPANS   # a group of row_attn_tc's 64-key spans
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
-# benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (group
+# benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (half
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
-# (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3")
+# (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3"); "w"
+# for row_attn_wg ("ws4", "wg4", and "wd4": a group a block)
 attn_impl = None
 
 
