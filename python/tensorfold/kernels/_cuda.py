@@ -678,7 +678,7 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     block, the halves in registers). Where row_attn_wg runs, at 1 / 8 / 16 rows: 8k keys g4k 17.4
     (span blocks 20.2), wg4 21.0, wg4 26.5 (were 19.9 / 27.4 / 32.9); 16k keys g4k 26.7, wg4 28.7,
     wd4 35.9 (wg4 38.0; were 27.6 / 31.1 / 36.5); 32k keys wd4 42.0 / 44.3 / 51.8 (g4k 46.9, wg4
-    52.5 / 68.7; were 43.2 / 44.4 / 52.4); 1k keys span blocks as before (10.3 / 11.4 / 14.2).
+    52.5 / 68.7; were 43.2 / 44.4 / 52.4); 1k keys span blocks as before (10.3 / 11.5 / 14.1).
     Off Hopper the session-36 rule stands, in halves (unmeasured there)."""
     impl = attn_impl
     if impl is None:
