@@ -940,22 +940,23 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     LIMIT=${LIMIT:-260} bash "$0" s37b
     timeout 110 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact37d.txt" | tail -3
     ;;
-  s37c)     # session 37, second tree: groups of 16 spans again, each two halves of 8 folded from (-inf, 0, 0);
+  s37c)     # session 37, run at 9086d23, second tree: groups of 16 spans again, each two halves of 8 folded from (-inf, 0, 0);
             # half blocks (SPB 8), row_attn_wg's wd4 (a group a block, the halves in registers), the merge's
-            # groups side by side for group results too: bit test, other attention tests, small cases; then s37b
+            # groups side by side for group results too: bit test, other attention tests, small cases (s37b was run after it)
     par_tests bit37c ${TLIMIT:-300} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4 wd4 ws4 tg4} 2>&1 | cut -c1-200 | tee "$out/wg_check37c.txt" | grep -v device_info
     ;;
-  s37a)     # session 37: groups of 8 spans (the tree changed: every CUDA row's bits): the group-block bit test by
-            # head layout (D 80 runs row_attn_tcr's q staging) and the other CUDA attention tests side by side;
-            # row_attn_wg's small cases (wd4: two groups a block); tinycode drafted == serial, resumed == fresh
+  s37a)     # session 37, run at 1a6c6c8 (groups of 8 spans, a tree since replaced; wd4 was then two groups a
+            # block): the group-block bit test by head layout (D 80 runs row_attn_tcr's q staging) and the other
+            # CUDA attention tests side by side; row_attn_wg's small cases; tinycode drafted == serial, resumed == fresh
     par_tests bit37a ${TLIMIT:-300} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     timeout 150 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4 wd4 ws4 tg4} 2>&1 | cut -c1-200 | tee "$out/wg_check37a.txt" | grep -v device_info
     timeout 120 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact37a.txt" | tail -3
     ;;
-  s37b)     # session 37: groups of 8 spans timed: the default (session 36's rule in keys) against every plan
+  s37b)     # session 37: the default against every plan at 1k / 8k / 16k / 32k keys (run at 1a6c6c8, groups of 8
+            # spans, and inside s37d at 190b3d6, the halves tree, before the rule was set from it)
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL:-wg4,wd4,g4k,g2k,s4} TAG=attn37b LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;

@@ -181,16 +181,16 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
-    span, half, group = (1, 4, nb, 1), (8, 4, nb, 2), (8, 4, nb, -1)
-    assert plan(1, 1024) == plan(8, 1024) == plan(16, 1024) == plan(1, 4096) == span
-    assert plan(1, 8192) == plan(4, 8192) == plan(1, 16384) == plan(4, 16384) == half        # g4k
-    assert plan(5, 8192) == plan(8, 8192) == plan(16, 8192) == plan(8, 16384) == group       # wg4
-    assert plan(9, 16384) == plan(16, 16384) == (16, 4, nb, -1)                             # wd4
-    assert plan(1, 32768) == plan(8, 32768) == plan(16, 32768) == plan(1, 65536) == (16, 4, nb, -1)
+    s4, g4k, wg4, wd4 = (1, 4, nb, 1), (8, 4, nb, 2), (8, 4, nb, -1), (16, 4, nb, -1)
+    assert plan(1, 1024) == plan(8, 1024) == plan(16, 1024) == plan(1, 4096) == s4          # span blocks
+    assert plan(1, 8192) == plan(4, 8192) == plan(1, 16384) == plan(4, 16384) == g4k        # half blocks
+    assert plan(5, 8192) == plan(8, 8192) == plan(16, 8192) == plan(8, 16384) == wg4
+    assert plan(9, 16384) == plan(16, 16384) == wd4                                         # a group a block
+    assert plan(1, 32768) == plan(8, 32768) == plan(16, 32768) == plan(1, 65536) == wd4
     no = False                                              # row_attn_wg does not run (off Hopper, D 80)
-    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == half
-    assert plan(16, 32768, no) == group                     # tcr's tg4 where wg does not run
-    assert plan(8, 8192, no) == (8, 2, nb, 2) and plan(1, 8192, no) == span
+    assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == g4k
+    assert plan(16, 32768, no) == wg4                       # tcr's tg4 where wg does not run
+    assert plan(8, 8192, no) == (8, 2, nb, 2) and plan(1, 8192, no) == s4
     monkeypatch.setattr(_cuda, "attn_impl", "s2.3")
     assert plan(1, 1024) == (1, 2, 3, 1)
     monkeypatch.setattr(_cuda, "attn_impl", "g4k")      # two warps an 8-row tile

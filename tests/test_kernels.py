@@ -346,7 +346,7 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype", [(1, 32, 8, 128, mx.bfloat16), (2, 12, 4, 80, mx.float16),
                                               (1, 8, 1, 64, mx.bfloat16)])
 def test_cuda_attention_group_blocks_are_bit_identical(B, Hq, Hkv, D, dtype, monkeypatch):
-    """row_attn_tcg (a block folds a group's 8 spans itself, for 8..64 query rows) gives every
+    """row_attn_tcg (a block folds half a group, 8 spans, itself, for 8..64 query rows) gives every
     row the bits of row_attn_tc's span blocks + the merge's fold: whatever the plan (two warps an
     8-row tile, "k", included: their maxima exchanged, the weights summed from shared memory, odd
     d-tile counts split 3 + 2; buffer counts over groups of odd span counts too), the row count,
@@ -422,7 +422,7 @@ ATT_CASES = [
     (1, 2, 1, 256, 70, mx.bfloat16),
     (1, 6, 2, 64, 250, mx.bfloat16),   # tinycode's heads; the window crosses a 256-key span
     # long contexts: on CUDA the merge then runs more than one batch of span groups
-    # (16 groups of 8 spans: 8192 keys with the tensor-core partials, 4096 at D = 256)
+    # (16 groups of 16 spans: 16384 keys with the tensor-core partials, 8192 at D = 256)
     (1, 4, 1, 64, 16500, mx.bfloat16),
     (1, 2, 1, 256, 8300, mx.float16),
 ]

@@ -937,8 +937,8 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
-// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1, 8, or 16: two
-//           groups a block, each folded from (-inf, 0, 0) and written as SPB 8 writes it)
+// template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1, 8: a half, or
+//           16: a group, half 0's result kept in registers while half 1 runs, then the two folded)
 // launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
@@ -998,8 +998,10 @@ for (int g0 = sg; g0 < se; g0 += GSP) {
   }
   if (SPB > 8 && g0 == sg) tf_fold_rows16<D, true>(ma, la, oa, mrun, lrun, o, rok);
 }
-const bool h1[2] = {pr[0] >= (sg + 8) * SPAN, pr[1] >= (sg + 8) * SPAN};   // rows that reach half 1
-if (SPB > 8) tf_fold_rows16<D, false>(ma, la, oa, mrun, lrun, o, h1);
+if (SPB > 8) {
+  const bool h1[2] = {pr[0] >= (sg + 8) * SPAN, pr[1] >= (sg + 8) * SPAN};   // rows that reach half 1
+  tf_fold_rows16<D, false>(ma, la, oa, mrun, lrun, o, h1);
+}
 tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lrun, pr, rok, r0 + g8, M, h0, npart, blk, sg * SPAN, t4);
 
 // @@body row_attn_merge
