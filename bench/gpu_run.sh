@@ -112,8 +112,7 @@
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
 #   bash bench/gpu_run.sh s37a | s37b   # session 37: groups of 8 spans: bit test, tests, tinycode; timed against every plan
 #   bash bench/gpu_run.sh s37c | s37d   # session 37: groups of two 8-span halves: bit test; then with the merge's serial walk, timed
-#   bash bench/gpu_run.sh s38a          # session 38: tinycode on the halves tree; the rule at 2k / 4k / 12k / 24k keys
-#   bash bench/gpu_run.sh s38b          # session 38: row_attn_wg's D in two blocks (wg4x / wd4x) checked and timed
+#   bash bench/gpu_run.sh s38a          # prepared, not run: tinycode on the halves tree; the rule at 2k / 4k / 12k / 24k keys
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -927,14 +926,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s38b)     # session 38: row_attn_wg with D in two blocks (DS 2 at D 128, plans "wg4x" / "wd4x": each block the sums of
-            # one 64-column half, twice the blocks at the same bits): small cases, the group-block bit test, then timed
-    timeout 100 python3 bench/gpu_wg_check.py ${WG_PLANS:-wg4x wd4x wd4x.3} 2>&1 | cut -c1-200 | tee "$out/wg_check38b.txt" | grep -v device_info
-    par_tests bit38b ${TLIMIT:-200} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64"
-    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-4096,8192,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
-        ATTN_IMPL=${ATTN_IMPL:-wg4,wg4x,wd4,wd4x,g4k} TAG=attn38b LIMIT=${LIMIT:-270} bash "$0" attn-rows
-    ;;
-  s38a)     # run at bb7b27a (session 38's first call), prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
+  s38a)     # prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
             # ran out of time), then the rule at caps it was not set from (2k / 4k / 12k / 24k keys) against each plan
     timeout 300 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact38a.txt" | tail -3
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-2048,4096,12288,24576} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \

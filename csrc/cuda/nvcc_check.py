@@ -67,8 +67,8 @@ for T in (bf, f16, f32):
                 CASES.append(("row_attn_tcr", dict(T=T, D=D, HQ=32, HKV=8, NW=NW, NB=2, SPB=SPB),
                               dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             if D in (64, 128):
-                for NB, SPB, DS in ((2, 8, 1), (3, 1, 1), (2, 16, 1)) + (((2, 8, 2), (2, 16, 2)) if D == 128 else ()):
-                    CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB, DS=DS),
+                for NB, SPB in ((2, 8), (3, 1), (2, 16)):
+                    CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB),
                                   dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
             for E, MW in ((8, 1), (16, 1), (8, 4), (16, 4)):
                 CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=MW, E=E),

@@ -118,23 +118,21 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
 // The partials (o, m, l) of a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
 // row_attn_wg): lane (g8, t4) holds o[dt][2 h + e] = d 8 dt + 2 t4 + e of row r = rg + 8 h (rg = r0 +
 // g8), written where the row is valid and reaches the block's first key k0; q head h0 + r / M.
-// A block holding DH < D columns (row_attn_wg's DS 2) writes d d0 .. d0 + DH - 1, and (m, l) with wml.
-template <int D, int DH = D>
-__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[DH / 8][4], const float (&mrun)[2],
+template <int D>
+__device__ __forceinline__ void tf_put_rows16(float* part, const float (&o)[D / 8][4], const float (&mrun)[2],
                                               const float (&lrun)[2], const int (&pr)[2], const bool (&rok)[2],
-                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4,
-                                              int d0 = 0, bool wml = true) {
+                                              int rg, int M, int h0, int nblk, int blk, int k0, int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rg + 8 * h;
     if (rok[h] && pr[h] >= k0) {
       float* dst = part + ((size_t)((h0 + r / M) * M + r % M) * nblk + blk) * (D + 2);
 #pragma unroll
-      for (int dt = 0; dt < DH / 8; ++dt) {
-        dst[d0 + 8 * dt + 2 * t4] = o[dt][2 * h];
-        dst[d0 + 8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
+      for (int dt = 0; dt < D / 8; ++dt) {
+        dst[8 * dt + 2 * t4] = o[dt][2 * h];
+        dst[8 * dt + 2 * t4 + 1] = o[dt][2 * h + 1];
       }
-      if (wml && t4 == 0) {
+      if (t4 == 0) {
         dst[D] = mrun[h];
         dst[D + 1] = lrun[h];
       }
@@ -206,11 +204,10 @@ __device__ __forceinline__ int tf_wg_unit(int u, int& j, int& x) {
 }
 // Span s (< se) of K and V into buffer s % NB of kvs (NB buffers of SPAN K rows then SPAN V rows, D
 // elements a row) in tf_wg_unit's layout (one copy instruction a unit, offsets constant), rows past
-// the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's;
-// with DS 2, V's columns dh (D / 2) .. only (the block's half of D).
-template <typename T, int D, int SPAN, int NB, int DS = 1>
+// the last needed key zeroed; then one cp.async commit (a group even when s >= se). row_attn_wg's.
+template <typename T, int D, int SPAN, int NB>
 __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, size_t kvbase, int s,
-                                                int se, int maxp, int dh = 0) {
+                                                int se, int maxp) {
   constexpr int DB = D / 8;
   constexpr int RI = 128 / DB;
   constexpr int NI = SPAN * DB / 128;
@@ -224,12 +221,11 @@ __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, 
     T* kdst = ks + tf_wg_unit<D>(threadIdx.x, j0, x);
     const size_t src = kvbase + (size_t)(s0 + j0) * D + x;
     const unsigned int kd = static_cast<unsigned int>(__cvta_generic_to_shared(kdst));
-    const bool vm = DS == 1 || x / (D / DS) == dh;   // a unit's column is the same for every i
     if (nk == SPAN) {
       tf_unroll<NI>([&](auto i) {
         constexpr int B = sizeof(T);
         tf_cp_async16s<i.value * RI * D * B>(kd + i.value * STEP * B, k + src);
-        if (vm) tf_cp_async16s<i.value * RI * D * B>(kd + (SPAN * D + i.value * STEP) * B, v + src);
+        tf_cp_async16s<i.value * RI * D * B>(kd + (SPAN * D + i.value * STEP) * B, v + src);
       });
     } else {
 #pragma unroll
@@ -237,10 +233,10 @@ __device__ __forceinline__ void tf_wg_load_span(T* kvs, const T* k, const T* v, 
         T* dst = kdst + STEP * i;
         if (j0 + RI * i < nk) {
           tf_cp_async16(dst, k + src + (size_t)RI * i * D);
-          if (vm) tf_cp_async16(dst + SPAN * D, v + src + (size_t)RI * i * D);
+          tf_cp_async16(dst + SPAN * D, v + src + (size_t)RI * i * D);
         } else {
           *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-          if (vm) *reinterpret_cast<uint4*>(dst + SPAN * D) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dst + SPAN * D) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -321,12 +317,11 @@ __device__ __forceinline__ void tf_fold_rows16(float (&m)[2], float (&l)[2], flo
 // K and V at kb (tf_wg_load_span's layout), q by the descriptor qd. The scores one m64n64k16 chain
 // over the k16 steps of D, tcr's softmax (tf_span_softmax), the sums one m64n64k16 chain over the
 // span's four 16-key steps a 64-column half of D (the weights from registers, V MN-major); then o
-// (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 8). With DS 2 the
-// block's 64-column half dh of D only (its o): the scores and weights are the same either way.
-template <typename T, int D, int SPB, int DS = 1>
+// (tcr's C-fragment layout) takes the span's sums (SPB 1) or folds them (SPB 8).
+template <typename T, int D, int SPB>
 __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, int s0, int t4, float scale,
                                            const int (&pr)[2], const bool (&rok)[2], float (&mrun)[2],
-                                           float (&lrun)[2], float (&o)[D / 8 / DS][4], int dh = 0) {
+                                           float (&lrun)[2], float (&o)[D / 8][4]) {
   constexpr int NDT = D / 16;
   const unsigned long long kd = tf_wg_desc(kb, 16, 1024), vd = tf_wg_desc(kb + 64 * D, 8192, 1024);
   float c[32];                                      // scores: key 8 n + 2 t4 + (i & 1), row g8 + 8 (i >> 1) in c[4 n + i]
@@ -348,13 +343,12 @@ __device__ __forceinline__ void tf_wg_span(const T* kb, unsigned long long qd, i
   unsigned int pa[4][4];                            // A fragments of the weights, key steps of 16
   tf_span_softmax<T, SPB>(reinterpret_cast<float(&)[8][4]>(sc), s0, t4, scale, pr, rok, mrun, lrun, pa, fa, fb, fold);
 #pragma unroll
-  for (int nh = 0; nh < D / 64 / DS; ++nh) {        // d 64 nh' .. 64 nh' + 63 (nh' = nh + dh): tcr's value chains
-    float cv[32];                                   // (V MN-major, SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
-    const unsigned long long vh = vd + 512 * (nh + dh);
+  for (int nh = 0; nh < D / 64; ++nh) {             // d 64 nh .. 64 nh + 63: tcr's value chains (V MN-major,
+    float cv[32];                                   // SBO the 8-key atoms, a key step 2 of them, a d half 8 KB)
     tf_wg_fence();
-    tf_wgmma_rs<true>(cv, pa[0], vh, T());
+    tf_wgmma_rs<true>(cv, pa[0], vd + 512 * nh, T());
 #pragma unroll
-    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vh + 128 * ks, T());
+    for (int ks = 1; ks < 4; ++ks) tf_wgmma_rs<false>(cv, pa[ks], vd + 128 * ks + 512 * nh, T());
     tf_wg_commit();
     tf_wg_wait<0>();
     tf_wg_hold(cv);
@@ -944,10 +938,8 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 // @@body row_attn_wg
 // inputs, output: as row_attn_tcg
 // template: T (bf16 or f16), D (64 or 128), HQ, HKV, NB (K/V buffers, >= 2), SPB (1, 8: a half, or
-//           16: a group, half 0's result kept in registers while half 1 runs, then the two folded),
-//           DS (1, or 2 at D 128: two blocks a span set and row block, each the sums of one 64-column
-//           half of D; both score the whole of D, the same scores, and only half 0 writes (m, l))
-// launch: grid (nblk * ceil(HQ/HKV * M / 64) * DS * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
+//           16: a group, half 0's result kept in registers while half 1 runs, then the two folded)
+// launch: grid (nblk * ceil(HQ/HKV * M / 64) * 128, B*HKV, 1), threadgroup (128, 1, 1), dynamic
 //         shared memory (NB*2*64 + 64)*D*2 (_cuda.attn_wg_smem)
 // row_attn_tcr on Hopper's warpgroup MMA (sm_90a): one warpgroup takes 64 query rows (warp w rows
 // 16 w .. 16 w + 15, tcr's layout), its scores one m64n64k16 chain over the k16 steps of D (q and
@@ -956,13 +948,12 @@ if (act) tf_put_rows16<D>(part, o, mrun, lrun, pr, rok, r0 + g8, M, b * HQ + hk 
 // in shared memory with the 128-byte swizzle (tf_wg_unit; plain core matrices took a third more
 // time on the H200, likely bank conflicts of the tensor core's reads, not profiled). Every
 // output is mma.sync.m16n8k16's dot product in the same steps and order, and the softmax, the
-// weight sum's tree and the fold are tcr's, so the same bits as row_attn_tcr, whatever NB, SPB and DS.
+// weight sum's tree and the fold are tcr's, so the same bits as row_attn_tcr, whatever NB and SPB.
 // No ldmatrix: the tensor core reads K, V and q from shared memory itself.
 constexpr int SPAN = 64;
 constexpr int G = HQ / HKV;
-static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 8 || SPB == 16) &&
-              (DS == 1 || (DS == 2 && D == 128)), "row_attn_wg: plan");
-constexpr int DH = D / DS;                          // the columns of D a block sums
+constexpr int NDT = D / 16;
+static_assert((D == 64 || D == 128) && NB >= 2 && (SPB == 1 || SPB == 8 || SPB == 16), "row_attn_wg: plan");
 extern __shared__ __align__(1024) float sm[];
 const int lane = threadIdx.x & 31;
 const int g8 = lane >> 2, t4 = lane & 3;
@@ -974,9 +965,8 @@ constexpr int GSP = SPB > 8 ? 8 : SPB;              // spans a fold from (-inf, 
 const int npart = (cap + SPAN * SPB - 1) / (SPAN * SPB);
 const int R = G * M;
 const int nrb = (R + 63) / 64;
-const int dh = blockIdx.x % DS;                     // the block's half of D (DS 2): neighbours share K in L2
-const int blk = blockIdx.x / DS / nrb;
-const int rb0 = (blockIdx.x / DS % nrb) * 64;
+const int blk = blockIdx.x / nrb;
+const int rb0 = (blockIdx.x % nrb) * 64;
 const int r0 = rb0 + 16 * (threadIdx.x >> 5);
 const int h0 = blockIdx.y * G;                      // (b HKV + kv head) G: the first q head
 const int off = offset[0];
@@ -985,35 +975,34 @@ const int sg = blk * SPB;
 if (sg * SPAN > maxp) return;
 const int se = min(sg + SPB, maxp / SPAN + 1);
 const size_t kvbase = (size_t)blockIdx.y * cap * D;
-auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB, DS>(kvs, k, v, kvbase, s, se, maxp, dh); };
+auto load_kv = [&](int s) { tf_wg_load_span<T, D, SPAN, NB>(kvs, k, v, kvbase, s, se, maxp); };
 tf_wg_stage_q<T, D>(qs, q, rb0, R, M, h0);          // with span sg's commit group
 #pragma unroll
 for (int i = 0; i < NB - 1; ++i) load_kv(sg + i);
 int pr[2];
 bool rok[2];
 float mrun[2], lrun[2];
-float o[DH / 8][4];                                 // d tile dt: d DH dh + 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
+float o[2 * NDT][4];                                // d tile dt: d 8 dt + 2 t4 + (i & 1), row g8 + 8 (i >> 1)
 const float scale = scale_f[0];
 const unsigned long long qd = tf_wg_desc(qs, 16, 1024);   // K-major, 128-byte swizzle: SBO the 8-row atoms
-float ma[2], la[2], oa[DH / 8][4];                 // SPB 16: the group, half 0 while half 1 runs
+float ma[2], la[2], oa[2 * NDT][4];                // SPB 16: the group, half 0 while half 1 runs
 for (int g0 = sg; g0 < se; g0 += GSP) {
-  tf_rows16_init<DH>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
+  tf_rows16_init<D>(r0 + g8, off, M, R, cap, pr, rok, mrun, lrun, o);
   for (int s = g0; s < min(g0 + GSP, se); ++s) {
     __syncthreads();
     load_kv(s + NB - 1);
     tf_cp_async_wait<NB - 1>();
     tf_fence_async();
     __syncthreads();
-    tf_wg_span<T, D, SPB, DS>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o, dh);
+    tf_wg_span<T, D, SPB>(kvs + (s % NB) * 2 * SPAN * D, qd, s * SPAN, t4, scale, pr, rok, mrun, lrun, o);
   }
-  if (SPB > 8 && g0 == sg) tf_fold_rows16<DH, true>(ma, la, oa, mrun, lrun, o, rok);
+  if (SPB > 8 && g0 == sg) tf_fold_rows16<D, true>(ma, la, oa, mrun, lrun, o, rok);
 }
 if (SPB > 8) {
   const bool h1[2] = {pr[0] >= (sg + 8) * SPAN, pr[1] >= (sg + 8) * SPAN};   // rows that reach half 1
-  tf_fold_rows16<DH, false>(ma, la, oa, mrun, lrun, o, h1);
+  tf_fold_rows16<D, false>(ma, la, oa, mrun, lrun, o, h1);
 }
-tf_put_rows16<D, DH>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lrun, pr, rok, r0 + g8, M, h0, npart,
-                     blk, sg * SPAN, t4, DH * dh, dh == 0);
+tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lrun, pr, rok, r0 + g8, M, h0, npart, blk, sg * SPAN, t4);
 
 // @@body row_attn_merge
 // inputs: part [B*HQ*M, nent, D+2] float32, offset [1] int32, q [B, HQ, M, D] (T),

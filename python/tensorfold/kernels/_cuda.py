@@ -591,8 +591,7 @@ ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (half
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
 # (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3"); "w"
-# for row_attn_wg ("ws4", "wg4", and "wd4": a group a block; an "x" last at D 128 for two blocks each
-# summing one half of D, "wg4x", "wd4x")
+# for row_attn_wg ("ws4", "wg4", and "wd4": a group a block)
 attn_impl = None
 
 
@@ -700,14 +699,13 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
 def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     """(SPB, NW, NB, KW) of a plan name (parsed once: attention's wrapper runs every step); KW 0
     stands for row_attn_tcr (a "t" first: 16-row tiles, rows on the mma's M side), -1 for
-    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side), -2 for row_attn_wg
-    with D in two blocks (an "x" last: DS 2 at D 128, each block the sums of a 64-column half)."""
-    m = re.fullmatch(r"([tw]?)([sgd])([1-8])(k{0,2}|x)(?:\.(\d+))?", impl)   # [t|w] s|g|d <NW> [k|kk|x] [.NB]
-    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4] and m[4] != "x")
-            or (m[4] == "x" and m[1] != "w") or (m[1] == "w" and m[3] != "4") or (m[2] == "d" and m[1] != "w")):
+    row_attn_wg (a "w" first, NW 4: a warpgroup of 64 rows on wgmma's M side)."""
+    m = re.fullmatch(r"([tw]?)([sgd])([1-8])(k{0,2})(?:\.(\d+))?", impl)   # [t|w] s|g|d <NW> [k|kk] [.NB]
+    if (not m or int(m[5] or ATTN_TCG_BUFFERS) < 2 or (m[1] and m[4]) or (m[1] == "w" and m[3] != "4")
+            or (m[2] == "d" and m[1] != "w")):
         raise ValueError(f"row_attn_tcg plan {impl!r}: [t]s|g<1-8 row tiles>[k|kk, not with t]"
-                         "[.<buffers, >= 2>], or ws4 / wg4 / wd4[x][.<buffers>]")
-    kw = {"t": 0, "w": -2 if m[4] == "x" else -1}.get(m[1], 2 ** len(m[4]))
+                         "[.<buffers, >= 2>], or ws4 / wg4 / wd4[.<buffers>]")
+    kw = {"t": 0, "w": -1}.get(m[1], 2 ** len(m[4]))
     spb = {"s": 1, "g": ATTN_HALF_SPANS, "d": 2 * ATTN_HALF_SPANS}[m[2]]
     return spb, int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
@@ -727,17 +725,15 @@ def attention(q, k, v, offset, scale, stream):
             kw, spb = 0, min(spb, ATTN_HALF_SPANS)
         nspan = -(-cap // (span * spb))         # blocks along the keys, a partial each
         template = template + (("NW", nw), ("NB", nb), ("SPB", spb))
-        ds = 1                                  # blocks a span set and row block: row_attn_wg's halves of D
         if kw < 0:                              # row_attn_wg: a warpgroup 64 rows (sm_90a)
             name, threads, rows, smem = "row_attn_wg", 128, 64, attn_wg_smem(D, nb)
-            ds = 2 if kw == -2 and D == 128 else 1
-            template = template[:4] + (("NB", nb), ("SPB", spb), ("DS", ds))
+            template = template[:4] + (("NB", nb), ("SPB", spb))
         elif kw == 0:                           # row_attn_tcr: a warp a 16-row tile
             name, threads, rows, smem = "row_attn_tcr", 32 * nw, 16 * nw, attn_tcr_smem(D, nw, nb)
         else:
             name, threads, rows, smem = "row_attn_tcg", 32 * nw * kw, 8 * nw, attn_tcg_smem(D, nw, nb, kw)
             template = template + (("KW", kw),)
-        grid = nspan * -(-R // rows) * ds * threads
+        grid = nspan * -(-R // rows) * threads
     else:
         grid = nspan * threads
     part = _kernel(name, smem)(
