@@ -112,7 +112,10 @@
 #    row_attn_tc and timed -- exists only in 3b817f5, the kernel's commit: same bits, no faster, removed after it)
 #   bash bench/gpu_run.sh s37a | s37b   # session 37: groups of 8 spans: bit test, tests, tinycode; timed against every plan
 #   bash bench/gpu_run.sh s37c | s37d   # session 37: groups of two 8-span halves: bit test; then with the merge's serial walk, timed
-#   bash bench/gpu_run.sh s38a          # prepared, not run: tinycode on the halves tree; the rule at 2k / 4k / 12k / 24k keys
+#   bash bench/gpu_run.sh s38a          # session 38, at bb7b27a: tinycode on the halves tree; the rule at 2k / 4k / 12k / 24k keys
+#   (session 38's s38b -- row_attn_wg with D in two blocks, DS 2, plans wg4x / wd4x: small cases, bit test,
+#    timing -- exists only in 459289b, the kernel's commit: the same bits, faster only at 4k keys, removed after it)
+#   bash bench/gpu_run.sh s38c          # session 38: the retuned default at 1k-32k keys, 1 / 8 / 16 rows
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -926,7 +929,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s38a)     # prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
+  s38c)     # session 38: the default after the rule's retune (24k keys wd4 at every row count; g4k / g2k below 128
+            # halves where their blocks reach 128), timed at 1k-32k keys and 1 / 8 / 16 rows next to MLX's sdpa
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL=${ATTN_IMPL:-} TAG=attn38c LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    ;;
+  s38a)     # run at bb7b27a (session 38's first call), prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
             # ran out of time), then the rule at caps it was not set from (2k / 4k / 12k / 24k keys) against each plan
     timeout 300 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact38a.txt" | tail -3
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-2048,4096,12288,24576} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \

@@ -170,10 +170,11 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
 
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
-    """Where row_attn_wg runs (Hopper, session 37's H200 times): a group a block (wd4) from 512 halves
-    of 8 spans (32k keys at 8 KV heads) and past 32 rows a KV head from 256; half blocks from 128
-    halves, wgmma's warpgroup (wg4) past 16 rows a KV head, 4 row tiles of two warps (g4k) below;
-    span blocks (SPB 1, 4 warps) below 128 halves at any row count. Elsewhere (off Hopper, D 80)
+    """Where row_attn_wg runs (Hopper, sessions 37-38's H200 times): a group a block (wd4) from 384
+    halves of 8 spans (24k keys at 8 KV heads) and past 32 rows a KV head from 256; half blocks from
+    128 halves, wgmma's warpgroup (wg4) past 16 rows a KV head, 4 row tiles of two warps (g4k) below;
+    below 128 halves g4k from 128 of its blocks, 2-tile blocks (g2k) from 128 by 16-row tiles, span
+    blocks (SPB 1, 4 warps) below those. Elsewhere (off Hopper, D 80)
     session 36's rule in halves: 4-tile half blocks of two warps a tile from about a block an SM,
     row_attn_tcr's warps of 16 rows at 64 rows a KV head past 768 such blocks, 2-tile blocks where
     those reach 256, span blocks below. Any plan gives the same bits
@@ -181,11 +182,14 @@ def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(_cuda, "attn_impl", None)
     plan = lambda M, cap, wg=True: _cuda.attn_tcg_plan(4 * M, cap, 8, wg)  # noqa: E731  32 q / 8 KV heads
     nb = _cuda.ATTN_TCG_BUFFERS
-    s4, g4k, wg4, wd4 = (1, 4, nb, 1), (8, 4, nb, 2), (8, 4, nb, -1), (16, 4, nb, -1)
+    s4, g2k, g4k, wg4, wd4 = (1, 4, nb, 1), (8, 2, nb, 2), (8, 4, nb, 2), (8, 4, nb, -1), (16, 4, nb, -1)
     assert plan(1, 1024) == plan(8, 1024) == plan(16, 1024) == plan(1, 4096) == s4          # span blocks
-    assert plan(1, 8192) == plan(4, 8192) == plan(1, 16384) == plan(4, 16384) == g4k        # half blocks
-    assert plan(5, 8192) == plan(8, 8192) == plan(16, 8192) == plan(8, 16384) == wg4
+    assert plan(8, 2048) == plan(1, 2048) == s4
+    assert plan(16, 2048) == plan(8, 4096) == g2k                                           # half blocks
+    assert plan(16, 4096) == plan(1, 8192) == plan(4, 8192) == plan(1, 16384) == plan(4, 16384) == g4k
+    assert plan(5, 8192) == plan(8, 8192) == plan(16, 8192) == plan(8, 16384) == plan(8, 20480) == wg4
     assert plan(9, 16384) == plan(16, 16384) == wd4                                         # a group a block
+    assert plan(1, 24576) == plan(8, 24576) == plan(16, 24576) == wd4
     assert plan(1, 32768) == plan(8, 32768) == plan(16, 32768) == plan(1, 65536) == wd4
     no = False                                              # row_attn_wg does not run (off Hopper, D 80)
     assert plan(1, 32768, no) == plan(4, 32768, no) == plan(8, 32768, no) == plan(16, 8192, no) == g4k

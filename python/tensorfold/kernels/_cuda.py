@@ -679,15 +679,22 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     (span blocks 20.2), wg4 21.0, wg4 26.5 (were 19.9 / 27.4 / 32.9); 16k keys g4k 26.7, wg4 28.7,
     wd4 35.9 (wg4 38.0; were 27.6 / 31.1 / 36.5); 32k keys wd4 42.0 / 44.3 / 51.8 (g4k 46.9, wg4
     52.5 / 68.7; were 43.2 / 44.4 / 52.4); 1k keys span blocks as before (10.3 / 11.5 / 14.1).
+    Session 38, at caps that rule was not set from (s38a): 24k keys (384 halves) wd4 also at 1 and 8
+    rows, 37.2 / 39.8 against g4k's 41.2 and wg4's 45.9; below 128 halves, 4-tile half blocks (g4k)
+    from 128 of them (4k keys, 16 rows 22.6 against g2k's 24.4), 2-tile ones (g2k) where their 16-row
+    count reaches 128 (2k keys, 16 rows 18.5 against s4's 22.0; 4k keys, 8 rows 18.1 against 22.8),
+    span blocks below (1k keys, 2k keys at 8 rows: 14.3 against g2k's 17.1; 4k keys at one row).
     Off Hopper the session-36 rule stands, in halves (unmeasured there)."""
     impl = attn_impl
     if impl is None:
         halves = -(-cap // (64 * ATTN_HALF_SPANS)) * nkv
         blocks = halves * -(-R // 32)                               # of 4-tile group blocks
-        if wg and (halves >= 512 or (halves >= 256 and R > 32)):   # row_attn_wg, a group a block (session 37)
+        if wg and (halves >= 384 or (halves >= 256 and R > 32)):   # row_attn_wg, a group a block (sessions 37-38)
             impl = "wd4"
         elif wg and halves >= 128:                                  # half blocks: wgmma's past 16 rows
             impl = "wg4" if R > 16 else "g4k"
+        elif wg:                                                    # below 128 halves (session 38)
+            impl = "g4k" if blocks >= 128 else ("g2k" if halves * -(-R // 16) >= 128 else "s4")
         elif blocks >= 256:  # "wg4" past 768 4-tile blocks past 32 rows (off Hopper tcr's tg4, which lost to g4k below)
             impl = "wg4" if R > 32 and blocks > 768 else "g4k"
         else:
