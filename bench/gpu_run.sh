@@ -933,6 +933,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # halves where their blocks reach 128), timed at 1k-32k keys and 1 / 8 / 16 rows next to MLX's sdpa
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL:-} TAG=attn38c LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    # three K / V buffers (".3") against two on the halves tree, where the 16-row ratio is furthest off
+    ATTN_REPS=3 ATTN_KEYS=8192,16384 ATTN_ROWS=1,16 ATTN_IMPL=g4k,g4k.3,wg4,wg4.3,wd4,wd4.3 TAG=attn38c_nb \
+        LIMIT=${LIMIT2:-150} bash "$0" attn-rows
     ;;
   s38a)     # run at bb7b27a (session 38's first call), prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
             # ran out of time), then the rule at caps it was not set from (2k / 4k / 12k / 24k keys) against each plan
