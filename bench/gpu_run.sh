@@ -929,7 +929,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s38c)     # session 38: the default after the rule's retune (24k keys wd4 at every row count; g4k / g2k below 128
+  s38c)     # session 38, run at 087b39a: the default after the rule's retune (24k keys wd4 at every row count; g4k / g2k below 128
             # halves where their blocks reach 128), timed at 1k-32k keys and 1 / 8 / 16 rows next to MLX's sdpa
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL:-} TAG=attn38c LIMIT=${LIMIT:-300} bash "$0" attn-rows
