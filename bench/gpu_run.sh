@@ -937,7 +937,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_KEYS=8192,16384 ATTN_ROWS=1,16 ATTN_IMPL=g4k,g4k.3,wg4,wg4.3,wd4,wd4.3 TAG=attn38c_nb \
         LIMIT=${LIMIT2:-150} bash "$0" attn-rows
     ;;
-  s38a)     # run at bb7b27a (session 38's first call), prepared in session 37, not run: tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
+  s38a)     # run at bb7b27a (session 38's first call; prepared in session 37): tinycode drafted == serial / resumed == fresh on the halves tree (s37d's
             # ran out of time), then the rule at caps it was not set from (2k / 4k / 12k / 24k keys) against each plan
     timeout 300 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact38a.txt" | tail -3
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-2048,4096,12288,24576} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \

@@ -688,7 +688,7 @@ def attn_tcg_plan(R: int, cap: int, nkv: int, wg: bool) -> tuple[int, int, int, 
     impl = attn_impl
     if impl is None:
         halves = -(-cap // (64 * ATTN_HALF_SPANS)) * nkv
-        blocks = halves * -(-R // 32)                               # of 4-tile group blocks
+        blocks = halves * -(-R // 32)                               # of 4-tile half blocks
         if wg and (halves >= 384 or (halves >= 256 and R > 32)):   # row_attn_wg, a group a block (sessions 37-38)
             impl = "wd4"
         elif wg and halves >= 128:                                  # half blocks: wgmma's past 16 rows
