@@ -929,6 +929,17 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s38d)     # session 38: the span-partial merge (E 1) loading a group's 16 spans in one round where DC <= 64: the bit
+            # tests, then timed against the merge before it in one call (oldsrc/: csrc/cuda at 9f676e1, carried
+            # uncommitted, read through TENSORFOLD_CUDA_SOURCES)
+    par_tests bit38d ${TLIMIT:-200} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096} ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn38d_$v \
+          LIMIT=${LIMIT:-120} bash "$0" attn-rows
+    done
+    ;;
   s38c)     # session 38, run at 087b39a: the default after the rule's retune (24k keys wd4 at every row count; g4k / g2k below 128
             # halves where their blocks reach 128), timed at 1k-32k keys and 1 / 8 / 16 rows next to MLX's sdpa
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \

@@ -70,7 +70,7 @@ for T in (bf, f16, f32):
                 for NB, SPB in ((2, 8), (3, 1), (2, 16)):
                     CASES.append(("row_attn_wg", dict(T=T, D=D, HQ=32, HKV=8, NB=NB, SPB=SPB),
                                   dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
-            for E, MW in ((8, 1), (16, 1), (8, 4), (16, 4)):
+            for E, MW in ((8, 1), (16, 1), (8, 4), (16, 4), (1, 1), (1, 4)):
                 CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=MW, E=E),
                               dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes

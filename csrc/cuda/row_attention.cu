@@ -1017,13 +1017,15 @@ tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lru
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
 // With MW > 1 or E 1, warp w takes group gb + w of each batch of MW groups: its halves (spans
 // folded from (-inf, 0, 0) with E 1, else loaded as they are), the group = the halves folded from
-// (-inf, 0, 0) (E 16: loaded); then warp 0 folds the batch's groups in order. With MW 1 and E > 1,
+// (-inf, 0, 0) (E 16: loaded; E 1 and DC <= 64: a group's 16 span partials loaded in one round); then
+// warp 0 folds the batch's groups in order. With MW 1 and E > 1,
 // the one warp walks the entries UE at a time and folds the same halves, groups and row in order.
 constexpr int GS = 16;                              // spans per group, 8 a half
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
 constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
 constexpr int UE = NT <= 2 ? 16 : U;                // halves / groups loaded ahead (MW 1)
+constexpr bool UG = E == 1 && NT <= 2;              // span partials: a group's 16 loaded at once
 extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int cap = k_shape[2];
@@ -1096,7 +1098,28 @@ for (int gb = 0; gb < (MW == 1 && E > 1 ? 0 : ng); gb += MW) {
     float m = TF_NEG_INF, l = 0.0f, o[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) o[t] = 0.0f;
-    for (int h0 = grp * GS; h0 < min(grp * GS + GS, ns); h0 += GS / 2) {   // the group's halves
+    if (UG) {                                       // the same folds as below, one round of loads
+      const int g0 = grp * GS, gn = min(GS, ns - g0);
+      float pm[GS], pl[GS], po[GS][NT], mh, lh, oh[NT];
+#pragma unroll
+      for (int u = 0; u < GS; ++u) {
+        if (u < gn) load(g0 + u, pm[u], pl[u], po[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < GS; ++u) {
+        if (u < gn) {
+          if (u % (GS / 2) == 0) {                  // a half: its spans from (-inf, 0, 0)
+            mh = TF_NEG_INF;
+            lh = 0.0f;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
+          }
+          fold(mh, lh, oh, pm[u], pl[u], po[u]);
+          if (u % (GS / 2) == GS / 2 - 1 || u == gn - 1) fold(m, l, o, mh, lh, oh);   // the half into the group
+        }
+      }
+    }
+    for (int h0 = grp * GS; h0 < (UG ? 0 : min(grp * GS + GS, ns)); h0 += GS / 2) {   // the group's halves
       float mh = TF_NEG_INF, lh = 0.0f, oh[NT];
 #pragma unroll
       for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
