@@ -116,6 +116,7 @@
 #   (session 38's s38b -- row_attn_wg with D in two blocks, DS 2, plans wg4x / wd4x: small cases, bit test,
 #    timing -- exists only in 459289b, the kernel's commit: the same bits, faster only at 4k keys, removed after it)
 #   bash bench/gpu_run.sh s38c          # session 38: the retuned default at 1k-32k keys, 1 / 8 / 16 rows
+#   bash bench/gpu_run.sh s38d          # session 38: the span-partial merge in one round, checked; timed against the one before (oldsrc/)
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -929,9 +930,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s38d)     # session 38: the span-partial merge (E 1) loading a group's 16 spans in one round where DC <= 64: the bit
+  s38d)     # session 38, run at 05a58e3: the span-partial merge (E 1) loading a group's 16 spans in one round where DC <= 64: the bit
             # tests, then timed against the merge before it in one call (oldsrc/: csrc/cuda at 9f676e1, carried
-            # uncommitted, read through TENSORFOLD_CUDA_SOURCES)
+            # uncommitted, read through TENSORFOLD_CUDA_SOURCES; made by: mkdir oldsrc; for f in $(git ls-tree
+            # --name-only 9f676e1 csrc/cuda/); do git show 9f676e1:$f > oldsrc/${f##*/}; done)
     par_tests bit38d ${TLIMIT:-200} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     for v in old new; do
