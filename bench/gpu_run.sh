@@ -930,6 +930,21 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s38e)     # session 38's review: row_attn_merge as one walk for every path; its outputs against the merge before
+            # (oldsrc/, as s38d, from d6419bf) bit for bit (bench/gpu_merge_bits.py), the bit tests, then both timed
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      timeout 75 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
+    done
+    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+    par_tests bit38e ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,4096,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= TAG=attn38e_$v \
+          LIMIT=${LIMIT:-40} bash "$0" attn-rows
+    done
+    ;;
   s38d)     # session 38, run at 05a58e3: the span-partial merge (E 1) loading a group's 16 spans in one round where DC <= 64: the bit
             # tests, then timed against the merge before it in one call (oldsrc/: csrc/cuda at 9f676e1, carried
             # uncommitted, read through TENSORFOLD_CUDA_SOURCES; made by: mkdir oldsrc; for f in $(git ls-tree

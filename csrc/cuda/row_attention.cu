@@ -1015,17 +1015,16 @@ tf_put_rows16<D>(part, SPB > 8 ? oa : o, SPB > 8 ? ma : mrun, SPB > 8 ? la : lru
 // Block (row, c) writes columns [c*DC, c*DC + DC) of its row. Every block of a row folds the same
 // (m, l) sequence in the same order, and a column's o depends only on that sequence and its own
 // partials, so the columns come out bit-identical for every DC (DC = D: one block per row).
-// With MW > 1 or E 1, warp w takes group gb + w of each batch of MW groups: its halves (spans
-// folded from (-inf, 0, 0) with E 1, else loaded as they are), the group = the halves folded from
-// (-inf, 0, 0) (E 16: loaded; E 1 and DC <= 64: a group's 16 span partials loaded in one round); then
-// warp 0 folds the batch's groups in order. With MW 1 and E > 1,
-// the one warp walks the entries UE at a time and folds the same halves, groups and row in order.
+// One walk folds a run of entries in order, UE loaded at a time: spans into their half and halves
+// into their group, each from (-inf, 0, 0) (an entry of E 16 is a group as it is), handing each
+// group on. With MW 1 the one warp walks the row and folds its groups in order; with MW > 1 warp w
+// walks group gb + w of each batch of MW groups and warp 0 folds the batch's groups in order.
 constexpr int GS = 16;                              // spans per group, 8 a half
+constexpr int EG = GS / E;                          // entries a group
 constexpr int NT = (DC + 31) / 32;
 constexpr int NDB = (D + DC - 1) / DC;
-constexpr int U = NT <= 4 ? 8 : (NT <= 8 ? 4 : 2);  // span partials loaded ahead of use
-constexpr int UE = NT <= 2 ? 16 : U;                // halves / groups loaded ahead (MW 1)
-constexpr bool UG = E == 1 && NT <= 2;              // span partials: a group's 16 loaded at once
+constexpr int UL = NT <= 2 ? 16 : (NT <= 4 ? 8 : (NT <= 8 ? 4 : 2));   // entries loaded ahead of use
+constexpr int UE = MW > 1 && EG < UL ? EG : UL;     // a group's at most where a warp walks one group
 extern __shared__ float sm[];                       // MW group results (o[0..DC), m, l)
 const int M = q_shape[2];
 const int cap = k_shape[2];
@@ -1041,6 +1040,7 @@ if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
   return;
 }
 const int ns = min(p / SPAN + 1, nspan);
+const int ne = (ns + E - 1) / E;                    // the entries the row reaches
 const int ng = (ns + GS - 1) / GS;
 const float* src = part + (size_t)row * part_shape[1] * (D + 2);
 auto fold = [&](float& m, float& l, float* o, float pm, float pl, const float* po) {   // the merge's formula
@@ -1061,97 +1061,61 @@ auto load = [&](int s, float& pm, float& pl, float* po) {   // entry s: m, l and
     po[t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
   }
 };
-float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
+auto clear = [](float& m, float& l, float* o) {
+  m = TF_NEG_INF;
+  l = 0.0f;
 #pragma unroll
-for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
-if (MW == 1 && E > 1) {
-  const int ne = (ns + E - 1) / E;                  // the halves or groups the row reaches
-  float mg = TF_NEG_INF, lg = 0.0f, og[NT];         // a group's halves so far
-  for (int s = 0; s < ne; s += UE) {
+  for (int t = 0; t < NT; ++t) o[t] = 0.0f;
+};
+auto walk = [&](int e0, int e1, auto&& group) {     // entries e0 .. e1 - 1 (e0 a group's first)
+  float mh, lh, oh[NT], mg, lg, og[NT];             // the half, the group so far
+  for (int r = 0; e0 + r < e1 && (MW == 1 || r < EG); r += UE) {   // MW > 1: a group at most
     float pm[UE], pl[UE], po[UE][NT];
 #pragma unroll
     for (int u = 0; u < UE; ++u) {
-      if (s + u < ne) load(s + u, pm[u], pl[u], po[u]);
+      if (e0 + r + u < e1) load(e0 + r + u, pm[u], pl[u], po[u]);
     }
 #pragma unroll
     for (int u = 0; u < UE; ++u) {
-      if (s + u < ne) {
-        if (E == 16) {
-          fold(m2, l2, o2, pm[u], pl[u], po[u]);
-          continue;
-        }
-        if ((s + u) % 2 == 0) {
-          mg = TF_NEG_INF;
-          lg = 0.0f;
-#pragma unroll
-          for (int t = 0; t < NT; ++t) og[t] = 0.0f;
-        }
-        fold(mg, lg, og, pm[u], pl[u], po[u]);
-        if ((s + u) % 2 == 1 || s + u == ne - 1) fold(m2, l2, o2, mg, lg, og);
+      const int j = UE % EG == 0 ? u % EG : (r + u) % EG;       // in its group (r is a multiple of UE)
+      const int jh = UE % 8 == 0 ? u % 8 : (r + u) % 8;         // in its half (E 1)
+      const bool last = e0 + r + u == e1 - 1;
+      if (e0 + r + u >= e1) continue;
+      if (E == GS) {
+        group(pm[u], pl[u], po[u]);
+        continue;
       }
+      if (j == 0) clear(mg, lg, og);
+      if (E == 1) {                                 // a span into its half, the half into the group
+        if (jh == 0) clear(mh, lh, oh);
+        fold(mh, lh, oh, pm[u], pl[u], po[u]);
+        if (jh == GS / 2 - 1 || last) fold(mg, lg, og, mh, lh, oh);
+      } else {
+        fold(mg, lg, og, pm[u], pl[u], po[u]);      // a half into the group
+      }
+      if (j == EG - 1 || last) group(mg, lg, og);
     }
   }
-}
-for (int gb = 0; gb < (MW == 1 && E > 1 ? 0 : ng); gb += MW) {
-  const int grp = gb + warp;
-  if (grp < ng) {
-    float m = TF_NEG_INF, l = 0.0f, o[NT];
+};
+float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) o[t] = 0.0f;
-    if (UG) {                                       // the same folds as below, one round of loads
-      const int g0 = grp * GS, gn = min(GS, ns - g0);
-      float pm[GS], pl[GS], po[GS][NT], mh, lh, oh[NT];
-#pragma unroll
-      for (int u = 0; u < GS; ++u) {
-        if (u < gn) load(g0 + u, pm[u], pl[u], po[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < GS; ++u) {
-        if (u < gn) {
-          if (u % (GS / 2) == 0) {                  // a half: its spans from (-inf, 0, 0)
-            mh = TF_NEG_INF;
-            lh = 0.0f;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
-          }
-          fold(mh, lh, oh, pm[u], pl[u], po[u]);
-          if (u % (GS / 2) == GS / 2 - 1 || u == gn - 1) fold(m, l, o, mh, lh, oh);   // the half into the group
-        }
-      }
+for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
+if (MW == 1) {
+  walk(0, ne, [&](float gm, float gl, const float (&go)[NT]) { fold(m2, l2, o2, gm, gl, go); });
+} else {
+  for (int gb = 0; gb < ng; gb += MW) {
+    const int grp = gb + warp;
+    if (grp < ng) {
+      walk(grp * EG, min(grp * EG + EG, ne), [&](float gm, float gl, const float (&go)[NT]) {
+        tf_put_partial<DC, NT>(sm + warp * (DC + 2), go, gm, gl, lane);
+      });
     }
-    for (int h0 = grp * GS; h0 < (UG ? 0 : min(grp * GS + GS, ns)); h0 += GS / 2) {   // the group's halves
-      float mh = TF_NEG_INF, lh = 0.0f, oh[NT];
-#pragma unroll
-      for (int t = 0; t < NT; ++t) oh[t] = 0.0f;
-      const int he = E > 1 ? h0 : min(h0 + GS / 2, ns);   // the half's spans (E 1)
-      if (E > 1) load(h0 / E, mh, lh, oh);          // a half or the group, as it is
-      for (int s = h0; s < he; s += U) {
-        float pm[U], pl[U], po[U][NT];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (s + u < he) load(s + u, pm[u], pl[u], po[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (s + u < he) fold(mh, lh, oh, pm[u], pl[u], po[u]);
-        }
-      }
-      if (E == 16) {
-        m = mh;
-        l = lh;
-#pragma unroll
-        for (int t = 0; t < NT; ++t) o[t] = oh[t];
-        break;
-      }
-      fold(m, l, o, mh, lh, oh);                    // the half into the group
+    __syncthreads();
+    if (warp == 0) {
+      for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sm + w * (DC + 2), lane);
     }
-    tf_put_partial<DC, NT>(sm + warp * (DC + 2), o, m, l, lane);
+    __syncthreads();
   }
-  __syncthreads();
-  if (warp == 0) {
-    for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sm + w * (DC + 2), lane);
-  }
-  __syncthreads();
 }
 if (warp == 0) {
 #pragma unroll
