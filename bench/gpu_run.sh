@@ -117,6 +117,7 @@
 #    timing -- exists only in 459289b, the kernel's commit: the same bits, faster only at 4k keys, removed after it)
 #   bash bench/gpu_run.sh s38c          # session 38: the retuned default at 1k-32k keys, 1 / 8 / 16 rows
 #   bash bench/gpu_run.sh s38d          # session 38: the span-partial merge in one round, checked; timed against the one before (oldsrc/)
+#   bash bench/gpu_run.sh s38e          # session 38's review: the merge as one walk, bit for bit against the one before (oldsrc/)
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -930,8 +931,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
-  s38e)     # session 38's review: row_attn_merge as one walk for every path; its outputs against the merge before
-            # (oldsrc/, as s38d, from d6419bf) bit for bit (bench/gpu_merge_bits.py), the bit tests, then both timed
+  s38e)     # session 38's review, run at 7122219: row_attn_merge as one walk for every path; its outputs against the
+            # merge before (oldsrc/, made as for s38d, from d6419bf) bit for bit (bench/gpu_merge_bits.py: 192 of 192),
+            # the bit tests (passed), then both timed (not reached: the device time ran out)
     for v in old new; do
       if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
       timeout 75 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1

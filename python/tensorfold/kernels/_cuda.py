@@ -586,7 +586,6 @@ def _attn_launch(q_dtype, k_dtype, v_dtype, D: int, HQ: int, HKV: int):
 
 
 ATTN_HALF_SPANS = 8         # row_attention.cu's tree: spans folded into a half, two halves a group
-ATTN_GROUP_KEYS = 64 * 2 * ATTN_HALF_SPANS   # a group of row_attn_tc's 64-key spans
 ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # benchmarks: "span" (row_attn_tc), or row_attn_tcg as "s<NW>" (span blocks) / "g<NW>" (half
 # blocks) with NW 8-row tiles, "k" / "kk" for two / four warps a tile (KW), ".<NB>" buffers optional
