@@ -18,11 +18,11 @@ def dump(path):
     out = {}
     st = mx.default_stream(mx.gpu)
     for (Hq, Hkv, D, dtype) in ((32, 8, 128, mx.bfloat16), (12, 4, 80, mx.float16)):
-        for cap in (3 * 1024 + 300, 40000):
+        for cap in (1000, 2000, 3 * 1024 + 300, 40000):      # MW 1, 2, 4, 16 with span partials
             mx.random.seed(cap + D)
             k = mx.random.normal((1, Hkv, cap, D)).astype(dtype)
             v = mx.random.normal((1, Hkv, cap, D)).astype(dtype)
-            for M, off in ((1, cap - 1), (16, cap - 16), (3, 1022)):
+            for M, off in ((1, cap - 1), (16, cap - 16), (3, min(1022, cap - 3))):
                 q = mx.random.normal((1, Hq, M, D)).astype(dtype)
                 for plan in ("span", "s4", "g4k", "wd4"):      # E 1 (4 / 16 warps), E 8, E 16
                     for dc in (32, None):

@@ -931,6 +931,71 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s39c)     # session 39, after s39b (whose merge-bits run failed on an offset outside cap 1000): the merge's outputs against
+            # d6419bf's (oldsrc/) bit for bit at caps 1000 / 2000 / 3372 / 40000 (span partials with 1 / 2 / 4 / 16
+            # warps), then the default at every cap next to MLX's sdpa
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      timeout 120 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
+    done
+    unset TENSORFOLD_CUDA_SOURCES
+    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL= TAG=attn39c LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    rm -f "$out"/attn39c.csv
+    ;;
+  s39b)     # session 39: the merge's walk closing its last half / group once, after the unrolled loop (sass_count,
+            # DC 32: E 1 MW 1 960 -> 632 instructions, MW 2 952 -> 688, E 8 736 -> 656): outputs against the merge at
+            # d6419bf (oldsrc/, as for s39a) bit for bit, the bit tests, both timed (two passes each); then the
+            # occupancy of wg4 / wd4 at 16k keys and 16 rows (do two co-resident blocks an SM run?)
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      timeout 75 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
+    done
+    unset TENSORFOLD_CUDA_SOURCES
+    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+    par_tests bit39b ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    rm -f "$out"/bit39b_*.log
+    for pass in 1 2; do
+      for v in old new; do
+        if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+        echo "== $v $pass"
+        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
+            TAG=attn39b_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8
+        rm -f "$out"/attn39b_${v}$pass.csv "$out"/attn39b_${v}$pass.err
+      done
+    done
+    unset TENSORFOLD_CUDA_SOURCES
+    for impl in wg4 wd4; do
+      echo "== occupancy $impl"
+      ATTN_REPS=1 ATTN_KEYS=16384 ATTN_ROWS=16 ATTN_IMPL=$impl timeout 100 ncu --section Occupancy --section LaunchStats \
+          --section SpeedOfLight --kernel-name regex:row_attn_wg --launch-skip 1 -c 1 python3 bench/gpu_attn_rows.py 2>&1 \
+          | grep -E "Duration|Block Limit|Occupancy|Shared Memory|Registers Per|Waves|Grid Size|Threads|SM Frequency|Compute .SM. Throughput|Memory Throughput"
+    done
+    ;;
+  s39a)     # session 39: session 38's one-walk merge (7122219) timed against the merge before it (oldsrc/: csrc/cuda at
+            # d6419bf, made as for s38d), two passes each, old / new in turn; then ncu's full set and SASS stall samples of
+            # the default at PROF_CASES (16k keys / 16 rows: wd4, the cap closest to issue 3's 1.3x)
+    for pass in 1 2; do
+      for v in old new; do
+        if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
+            TAG=attn39a_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | tail -12
+      done
+    done
+    unset TENSORFOLD_CUDA_SOURCES
+    for c in ${PROF_CASES:-16384/16}; do
+      L=${c%/*}; M=${c#*/}; rep="$out/prof39a_${L}_$M"
+      ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=${PROF_IMPL:-wd4} timeout 150 ncu --set full --import-source no \
+          --kernel-name regex:${PROF_KERNEL:-row_attn_wg} --launch-skip 1 -c 1 -f -o "$rep" python3 bench/gpu_attn_rows.py > "$rep.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
+      python3 bench/gpu_sass_stalls.py "$rep.csv" --top 60 > "$rep.md" 2>&1; head -45 "$rep.md"
+      ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
+      gzip -c "$rep.csv" > "$rep.csv.gz"
+      rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log"
+    done
+    ;;
   s38e)     # session 38's review, run at 7122219: row_attn_merge as one walk for every path; its outputs against the
             # merge before (oldsrc/, made as for s38d, from d6419bf) bit for bit (bench/gpu_merge_bits.py: 192 of 192),
             # the bit tests (passed), then both timed (not reached: the device time ran out)

@@ -1079,7 +1079,6 @@ auto walk = [&](int e0, int e1, auto&& group) {     // entries e0 .. e1 - 1 (e0 
     for (int u = 0; u < UE; ++u) {
       const int j = UE % EG == 0 ? u % EG : (r + u) % EG;       // in its group (r is a multiple of UE)
       const int jh = UE % 8 == 0 ? u % 8 : (r + u) % 8;         // in its half (E 1)
-      const bool last = e0 + r + u == e1 - 1;
       if (e0 + r + u >= e1) continue;
       if (E == GS) {
         group(pm[u], pl[u], po[u]);
@@ -1089,12 +1088,17 @@ auto walk = [&](int e0, int e1, auto&& group) {     // entries e0 .. e1 - 1 (e0 
       if (E == 1) {                                 // a span into its half, the half into the group
         if (jh == 0) clear(mh, lh, oh);
         fold(mh, lh, oh, pm[u], pl[u], po[u]);
-        if (jh == GS / 2 - 1 || last) fold(mg, lg, og, mh, lh, oh);
+        if (jh == GS / 2 - 1) fold(mg, lg, og, mh, lh, oh);
       } else {
         fold(mg, lg, og, pm[u], pl[u], po[u]);      // a half into the group
       }
-      if (j == EG - 1 || last) group(mg, lg, og);
+      if (j == EG - 1) group(mg, lg, og);
     }
+  }
+  const int k = e1 - 1 - e0;                        // the last entry closes its half and group here, once,
+  if (E < GS && k >= 0) {                           // not at every position of the unrolled loop
+    if (E == 1 && k % (GS / 2) != GS / 2 - 1) fold(mg, lg, og, mh, lh, oh);
+    if (k % EG != EG - 1) group(mg, lg, og);
   }
 };
 float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
