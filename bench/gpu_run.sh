@@ -931,6 +931,22 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s39d)     # session 39: tf_span_softmax (row_attn_tcr, row_attn_wg) rounds its weights two at a time (one F2FP where two
+            # F2F ran on the quarter-rate conversion pipe; the same round to nearest even): row_attn_wg / tcr plans against
+            # row_attn_tc (gpu_wg_check) with the f16 D 80 group-block bit test beside it, then timed against the
+            # sources before (oldsrc/: csrc/cuda at de9660a) where row_attn_wg runs at 16 rows
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "group_blocks and 12-4-80" > "$out/bit39d.log" 2>&1 &
+    timeout 120 python3 bench/gpu_wg_check.py wg4 wd4 tg4 ws4 2>&1 | grep -v device_info > "$out/wg39d.txt"
+    echo "wg_check: $(grep -c ': 0 of' "$out/wg39d.txt") lines with 0 differences, others:"; grep -v ': 0 of' "$out/wg39d.txt" | head -5
+    wait; grep -E "passed|failed" "$out/bit39d.log" | tail -2
+    for v in old new; do
+      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      echo "== $v"
+      ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-8192,16384} ATTN_ROWS=${ATTN_ROWS:-16} ATTN_IMPL= TAG=attn39d_$v LIMIT=${LIMIT:-60} \
+          bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8 | tee -a "$out/attn39d.txt"
+      rm -f "$out"/attn39d_$v.*
+    done
+    ;;
   s39c)     # session 39, after s39b (whose merge-bits run failed on an offset outside cap 1000): the merge's outputs against
             # d6419bf's (oldsrc/) bit for bit at caps 1000 / 2000 / 3372 / 40000 (span partials with 1 / 2 / 4 / 16
             # warps), then the default at every cap next to MLX's sdpa

@@ -77,14 +77,10 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
     unsigned int eb[8];                             // the rounded weights' bits, keys 8 n + 2 t4 + 0 / 1
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      T e2[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = c[n][2 * h + e];
-        e2[e] = tf_from_float<T>(tf_ex2(__fsub_rn(x, mz)));
-        x = tf_to_float(e2[e]);
-      }
-      eb[n] = *reinterpret_cast<unsigned short*>(&e2[0]) | (*reinterpret_cast<unsigned short*>(&e2[1]) << 16);
+      float* x = &c[n][2 * h];
+      eb[n] = tf_pack2<T>(tf_ex2(__fsub_rn(x[0], mz)), tf_ex2(__fsub_rn(x[1], mz)));
+      x[0] = tf_half_of<T>(eb[n], 0);
+      x[1] = tf_half_of<T>(eb[n], 1);
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
