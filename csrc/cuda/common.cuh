@@ -21,8 +21,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 tf_from_float<__nv_bfloat16
   return __float2bfloat16_rn(v);
 }
 // Two fp32 values rounded to T (f16 / bf16, to nearest even: tf_from_float's bits) in one word, a in
-// the low half, by one paired conversion (F2FP) where two tf_from_float take two F2F, which run at a
-// quarter of the FMA rate; and the two halves back to fp32.
+// the low half, by one paired conversion (F2FP) where two tf_from_float take two F2F (16 a clock an
+// SM, as MUFU's exponentials); and the two halves back to fp32.
 template <typename T> __device__ __forceinline__ unsigned int tf_pack2(float a, float b);
 template <> __device__ __forceinline__ unsigned int tf_pack2<__half>(float a, float b) {
   const __half2 h = __floats2half2_rn(a, b);
