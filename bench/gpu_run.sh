@@ -175,6 +175,32 @@ par_tests() {   # par_tests TAG TIMEOUT SEL...: tests/test_kernels.py -k SEL, on
     grep -qE "[0-9]+ (passed|failed)" "$out/${tag}_$j.log" || { echo "(no summary)"; tail -4 "$out/${tag}_$j.log"; }
   done
 }
+attn_prof() {   # attn_prof TAG "L/M ..." IMPL TOP: Nsight Compute's full set of one launch of PROF_KERNEL (row_attn_wg)
+               # at each case: SASS stall samples (top TOP), summary lines, the source page gzipped
+  local c L M rep
+  for c in $2; do
+    L=${c%/*}; M=${c#*/}; rep="$out/prof$1_${L}_$M"
+    ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=$3 timeout 150 ncu --set full --import-source no \
+        --kernel-name regex:${PROF_KERNEL:-row_attn_wg} --launch-skip 1 -c 1 -f -o "$rep" python3 bench/gpu_attn_rows.py > "$rep.log" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
+    python3 bench/gpu_sass_stalls.py "$rep.csv" --top $4 > "$rep.md" 2>&1; head -45 "$rep.md"
+    ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
+    grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Eligible|Achieved Occupancy|DRAM Throughput|L2 Hit|Registers" "${rep}_details.txt" \
+        | head -40 | tee "${rep}_summary.txt"
+    gzip -c "$rep.csv" > "$rep.csv.gz"
+    rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log" "${rep}_details.txt"   # what comes back is limited in count
+  done
+}
+merge_bits() {   # merge_bits LIMIT: bench/gpu_merge_bits.py on oldsrc/ (through TENSORFOLD_CUDA_SOURCES) and on this
+                # tree, then the two compared bit for bit
+  local v
+  for v in old new; do
+    if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+    timeout "$1" python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
+  done
+  unset TENSORFOLD_CUDA_SOURCES
+  python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+}
 variants() {   # variants "SUFFIX..." STAGING...: each staging with each suffix, comma-separated
                # (variants "0.0 0.1" 8.2.1.2 -> 8.2.1.2.0.0,8.2.1.2.0.1)
   local sfx=$1 st v out=""; shift
@@ -950,12 +976,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s39c)     # session 39, after s39b (whose merge-bits run failed on an offset outside cap 1000): the merge's outputs against
             # d6419bf's (oldsrc/) bit for bit at caps 1000 / 2000 / 3372 / 40000 (span partials with 1 / 2 / 4 / 16
             # warps), then the default at every cap next to MLX's sdpa
-    for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
-      timeout 120 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
-    done
-    unset TENSORFOLD_CUDA_SOURCES
-    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+    merge_bits 120
     ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL= TAG=attn39c LIMIT=${LIMIT:-300} bash "$0" attn-rows
     rm -f "$out"/attn39c.csv
@@ -963,13 +984,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s39b)     # session 39: the merge's walk closing its last half / group once, after the unrolled loop (sass_count,
             # DC 32: E 1 MW 1 960 -> 632 instructions, MW 2 952 -> 688, E 8 736 -> 656): outputs against the merge at
             # d6419bf (oldsrc/, as for s39a) bit for bit, the bit tests, both timed (two passes each); then the
-            # occupancy of wg4 / wd4 at 16k keys and 16 rows (do two co-resident blocks an SM run?)
-    for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
-      timeout 75 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
-    done
-    unset TENSORFOLD_CUDA_SOURCES
-    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+            # occupancy at 16k keys and 16 rows (both lines came from the default's launch, wd4: --launch-skip 1
+            # counts the default's launches first); the merge-bits step failed on an offset outside cap 1000 (see s39c)
+    merge_bits 75
     par_tests bit39b ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     rm -f "$out"/bit39b_*.log
@@ -1001,25 +1018,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       done
     done
     unset TENSORFOLD_CUDA_SOURCES
-    for c in ${PROF_CASES:-16384/16}; do
-      L=${c%/*}; M=${c#*/}; rep="$out/prof39a_${L}_$M"
-      ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=${PROF_IMPL:-wd4} timeout 150 ncu --set full --import-source no \
-          --kernel-name regex:${PROF_KERNEL:-row_attn_wg} --launch-skip 1 -c 1 -f -o "$rep" python3 bench/gpu_attn_rows.py > "$rep.log" 2>&1
-      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
-      python3 bench/gpu_sass_stalls.py "$rep.csv" --top 60 > "$rep.md" 2>&1; head -45 "$rep.md"
-      ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
-      gzip -c "$rep.csv" > "$rep.csv.gz"
-      rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log"
-    done
+    attn_prof 39a "${PROF_CASES:-16384/16}" ${PROF_IMPL:-wd4} 60
     ;;
   s38e)     # session 38's review, run at 7122219: row_attn_merge as one walk for every path; its outputs against the
             # merge before (oldsrc/, made as for s38d, from d6419bf) bit for bit (bench/gpu_merge_bits.py: 192 of 192),
             # the bit tests (passed), then both timed (not reached: the device time ran out)
-    for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
-      timeout 75 python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
-    done
-    python3 bench/gpu_merge_bits.py --compare "$out/merge_old.npz" "$out/merge_new.npz"; rm -f "$out"/merge_*.npz
+    merge_bits 75
     par_tests bit38e ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     for v in old new; do
@@ -1111,17 +1115,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         --cache-control none --metrics gpu__time_duration.sum --csv --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
         python3 bench/gpu_attn_rows.py > "$out/warm35b.csv" 2> "$out/warm35b.err"
     ATTN_REPS=3 python3 bench/gpu_attn_rows.py --report "$out/warm35b.csv" | tee "$out/warm35b.md"
-    for c in ${PROF_CASES:-1024/1 8192/16}; do
-      L=${c%/*}; M=${c#*/}; rep="$out/prof35b_${L}_$M"
-      ATTN_REPS=1 ATTN_KEYS=$L ATTN_ROWS=$M ATTN_IMPL=${PROF_IMPL:-wg4} timeout 150 ncu --set full --import-source no \
-          --kernel-name regex:${PROF_KERNEL:-row_attn_wg} --launch-skip 1 -c 1 -f -o "$rep" python3 bench/gpu_attn_rows.py > "$rep.log" 2>&1
-      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
-      python3 bench/gpu_sass_stalls.py "$rep.csv" --top 30 > "$rep.md" 2>&1; head -45 "$rep.md"
-      ncu -i "$rep.ncu-rep" --print-details all > "${rep}_details.txt" 2>&1
-      grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Eligible|Achieved Occupancy|DRAM Throughput|L2 Hit|Registers" "${rep}_details.txt" \
-          | head -40 | tee "${rep}_summary.txt"
-      rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log" "${rep}_details.txt"   # what comes back is limited in count
-    done
+    attn_prof 35b "${PROF_CASES:-1024/1 8192/16}" ${PROF_IMPL:-wg4} 30
     ;;
   s34d)     # session 34: row_attn_wg's group blocks (wg4) where the default took g4k below 64 rows a KV head:
             # 16k / 32k / 64k keys at M = 1, 4, 8, 12, 16, each plan checked bit for bit against the default
