@@ -300,15 +300,9 @@ __device__ __forceinline__ void tf_xpairs(const uint4 u, unsigned int (&xb)[4]) 
 __device__ __forceinline__ float tf_byte_f(unsigned int w, int j) {
   return __fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u + j)), 8388608.0f);
 }
-__device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int w1, int j,
-                                                  __nv_bfloat16) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(tf_byte_f(w0, j), tf_byte_f(w1, j));
-  return *reinterpret_cast<unsigned int*>(&h);
-}
-__device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int w1, int j,
-                                                  __half) {
-  __half2 h = __floats2half2_rn(tf_byte_f(w0, j), tf_byte_f(w1, j));
-  return *reinterpret_cast<unsigned int*>(&h);
+template <typename T>
+__device__ __forceinline__ unsigned int tf_q8pair(unsigned int w0, unsigned int w1, int j, T) {
+  return tf_pack2<T>(tf_byte_f(w0, j), tf_byte_f(w1, j));
 }
 
 // Shared-memory position of 16-byte unit u of weight row r in a stage of 16 rows x UPR units
