@@ -118,6 +118,9 @@
 #   bash bench/gpu_run.sh s38c          # session 38: the retuned default at 1k-32k keys, 1 / 8 / 16 rows
 #   bash bench/gpu_run.sh s38d          # session 38: the span-partial merge in one round, checked; timed against the one before (oldsrc/)
 #   bash bench/gpu_run.sh s38e          # session 38's review: the merge as one walk, bit for bit against the one before (oldsrc/)
+#   bash bench/gpu_run.sh s39a          # session 39: the one-walk merge timed against the one before (oldsrc/); ncu of wd4 at 16k / 16
+#   bash bench/gpu_run.sh s39b | s39c   # session 39: the merge's walk closing once: bits, tests, timed; the default at every cap
+#   bash bench/gpu_run.sh s39d          # session 39: the softmax weights rounded in pairs: bits against row_attn_tc, timed (oldsrc/)
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -191,11 +194,15 @@ attn_prof() {   # attn_prof TAG "L/M ..." IMPL TOP: Nsight Compute's full set of
     rm -f "$rep.ncu-rep" "$rep.csv" "$rep.log" "${rep}_details.txt"   # what comes back is limited in count
   done
 }
+use_src() {   # use_src old|new: the CUDA sources of oldsrc/ (csrc/cuda at an earlier commit, carried uncommitted;
+             # read through TENSORFOLD_CUDA_SOURCES), or this tree's
+  if [ "$1" = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+}
 merge_bits() {   # merge_bits LIMIT: bench/gpu_merge_bits.py on oldsrc/ (through TENSORFOLD_CUDA_SOURCES) and on this
                 # tree, then the two compared bit for bit
   local v
   for v in old new; do
-    if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+    use_src $v
     timeout "$1" python3 bench/gpu_merge_bits.py "$out/merge_$v.npz" 2>&1 | tail -1
   done
   unset TENSORFOLD_CUDA_SOURCES
@@ -958,7 +965,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
   s39d)     # session 39: tf_span_softmax (row_attn_tcr, row_attn_wg) rounds its weights two at a time (one F2FP where two
-            # F2F ran on the quarter-rate conversion pipe; the same round to nearest even): row_attn_wg / tcr plans against
+            # F2F ran; the same round to nearest even): row_attn_wg / tcr plans against
             # row_attn_tc (gpu_wg_check) with the f16 D 80 group-block bit test beside it, then timed against the
             # sources before (oldsrc/: csrc/cuda at de9660a) where row_attn_wg runs at 16 rows
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "group_blocks and 12-4-80" > "$out/bit39d.log" 2>&1 &
@@ -966,7 +973,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "wg_check: $(grep -c ': 0 of' "$out/wg39d.txt") lines with 0 differences, others:"; grep -v ': 0 of' "$out/wg39d.txt" | head -5
     wait; grep -E "passed|failed" "$out/bit39d.log" | tail -2
     for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      use_src $v
       echo "== $v"
       ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-8192,16384} ATTN_ROWS=${ATTN_ROWS:-16} ATTN_IMPL= TAG=attn39d_$v LIMIT=${LIMIT:-60} \
           bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8 | tee -a "$out/attn39d.txt"
@@ -992,7 +999,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     rm -f "$out"/bit39b_*.log
     for pass in 1 2; do
       for v in old new; do
-        if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+        use_src $v
         echo "== $v $pass"
         ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
             TAG=attn39b_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8
@@ -1012,7 +1019,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # the default at PROF_CASES (16k keys / 16 rows: wd4, the cap closest to issue 3's 1.3x)
     for pass in 1 2; do
       for v in old new; do
-        if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+        use_src $v
         ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
             TAG=attn39a_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | tail -12
       done
@@ -1027,7 +1034,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     par_tests bit38e ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      use_src $v
       ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,4096,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= TAG=attn38e_$v \
           LIMIT=${LIMIT:-40} bash "$0" attn-rows
     done
@@ -1039,7 +1046,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     par_tests bit38d ${TLIMIT:-200} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     for v in old new; do
-      if [ $v = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
+      use_src $v
       ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096} ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn38d_$v \
           LIMIT=${LIMIT:-120} bash "$0" attn-rows
     done
