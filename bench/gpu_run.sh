@@ -121,6 +121,7 @@
 #   bash bench/gpu_run.sh s39a          # session 39: the one-walk merge timed against the one before (oldsrc/); ncu of wd4 at 16k / 16
 #   bash bench/gpu_run.sh s39b | s39c   # session 39: the merge's walk closing once: bits, tests, timed; the default at every cap
 #   bash bench/gpu_run.sh s39d          # session 39: the softmax weights rounded in pairs: bits against row_attn_tc, timed (oldsrc/)
+#   bash bench/gpu_run.sh s40a | s40b   # session 40: merge entries before the offset, tcg paired rounding, max trees: bits; timed (oldsrc/)
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -963,6 +964,29 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     echo "timed: ${ok#,}"
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
+    ;;
+  s40a)     # session 40: three same-bits changes (oldsrc/: csrc/cuda at 9349227): the merge loads its first entries before
+            # the offset; row_attn_tcg rounds the weights of rows 2 t4 and 2 t4 + 1 in one pair; the span max as a tree
+            # (tcg, tcr, wg). Checks: the merge's outputs against oldsrc's bit for bit, the group-block bit test (every
+            # plan against row_attn_tc), the other CUDA attention tests, gpu_wg_check
+    merge_bits 90
+    par_tests bit40a ${TLIMIT:-150} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
+        "attention and not group_blocks"
+    rm -f "$out"/bit40a_*.log
+    timeout 120 python3 bench/gpu_wg_check.py wg4 wd4 tg4 ws4 2>&1 | grep -v device_info > "$out/wg40a.txt"
+    echo "wg_check: $(grep -c ': 0 of' "$out/wg40a.txt") lines with 0 differences, others:"; grep -v ': 0 of' "$out/wg40a.txt" | head -5
+    rm -f "$out/wg40a.txt"
+    ;;
+  s40b)     # session 40: s40a's sources timed against oldsrc/ (9349227), old / new in turn, PASSES passes
+    for pass in $(seq 1 ${PASSES:-1}); do
+      for v in old new; do
+        use_src $v
+        echo "== $v $pass"
+        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384} ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= \
+            TAG=attn40b_${v}$pass LIMIT=${LIMIT:-200} bash "$0" attn-rows | grep "^| [0-9]"
+        rm -f "$out"/attn40b_${v}$pass.*
+      done
+    done
     ;;
   s39d)     # session 39: tf_span_softmax (row_attn_tcr, row_attn_wg) rounds its weights two at a time (one F2FP where two
             # F2F ran; the same round to nearest even): row_attn_wg / tcr plans against

@@ -47,6 +47,14 @@
 // (the shared helpers tf_to_float, tf_from_float, tf_load8, tf_cp_async16, tf_warp_sum, tf_mma, tf_ldmatrix4(t), tf_ex2,
 // tf_put_partial, tf_merge_partial,
 // TF_FULL_MASK, TF_NEG_INF come from common.cuh, prepended by _sources.py)
+// The max of v[0 .. N) (N a power of 2) as a balanced tree of fmaxf: a max is order-free (scores
+// hold no NaN; a +0 / -0 tie changes no weight, no fold factor and no output), so the tree gives the
+// value a chain gives, with a dependent depth of log2 N instead of N.
+template <int N>
+__device__ __forceinline__ float tf_max_tree(const float* v) {
+  if constexpr (N == 1) return v[0];
+  else return fmaxf(tf_max_tree<N / 2>(v), tf_max_tree<N / 2>(v + N / 2));
+}
 // One 64-key span's softmax for a warp's 16 query rows in the mma C-fragment layout (row_attn_tcr,
 // row_attn_wg): lane (g8, t4) holds c[n][2 h + e], the score of key s0 + 8 n + 2 t4 + e for row
 // g8 + 8 h at position pr[h]. Masks keys past pr, scales, takes the span's max mc, writes the
@@ -61,16 +69,17 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
                                                 float (&fb)[2], bool (&fold)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float mc = TF_NEG_INF;
+    float xs[16];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = c[n][2 * h + e];
         x = s0 + 8 * n + 2 * t4 + e <= pr[h] ? __fmul_rn(x, scale) : TF_NEG_INF;
-        mc = fmaxf(mc, x);
+        xs[2 * n + e] = x;
       }
     }
+    float mc = tf_max_tree<16>(xs);
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 1));
     mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, 2));
     const float mz = mc == TF_NEG_INF ? 0.0f : mc;
@@ -718,12 +727,10 @@ for (int s = sg; s < se; ++s) {
   bool fold[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {                     // row 2 t4 + h; key g8 + 8 j is c[j >> 1][2 (j & 1) + h]
-    mc[h] = TF_NEG_INF;
 #pragma unroll
-    for (int j = 0; j < 2 * NKT; ++j) {
+    for (int j = 0; j < 2 * NKT; ++j)
       sv[h][j] = s0 + g8 + 8 * (2 * NKT * kh + j) <= pr[h] ? __fmul_rn(c[j >> 1][2 * (j & 1) + h], scale) : TF_NEG_INF;
-      mc[h] = fmaxf(mc[h], sv[h][j]);
-    }
+    mc[h] = tf_max_tree<2 * NKT>(sv[h]);
     mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 4));
     mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 8));
     mc[h] = fmaxf(mc[h], __shfl_xor_sync(TF_FULL_MASK, mc[h], 16));
@@ -737,14 +744,29 @@ for (int s = sg; s < se; ++s) {
       for (int w = 0; w < KW; ++w) mc[h] = fmaxf(mc[h], xm[8 * w + 2 * t4 + h]);
     }
   }
+  if (KW == 1) {                                    // rows 2 t4 and 2 t4 + 1 at key j rounded in one pair (one
+    float mz[2];                                    // F2FP where two F2F ran; with KW > 1 nvcc already rounds each
+#pragma unroll                                      // with an F2FP of its own, and pairing measured more instructions)
+    for (int h = 0; h < 2; ++h) mz[h] = mc[h] == TF_NEG_INF ? 0.0f : mc[h];
+    unsigned short* pwu = reinterpret_cast<unsigned short*>(pw) + 2 * t4 * PST + g8;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];   // a masked key's sv is -inf: tf_ex2 gives
-#pragma unroll                                             // it +0, as row_attn_tc's branch does
     for (int j = 0; j < 2 * NKT; ++j) {
-      const T e = tf_from_float<T>(tf_ex2(__fsub_rn(sv[h][j], mz)));
-      ef[h][j] = tf_to_float(e);
-      pw[(2 * t4 + h) * PST + g8 + 8 * (2 * NKT * kh + j)] = e;
+      const unsigned int eb = tf_pack2<T>(tf_ex2(__fsub_rn(sv[0][j], mz[0])), tf_ex2(__fsub_rn(sv[1][j], mz[1])));
+      ef[0][j] = tf_half_of<T>(eb, 0);
+      ef[1][j] = tf_half_of<T>(eb, 1);
+      pwu[8 * j] = (unsigned short)(eb & 0xffffu);
+      pwu[PST + 8 * j] = (unsigned short)(eb >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mz = mc[h] == TF_NEG_INF ? 0.0f : mc[h];   // a masked key's sv is -inf: tf_ex2 gives
+#pragma unroll                                               // it +0, as row_attn_tc's branch does
+      for (int j = 0; j < 2 * NKT; ++j) {
+        const T e = tf_from_float<T>(tf_ex2(__fsub_rn(sv[h][j], mz)));
+        ef[h][j] = tf_to_float(e);
+        pw[(2 * t4 + h) * PST + g8 + 8 * (2 * NKT * kh + j)] = e;
+      }
     }
   }
   pair_sync();                                      // the weights written
@@ -1029,24 +1051,8 @@ const int row = blockIdx.x / NDB;
 const int c0 = (blockIdx.x % NDB) * DC;             // this block's first column
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
-const int p = offset[0] + row % M;
-T* dst = out + (size_t)row * D + c0;
-if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
-  for (int d = threadIdx.x; d < DC && c0 + d < D; d += blockDim.x) dst[d] = tf_from_float<T>(__int_as_float(0x7fc00000));
-  return;
-}
-const int ns = min(p / SPAN + 1, nspan);
-const int ne = (ns + E - 1) / E;                    // the entries the row reaches
-const int ng = (ns + GS - 1) / GS;
-const float* src = part + (size_t)row * part_shape[1] * (D + 2);
-auto fold = [&](float& m, float& l, float* o, float pm, float pl, const float* po) {   // the merge's formula
-  const float mn = fmaxf(m, pm);
-  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm, mn));
-  l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl, fb));
-#pragma unroll
-  for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[t], fb, __fmul_rn(o[t], fa));
-  m = mn;
-};
+const int nent = part_shape[1];
+const float* src = part + (size_t)row * nent * (D + 2);
 auto load = [&](int s, float& pm, float& pl, float* po) {   // entry s: m, l and this block's columns
   const float* x = src + (size_t)s * (D + 2);
   pm = x[D];
@@ -1057,20 +1063,41 @@ auto load = [&](int s, float& pm, float& pl, float* po) {   // entry s: m, l and
     po[t] = d < DC && c0 + d < D ? x[c0 + d] : 0.0f;
   }
 };
+// The warp's first UE entries are loaded before the offset is read: their addresses do not depend
+// on it, so the two loads overlap (one memory round trip less). Entries past the row's reach are
+// read from part's buffer and never used.
+const int ew = MW == 1 ? 0 : warp * EG;             // the warp's first entry
+float pm0[UE], pl0[UE], po0[UE][NT];
+#pragma unroll
+for (int u = 0; u < UE; ++u) {
+  if (ew + u < nent) load(ew + u, pm0[u], pl0[u], po0[u]);
+}
+const int p = offset[0] + row % M;
+T* dst = out + (size_t)row * D + c0;
+if (p < 0 || p >= cap) {   // the row lies outside the KV buffer: NaN
+  for (int d = threadIdx.x; d < DC && c0 + d < D; d += blockDim.x) dst[d] = tf_from_float<T>(__int_as_float(0x7fc00000));
+  return;
+}
+const int ns = min(p / SPAN + 1, nspan);
+const int ne = (ns + E - 1) / E;                    // the entries the row reaches
+const int ng = (ns + GS - 1) / GS;
+auto fold = [&](float& m, float& l, float* o, float pm, float pl, const float* po) {   // the merge's formula
+  const float mn = fmaxf(m, pm);
+  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm, mn));
+  l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl, fb));
+#pragma unroll
+  for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[t], fb, __fmul_rn(o[t], fa));
+  m = mn;
+};
 auto clear = [](float& m, float& l, float* o) {
   m = TF_NEG_INF;
   l = 0.0f;
 #pragma unroll
   for (int t = 0; t < NT; ++t) o[t] = 0.0f;
 };
-auto walk = [&](int e0, int e1, auto&& group) {     // entries e0 .. e1 - 1 (e0 a group's first)
-  float mh, lh, oh[NT], mg, lg, og[NT];             // the half, the group so far
-  for (int r = 0; e0 + r < e1 && (MW == 1 || r < EG); r += UE) {   // MW > 1: a group at most
-    float pm[UE], pl[UE], po[UE][NT];
-#pragma unroll
-    for (int u = 0; u < UE; ++u) {
-      if (e0 + r + u < e1) load(e0 + r + u, pm[u], pl[u], po[u]);
-    }
+auto walk = [&](int e0, int e1, bool pre, auto&& group) {   // entries e0 .. e1 - 1 (e0 a group's first;
+  float mh, lh, oh[NT], mg, lg, og[NT];             // pre: its first UE are pm0 ...); the half, the group so far
+  auto batch = [&](int r, const float (&pm)[UE], const float (&pl)[UE], const float (&po)[UE][NT]) {
 #pragma unroll
     for (int u = 0; u < UE; ++u) {
       const int j = UE % EG == 0 ? u % EG : (r + u) % EG;       // in its group (r is a multiple of UE)
@@ -1090,6 +1117,19 @@ auto walk = [&](int e0, int e1, auto&& group) {     // entries e0 .. e1 - 1 (e0 
       }
       if (j == EG - 1) group(mg, lg, og);
     }
+  };
+  int r = 0;
+  if (pre) {
+    batch(0, pm0, pl0, po0);
+    r = UE;
+  }
+  for (; e0 + r < e1 && (MW == 1 || r < EG); r += UE) {   // MW > 1: a group at most
+    float pm[UE], pl[UE], po[UE][NT];
+#pragma unroll
+    for (int u = 0; u < UE; ++u) {
+      if (e0 + r + u < e1) load(e0 + r + u, pm[u], pl[u], po[u]);
+    }
+    batch(r, pm, pl, po);
   }
   const int k = e1 - 1 - e0;                        // the last entry closes its half and group here, once,
   if (E < GS && k >= 0) {                           // not at every position of the unrolled loop
@@ -1101,12 +1141,12 @@ float m2 = TF_NEG_INF, l2 = 0.0f, o2[NT];
 #pragma unroll
 for (int t = 0; t < NT; ++t) o2[t] = 0.0f;
 if (MW == 1) {
-  walk(0, ne, [&](float gm, float gl, const float (&go)[NT]) { fold(m2, l2, o2, gm, gl, go); });
+  walk(0, ne, true, [&](float gm, float gl, const float (&go)[NT]) { fold(m2, l2, o2, gm, gl, go); });
 } else {
-  for (int gb = 0; gb < ng; gb += MW) {
+  auto batch_of_groups = [&](int gb, bool pre) {
     const int grp = gb + warp;
     if (grp < ng) {
-      walk(grp * EG, min(grp * EG + EG, ne), [&](float gm, float gl, const float (&go)[NT]) {
+      walk(grp * EG, min(grp * EG + EG, ne), pre, [&](float gm, float gl, const float (&go)[NT]) {
         tf_put_partial<DC, NT>(sm + warp * (DC + 2), go, gm, gl, lane);
       });
     }
@@ -1115,7 +1155,9 @@ if (MW == 1) {
       for (int w = 0; w < MW && gb + w < ng; ++w) tf_merge_partial<DC, NT>(m2, l2, o2, sm + w * (DC + 2), lane);
     }
     __syncthreads();
-  }
+  };
+  batch_of_groups(0, true);                         // the first batch out of the loop: pm0 ... die there
+  for (int gb = MW; gb < ng; gb += MW) batch_of_groups(gb, false);
 }
 if (warp == 0) {
 #pragma unroll
