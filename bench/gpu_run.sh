@@ -122,6 +122,7 @@
 #   bash bench/gpu_run.sh s39b | s39c   # session 39: the merge's walk closing once: bits, tests, timed; the default at every cap
 #   bash bench/gpu_run.sh s39d          # session 39: the softmax weights rounded in pairs: bits against row_attn_tc, timed (oldsrc/)
 #   bash bench/gpu_run.sh s40a | s40b   # session 40: merge entries before the offset, tcg paired rounding, max trees: bits; timed (oldsrc/)
+#   bash bench/gpu_run.sh s40c          # session 40: tinycode exactness on those kernels; the default at every cap
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -969,13 +970,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # the offset; row_attn_tcg rounds the weights of rows 2 t4 and 2 t4 + 1 in one pair; the span max as a tree
             # (tcg, tcr, wg). Checks: the merge's outputs against oldsrc's bit for bit, the group-block bit test (every
             # plan against row_attn_tc), the other CUDA attention tests, gpu_wg_check
-    merge_bits 90
+    merge_bits 160    # (90 in the run: the old sources' compile took longer; run again beside s40b at 160: 384 of 384)
     par_tests bit40a ${TLIMIT:-150} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     rm -f "$out"/bit40a_*.log
     timeout 120 python3 bench/gpu_wg_check.py wg4 wd4 tg4 ws4 2>&1 | grep -v device_info > "$out/wg40a.txt"
     echo "wg_check: $(grep -c ': 0 of' "$out/wg40a.txt") lines with 0 differences, others:"; grep -v ': 0 of' "$out/wg40a.txt" | head -5
     rm -f "$out/wg40a.txt"
+    ;;
+  s40c)     # session 40, at 5898520: tinycode drafted == serial / resumed == fresh on this session's kernels, then the default at
+            # every cap next to MLX's sdpa
+    timeout 200 python3 bench/gpu_exact.py 16 2>&1 | tee "$out/exact40c.txt" | tail -3
+    ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384,24576,32768} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL= TAG=attn40c LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    rm -f "$out"/attn40c.csv
     ;;
   s40b)     # session 40: s40a's sources timed against oldsrc/ (9349227), old / new in turn, PASSES passes
     for pass in $(seq 1 ${PASSES:-1}); do
