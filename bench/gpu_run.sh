@@ -200,6 +200,19 @@ use_src() {   # use_src old|new: the CUDA sources of oldsrc/ (csrc/cuda at an ea
              # read through TENSORFOLD_CUDA_SOURCES), or this tree's
   if [ "$1" = old ]; then export TENSORFOLD_CUDA_SOURCES=$PWD/oldsrc; else unset TENSORFOLD_CUDA_SOURCES; fi
 }
+old_new_rows() {   # old_new_rows TAG PASSES KEYS ROWS LIMIT: the default at KEYS x ROWS (gpu_attn_rows.py, medians of REPS, 3),
+                  # oldsrc/'s sources then this tree's, PASSES times; prints each run's table rows
+  local pass v
+  for pass in $(seq 1 "$2"); do
+    for v in old new; do
+      use_src $v
+      echo "== $v $pass"
+      ATTN_REPS=${REPS:-3} ATTN_KEYS=$3 ATTN_ROWS=$4 ATTN_IMPL= TAG=$1_${v}$pass LIMIT=$5 bash "$0" attn-rows | grep "^| [0-9]"
+      rm -f "$out"/$1_${v}$pass.*
+    done
+  done
+  unset TENSORFOLD_CUDA_SOURCES
+}
 merge_bits() {   # merge_bits LIMIT: bench/gpu_merge_bits.py on oldsrc/ (through TENSORFOLD_CUDA_SOURCES) and on this
                 # tree, then the two compared bit for bit
   local v
@@ -986,15 +999,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     rm -f "$out"/attn40c.csv
     ;;
   s40b)     # session 40: s40a's sources timed against oldsrc/ (9349227), old / new in turn, PASSES passes
-    for pass in $(seq 1 ${PASSES:-1}); do
-      for v in old new; do
-        use_src $v
-        echo "== $v $pass"
-        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288,16384} ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= \
-            TAG=attn40b_${v}$pass LIMIT=${LIMIT:-200} bash "$0" attn-rows | grep "^| [0-9]"
-        rm -f "$out"/attn40b_${v}$pass.*
-      done
-    done
+    old_new_rows attn40b ${PASSES:-1} ${ATTN_KEYS:-1024,2048,4096,8192,12288,16384} ${ATTN_ROWS:-1,8,16} ${LIMIT:-200}
     ;;
   s39d)     # session 39: tf_span_softmax (row_attn_tcr, row_attn_wg) rounds its weights two at a time (one F2FP where two
             # F2F ran; the same round to nearest even): row_attn_wg / tcr plans against
@@ -1004,13 +1009,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout 120 python3 bench/gpu_wg_check.py wg4 wd4 tg4 ws4 2>&1 | grep -v device_info > "$out/wg39d.txt"
     echo "wg_check: $(grep -c ': 0 of' "$out/wg39d.txt") lines with 0 differences, others:"; grep -v ': 0 of' "$out/wg39d.txt" | head -5
     wait; grep -E "passed|failed" "$out/bit39d.log" | tail -2
-    for v in old new; do
-      use_src $v
-      echo "== $v"
-      ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-8192,16384} ATTN_ROWS=${ATTN_ROWS:-16} ATTN_IMPL= TAG=attn39d_$v LIMIT=${LIMIT:-60} \
-          bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8 | tee -a "$out/attn39d.txt"
-      rm -f "$out"/attn39d_$v.*
-    done
+    old_new_rows attn39d 1 ${ATTN_KEYS:-8192,16384} ${ATTN_ROWS:-16} ${LIMIT:-60}
     ;;
   s39c)     # session 39, after s39b (whose merge-bits run failed on an offset outside cap 1000): the merge's outputs against
             # d6419bf's (oldsrc/) bit for bit at caps 1000 / 2000 / 3372 / 40000 (span partials with 1 / 2 / 4 / 16
@@ -1029,16 +1028,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     par_tests bit39b ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
     rm -f "$out"/bit39b_*.log
-    for pass in 1 2; do
-      for v in old new; do
-        use_src $v
-        echo "== $v $pass"
-        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
-            TAG=attn39b_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | grep "^| [0-9]" | cut -d'|' -f2-4,8
-        rm -f "$out"/attn39b_${v}$pass.csv "$out"/attn39b_${v}$pass.err
-      done
-    done
-    unset TENSORFOLD_CUDA_SOURCES
+    old_new_rows attn39b 2 ${ATTN_KEYS:-1024,2048,4096,16384,32768} ${ATTN_ROWS:-1,16} ${LIMIT:-90}
     for impl in wg4 wd4; do
       echo "== occupancy $impl"
       ATTN_REPS=1 ATTN_KEYS=16384 ATTN_ROWS=16 ATTN_IMPL=$impl timeout 100 ncu --section Occupancy --section LaunchStats \
@@ -1049,14 +1039,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s39a)     # session 39: session 38's one-walk merge (7122219) timed against the merge before it (oldsrc/: csrc/cuda at
             # d6419bf, made as for s38d), two passes each, old / new in turn; then ncu's full set and SASS stall samples of
             # the default at PROF_CASES (16k keys / 16 rows: wd4, the cap closest to issue 3's 1.3x)
-    for pass in 1 2; do
-      for v in old new; do
-        use_src $v
-        ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,16384,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= \
-            TAG=attn39a_${v}$pass LIMIT=${LIMIT:-90} bash "$0" attn-rows | tail -12
-      done
-    done
-    unset TENSORFOLD_CUDA_SOURCES
+    old_new_rows attn39a 2 ${ATTN_KEYS:-1024,2048,4096,16384,32768} ${ATTN_ROWS:-1,16} ${LIMIT:-90}
     attn_prof 39a "${PROF_CASES:-16384/16}" ${PROF_IMPL:-wd4} 60
     ;;
   s38e)     # session 38's review, run at 7122219: row_attn_merge as one walk for every path; its outputs against the
@@ -1065,11 +1048,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     merge_bits 75
     par_tests bit38e ${TLIMIT:-100} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
-    for v in old new; do
-      use_src $v
-      ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,4096,32768} ATTN_ROWS=${ATTN_ROWS:-1,16} ATTN_IMPL= TAG=attn38e_$v \
-          LIMIT=${LIMIT:-40} bash "$0" attn-rows
-    done
+    old_new_rows attn38e 1 ${ATTN_KEYS:-1024,4096,32768} ${ATTN_ROWS:-1,16} ${LIMIT:-40}
     ;;
   s38d)     # session 38, run at 05a58e3: the span-partial merge (E 1) loading a group's 16 spans in one round where DC <= 64: the bit
             # tests, then timed against the merge before it in one call (oldsrc/: csrc/cuda at 9f676e1, carried
@@ -1077,11 +1056,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # --name-only 9f676e1 csrc/cuda/); do git show 9f676e1:$f > oldsrc/${f##*/}; done)
     par_tests bit38d ${TLIMIT:-200} "group_blocks and 32-8-128" "group_blocks and 12-4-80" "group_blocks and 8-1-64" \
         "attention and not group_blocks"
-    for v in old new; do
-      use_src $v
-      ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096} ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn38d_$v \
-          LIMIT=${LIMIT:-120} bash "$0" attn-rows
-    done
+    REPS=5 old_new_rows attn38d 1 ${ATTN_KEYS:-1024,2048,4096} ${ATTN_ROWS:-1,8,16} ${LIMIT:-120}
     ;;
   s38c)     # session 38, run at 087b39a: the default after the rule's retune (24k keys wd4 at every row count; g4k / g2k below 128
             # halves where their blocks reach 128), timed at 1k-32k keys and 1 / 8 / 16 rows next to MLX's sdpa
