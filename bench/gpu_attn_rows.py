@@ -12,6 +12,15 @@ alone with cold caches (ncu flushes them before each replay). Between cases a ma
 the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
 row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
 kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit.
+
+ATTN_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`, `s41b`): caches as in a decode
+step instead of all cold. Each call reads K / V from its own copy, rotated over copies of at least
+STEP_COLD_BYTES in all (so a copy comes back after the others have pushed it out of the 50 MB L2;
+the setup's calls and bit checks use the original, which the rotation leaves out),
+and q is written by a kernel right before the call (q + 0), as the step's q/k norm + RoPE writes it.
+So K / V come from HBM, and what the op writes and reads back itself (the span or group partials
+between its partials kernel and its merge; MLX sdpa's between its two kernels) stays in L2, as in
+a real step. With the default (all cold), ncu flushes L2 before every kernel, the merge's included.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from ncu_csv import ncu_rows, ncu_us
 KEYS = [int(v) for v in os.environ.get("ATTN_KEYS", "1024,8192,32768").split(",")]
 ROWS = [int(v) for v in os.environ.get("ATTN_ROWS", "1,2,4,8,16").split(",")]
 REPS = int(os.environ.get("ATTN_REPS", "5"))
+STEP = os.environ.get("ATTN_CACHE", "cold") == "step"
+STEP_COLD_BYTES = 192e6
 HQ, HKV, D = 32, 8, 128
 
 
@@ -43,6 +54,20 @@ def run():
         k = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         mx.eval(k, v)
+        kvs = []
+        if STEP:    # copies that each timed call takes in turn, cold when they come back
+            n = max(2, -(-int(STEP_COLD_BYTES) // (2 * k.nbytes)))
+            kvs = [(k + mx.zeros_like(k), v + mx.zeros_like(v)) for _ in range(n)]
+            mx.eval(kvs)
+        turn = [0]
+
+        def call(fn, q):
+            """One timed call: the next K / V copy, q written right before (step caches)."""
+            if not STEP:
+                return mx.eval(fn(q, k, v))
+            kk, vv = kvs[turn[0] % len(kvs)]
+            turn[0] += 1
+            mx.eval(fn(q + mx.zeros_like(q), kk, vv))
         for M in ROWS:
             marker("setup")
             q = mx.random.normal((1, HQ, M, D)).astype(mx.bfloat16)
@@ -58,12 +83,12 @@ def run():
                     print(f"L{L} M{M} {impl}: {'same bits' if same else 'MISMATCH'}", file=sys.stderr)
                 marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
-                    mx.eval(K.row_attention(q, k, v, off, scale))
+                    call(lambda q_, k_, v_: K.row_attention(q_, k_, v_, off, scale), q)
             _cuda.attn_impl = None
             marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
-                mx.eval(mx.fast.scaled_dot_product_attention(
-                    q, k, v, scale=scale, mask="causal" if M > 1 else None))
+                call(lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(
+                    q_, k_, v_, scale=scale, mask="causal" if M > 1 else None), q)
     marker("end")
     if bad:
         print(f"{bad} launch plans gave other bits", file=sys.stderr)

@@ -11,6 +11,12 @@ numbers are device time without launch or host overhead. Without the --kernel-na
 also replays every small MLX kernel (random weights, quantization) and takes minutes; it writes
 its CSV only when the program ends, so never cut it short with a timeout. Between cases the script runs a
 tiny marker kernel named after the case, which is how --report groups the kernels.
+
+GEMM_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`): caches as in a decode
+step instead of all cold. Each call reads its weights from its own copy, rotated over copies of at
+least STEP_COLD_BYTES in all (cold when they come back: the L2 is 50 MB), and x is written by a
+kernel right before the call (x + 0), as the step's previous op writes it. So the weights come from
+HBM and x from L2; with the default, ncu flushes L2 before every kernel and x comes from HBM too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,18 @@ SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288
 MS = [int(m) for m in os.environ.get("GEMM_MS", "1,2,4,8,16").split(",")]   # e.g. GEMM_MS=1,8,9,16
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
+STEP = os.environ.get("GEMM_CACHE", "cold") == "step"
+STEP_COLD_BYTES = 192e6
+
+
+def copies(ws):
+    """ws and, with step caches, copies of it (new buffers, same values) of STEP_COLD_BYTES in all."""
+    if not STEP:
+        return [ws]
+    n = max(2, -(-int(STEP_COLD_BYTES) // sum(a.nbytes for a in ws)))
+    out = [ws] + [tuple(a + mx.zeros_like(a) for a in ws) for _ in range(n - 1)]
+    mx.eval(out)
+    return out
 
 
 def marker(tag: str):
@@ -72,16 +90,28 @@ def run():
                 wq, s, b = mx.quantize(w, group_size=64, bits=4)
                 s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
                 mx.eval(wq, s, b)
+                ws = copies((wq, s, b))
             else:
                 wb = w.astype(mx.bfloat16)
                 mx.eval(wb)
+                ws = copies((wb,))
             del w
+            turn = 0
             for M in MS:
                 x = (mx.random.normal((M, Kd)) * 0.5).astype(mx.bfloat16)
                 mx.eval(x)
+                x0 = x
                 for impl in ("ours", "mlx"):
                     marker(f"{op}_{N}x{Kd}_M{M}_{impl}")
                     for _ in range(REPS):
+                        if STEP:    # the next copy; x written right before the call
+                            cur = ws[turn % len(ws)]
+                            turn += 1
+                            if op == "qmm":
+                                wq, s, b = cur
+                            else:
+                                wb, = cur
+                            x = x0 + mx.zeros_like(x0)
                         if op == "qmm":
                             y = (K.row_quantized_matmul(x, wq, s, b, 64, 4) if impl == "ours" else
                                  mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64,

@@ -123,6 +123,8 @@
 #   bash bench/gpu_run.sh s39d          # session 39: the softmax weights rounded in pairs: bits against row_attn_tc, timed (oldsrc/)
 #   bash bench/gpu_run.sh s40a | s40b   # session 40: merge entries before the offset, tcg paired rounding, max trees: bits; timed (oldsrc/)
 #   bash bench/gpu_run.sh s40c          # session 40: tinycode exactness on those kernels; the default at every cap
+#   bash bench/gpu_run.sh s41a | s41b   # session 41: 4-bit GEMMs / attention with a decode step's caches (weights, K/V
+#                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -250,7 +252,8 @@ gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, o
                  # (env: GEMM_SHAPES, GEMM_OPS, MM_STAGING), then its report
   local tag=$1 limit=$2 names='custom_kernel_tf|qmv|qmm|gemv|nvjet|splitK'
   [[ ,${GEMM_OPS:-qmm,mm}, == *,mm,* ]] && names="$names|gemm|cutlass"   # MLX's dense GEMM kernels
-  timeout "$limit" ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+  timeout "$limit" ncu --clock-control none --cache-control ${NCU_CACHE:-all} \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
       --kernel-name regex:"$names" python3 bench/gpu_kernel_time.py \
       > "$out/$tag.csv" 2> "$out/$tag.err"
   python3 bench/gpu_kernel_time.py --report "$out/$tag.csv" > "$out/$tag.md" 2>&1; cut -c1-110 "$out/$tag.md"
@@ -979,6 +982,26 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_REPS=3 ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL:-${ok#,},tg4,g4k} TAG=attn33a \
         LIMIT=${LIMIT:-400} bash "$0" attn-rows
     ;;
+  s41a)     # session 41: the 4-bit GEMMs with a decode step's caches (GEMM_CACHE=step under ncu --cache-control none:
+            # weights rotated over >= 192 MB of copies so they come from HBM, x written right before the call) next to
+            # all-cold (ncu's flush before every kernel, x from HBM too), at every M
+    GEMM_MS=${GEMM_MS:-1,2,4,8,16} GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} \
+        GEMM_OPS=qmm GEMM_CACHE=step NCU_CACHE=none gemm_table gemm41step ${GLIMIT:-240}
+    GEMM_MS=${GEMM_MS:-1,2,4,8,16} GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} \
+        GEMM_OPS=qmm gemm_table gemm41cold ${GLIMIT:-240}
+    rm -f "$out"/gemm41*.csv
+    ;;
+  s41b)     # session 41: the attention with a decode step's caches (ATTN_CACHE=step under ncu --cache-control none: K / V
+            # rotated over >= 192 MB of copies so they come from HBM, q written right before the call, the op's own
+            # partials left in L2 between its two kernels): the launch plans at 1k-12k keys, each checked bit for bit
+            # against the default, then the default at 16k-32k
+    ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,12288} \
+        ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL=${ATTN_IMPL-s4,s2,g4k,g2k,ws4,wg4} TAG=attn41b LIMIT=${LIMIT:-400} \
+        bash "$0" attn-rows
+    ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS2:-16384,24576,32768} \
+        ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn41b2 LIMIT=${LIMIT2:-120} bash "$0" attn-rows
+    rm -f "$out"/attn41b*.csv
+    ;;
   s40a)     # session 40: three same-bits changes (oldsrc/: csrc/cuda at 9349227): the merge loads its first entries before
             # the offset; row_attn_tcg rounds the weights of rows 2 t4 and 2 t4 + 1 in one pair; the span max as a tree
             # (tcg, tcr, wg). Checks: the merge's outputs against oldsrc's bit for bit, the group-block bit test (every
@@ -1208,8 +1231,8 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   attn-rows)   # issue 3: row_attention (partials + merge) against MLX's sdpa at 1k / 8k / 32k keys and
                # M = 1, 2, 4, 8, 16, device time by ncu (env: ATTN_KEYS, ATTN_ROWS, ATTN_IMPL, ATTN_REPS)
-    timeout ${LIMIT:-300} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
+    timeout ${LIMIT:-300} ncu --clock-control none --cache-control ${NCU_CACHE:-all} --metrics gpu__time_duration.sum \
+        --csv --kernel-name regex:"row_attn|sdpa|cudnn|flash|tfmark" \
         python3 bench/gpu_attn_rows.py > "$out/${TAG:-attn_rows}.csv" 2> "$out/${TAG:-attn_rows}.err"
     tail -5 "$out/${TAG:-attn_rows}.err"
     python3 bench/gpu_attn_rows.py --report "$out/${TAG:-attn_rows}.csv" | tee "$out/${TAG:-attn_rows}.md"
