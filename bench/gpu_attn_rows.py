@@ -59,6 +59,7 @@ def run():
             n = max(2, -(-int(STEP_COLD_BYTES) // (2 * k.nbytes)))
             kvs = [(k + mx.zeros_like(k), v + mx.zeros_like(v)) for _ in range(n)]
             mx.eval(kvs)
+            mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
         turn = [0]
 
         def call(fn, q):

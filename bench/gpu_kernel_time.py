@@ -45,6 +45,7 @@ def copies(ws):
     n = max(2, -(-int(STEP_COLD_BYTES) // sum(a.nbytes for a in ws)))
     out = [ws] + [tuple(a + mx.zeros_like(a) for a in ws) for _ in range(n - 1)]
     mx.eval(out)
+    mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
     return out
 
 

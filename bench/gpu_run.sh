@@ -125,6 +125,7 @@
 #   bash bench/gpu_run.sh s40c          # session 40: tinycode exactness on those kernels; the default at every cap
 #   bash bench/gpu_run.sh s41a | s41b   # session 41: 4-bit GEMMs / attention with a decode step's caches (weights, K/V
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
+#   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -1001,6 +1002,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS2:-16384,24576,32768} \
         ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn41b2 LIMIT=${LIMIT2:-120} bash "$0" attn-rows
     rm -f "$out"/attn41b*.csv
+    ;;
+  s41c)     # session 41: what a verify call costs by its row count on the 8B-shaped 4-bit checkpoint (36 layers): the exact
+            # forward at M rows, wall time with its result evaluated, caches of 2k and 16k tokens
+    for P in ${VPROMPTS:-2048 16384}; do
+      timeout ${VLIMIT:-200} python3 bench/bench_verify_rows.py --shape qwen3-8b-4bit --prompt $P \
+          --rows ${VROWS:-1,2,4,6,7,8,9,12,16} --repeat ${VREPEAT:-15} 2>&1 | grep -v "^WARN" | tee "$out/verify41c_$P.md"
+    done
     ;;
   s40a)     # session 40: three same-bits changes (oldsrc/: csrc/cuda at 9349227): the merge loads its first entries before
             # the offset; row_attn_tcg rounds the weights of rows 2 t4 and 2 t4 + 1 in one pair; the span max as a tree
