@@ -126,6 +126,7 @@
 #   bash bench/gpu_run.sh s41a | s41b   # session 41: 4-bit GEMMs / attention with a decode step's caches (weights, K/V
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
+#   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
 #   (session 36's s36a -- row_attn_wg's issue-order schedules PL -- exists only in 1f9b036: no faster, removed;
@@ -1002,6 +1003,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS2:-16384,24576,32768} \
         ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn41b2 LIMIT=${LIMIT2:-120} bash "$0" attn-rows
     rm -f "$out"/attn41b*.csv
+    ;;
+  suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
+            # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
+    ids="$out/suite.ids"; rm -f "$out"/suite.part.*
+    python3 -m pytest --co -q -p no:cacheprovider ${SUITE:-tests/test_kernels.py} | grep :: > "$ids"
+    echo "$(wc -l < "$ids") tests in ${PROCS:-4} processes"
+    split -n r/${PROCS:-4} "$ids" "$out/suite.part."
+    for f in "$out"/suite.part.*; do
+      (timeout ${LIMIT:-420} python3 -m pytest -q -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1) &
+    done
+    wait
+    for f in "$out"/suite.part.*.log; do echo "== $(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "FAILED\|MLX own ops" "$out"/suite.part.*.log | head -20
+    rm -f "$out"/suite.part.?? "$ids"
     ;;
   s41c)     # session 41: what a verify call costs by its row count on the 8B-shaped 4-bit checkpoint (36 layers): the exact
             # forward at M rows, wall time with its result evaluated, caches of 2k and 16k tokens
