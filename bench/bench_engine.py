@@ -72,6 +72,9 @@ def main(argv=None):
     ap.add_argument("--other-step", action="store_true",
                     help="also time serial decode with the exact step run the other way "
                          "(eager by default; compiled under TENSORFOLD_COMPILE_DECODE=0)")
+    ap.add_argument("--no-merge-too", action="store_true",
+                    help="CUDA, timing only: also time serial decode with the attention merge not launched "
+                         "(kernels._cuda.ATTN_NO_MERGE: wrong outputs), the most a fused merge could gain")
     ap.add_argument("--no-drafted", action="store_true",
                     help="skip the drafted runs (their column then repeats nothing: '-')")
     args = ap.parse_args(argv)
@@ -93,8 +96,10 @@ def main(argv=None):
     print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}"
           f"  serial decode={'host' if args.host_decode else 'pipelined'}")
     print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "
-          "| ours drafted | accept | tok/call | peak GB mlx-lm | ours |" + ((" ours serial, eager step |" if eng.model.uses_compiled_step() else " ours serial, compiled step |") if args.other_step else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.other_step else ""))
+          "| ours drafted | accept | tok/call | peak GB mlx-lm | ours |" + ((" ours serial, eager step |" if eng.model.uses_compiled_step() else " ours serial, compiled step |") if args.other_step else "")
+          + (" ours serial, no merge (timing only) | ratio |" if args.no_merge_too else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.other_step else "")
+          + ("---|---|" if args.no_merge_too else ""))
     rng = np.random.default_rng(0)
     for n in [int(x) for x in args.prompts.split(",")]:
         if args.copy_prompt:
@@ -105,12 +110,21 @@ def main(argv=None):
         # warm up both (compilation, allocation)
         mlx_lm_run(ref, tok, prompt[:64], 4)
         ours_run(eng, prompt[:64], 4, False)
-        ref_runs, ser_runs, dr_runs, other_runs = [], [], [], []
+        ref_runs, ser_runs, dr_runs, other_runs, nm_runs = [], [], [], [], []
         for _ in range(args.repeat):
             ref_runs.append(mlx_lm_run(ref, tok, prompt, args.decode))
             ser_runs.append(ours_run(eng, prompt, args.decode, False))
             if not args.no_drafted:
                 dr_runs.append(ours_run(eng, prompt, args.decode, True))
+            if args.no_merge_too:
+                from tensorfold.kernels import _cuda
+                _cuda.ATTN_NO_MERGE = True
+                eng.model.__dict__.pop("_exact_step", None)     # trace the step again with the flag
+                try:
+                    nm_runs.append(ours_run(eng, prompt, args.decode, False))
+                finally:
+                    _cuda.ATTN_NO_MERGE = False
+                    eng.model.__dict__.pop("_exact_step", None)
             if args.other_step:
                 eng.model.compiled_decode = not eng.model.uses_compiled_step()
                 try:
@@ -125,7 +139,9 @@ def main(argv=None):
               if dr_runs else "- | - | -")
         print(f"| {n} | {rp:.0f} | {op:.0f} | {op / rp:.2f} | {rd:.1f} | {od:.1f} | {od / rd:.2f} | {dr} | "
               f"{med(ref_runs, 'peak_gb'):.2f} | {med(ser_runs, 'peak_gb'):.2f} |"
-              + (f" {med(other_runs, 'decode_tps'):.1f} |" if other_runs else ""), flush=True)
+              + (f" {med(other_runs, 'decode_tps'):.1f} |" if other_runs else "")
+              + (f" {med(nm_runs, 'decode_tps'):.1f} | {med(nm_runs, 'decode_tps') / od:.3f} |" if nm_runs else ""),
+              flush=True)
 
 
 if __name__ == "__main__":

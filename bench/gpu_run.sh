@@ -126,6 +126,7 @@
 #   bash bench/gpu_run.sh s41a | s41b   # session 41: 4-bit GEMMs / attention with a decode step's caches (weights, K/V
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
+#   bash bench/gpu_run.sh s42a          # prepared: 8B decode with the attention merge not launched (timing only)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1003,6 +1004,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=3 ATTN_KEYS=${ATTN_KEYS2:-16384,24576,32768} \
         ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn41b2 LIMIT=${LIMIT2:-120} bash "$0" attn-rows
     rm -f "$out"/attn41b*.csv
+    ;;
+  s42a)     # prepared in session 41, not yet run: the most a merge fused into the attention's partials kernel could
+            # gain in 8B decode -- serial tok/s with the merge not launched (kernels._cuda.ATTN_NO_MERGE: one launch a
+            # layer fewer, wrong outputs, timing only) against the default, in one process, next to mlx-lm
+    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} --decode 128 \
+        --repeat ${REPEAT:-3} --no-merge-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/nomerge42a.md"
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)

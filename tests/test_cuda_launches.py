@@ -24,17 +24,17 @@ def launches(monkeypatch):
     seen = []
 
     class Stub:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, unused_out=False):
+            self.name, self.unused_out = name, unused_out
 
         def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
                      stream=None):
             seen.append(dict(name=self.name, inputs=inputs, template=template, grid=grid,
                              threadgroup=threadgroup, output_shapes=output_shapes,
-                             output_dtypes=output_dtypes))
+                             output_dtypes=output_dtypes, unused_out=self.unused_out))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(_cuda, "_kernel", lambda name, smem: Stub(name))
+    monkeypatch.setattr(_cuda, "_kernel", lambda name, smem, unused_out=False: Stub(name, unused_out))
     monkeypatch.setattr(K, "backend_face", lambda stream=None: "cuda")
     monkeypatch.setattr(K, "_gpu_stream", lambda s: None)
     return seen
@@ -167,6 +167,18 @@ def test_decode_step_launches_match_their_kernels(launches, dtype, monkeypatch):
         assert [m["E"] for m in merges] == [1, 8, 1, 8, 1, 8, 1]
     for lc in launches:
         _check(lc)
+
+
+def test_attention_without_merge_is_one_launch_for_benchmarks(launches, monkeypatch):
+    """ATTN_NO_MERGE (bench_engine.py --no-merge-too, timing only): the partials kernel alone, with
+    one more output of q's shape (the kernel variant that declares it), and no merge launch."""
+    q = mx.ones((1, 4, 1, 64), mx.bfloat16)
+    kc = mx.zeros((1, 2, 256, 64), mx.bfloat16)
+    monkeypatch.setattr(_cuda, "ATTN_NO_MERGE", True)
+    out = K.row_attention(q, kc, kc, 5, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert len(launches) == 1 and launches[0]["name"].startswith("row_attn") and launches[0]["unused_out"]
+    assert launches[0]["output_shapes"][1] == q.shape
 
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):

@@ -78,13 +78,14 @@ _KERNELS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, shared_memory: int):
+def _kernel(name: str, shared_memory: int, unused_out: bool = False):
+    """unused_out (ATTN_NO_MERGE, benchmarks only): one more output, which the body never writes."""
     inputs, outputs, filename = _KERNELS[name]
     header, body = kernel_text("cuda", filename, name)
     return mx.fast.cuda_kernel(
-        name=f"tf_{name}",
+        name=f"tf_{name}" + ("_nm" if unused_out else ""),
         input_names=inputs,
-        output_names=outputs,
+        output_names=outputs + (["unused_out"] if unused_out else []),
         source=body,
         header=header,
         ensure_row_contiguous=True,
@@ -592,6 +593,11 @@ ATTN_TCG_BUFFERS = 2        # row_attn_tcg: spans of K / V staged at once
 # (e.g. "g4.3", "s2", "g4k"); a "t" first for row_attn_tcr, NW 16-row tiles ("tg4", "ts2.3"); "w"
 # for row_attn_wg ("ws4", "wg4", and "wd4": a group a block)
 attn_impl = None
+# benchmarks only, WRONG OUTPUTS: the partials kernel gets a second output of q's shape that it never
+# writes, which attention() returns without launching the merge: the most a merge fused into the
+# partials kernel (one launch a layer fewer) could save, host time and device time together
+# (bench_engine.py --no-merge-too; gpu_run.sh s42a)
+ATTN_NO_MERGE = False
 
 
 def attn_tcg_smem(D: int, NW: int, NB: int = ATTN_TCG_BUFFERS, KW: int = 1) -> int:
@@ -742,13 +748,17 @@ def attention(q, k, v, offset, scale, stream):
         grid = nspan * -(-R // rows) * threads
     else:
         grid = nspan * threads
-    part = _kernel(name, smem)(
+    outs = (_kernel(name, smem, True) if ATTN_NO_MERGE else _kernel(name, smem))(
         inputs=[q, k, v, offset, _scale_array(scale * LOG2E)],
         template=list(template),
         grid=(grid, B * HKV, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(B * HQ * M, nspan, D + 2)], output_dtypes=[mx.float32],
+        output_shapes=[(B * HQ * M, nspan, D + 2)] + ([q.shape] if ATTN_NO_MERGE else []),
+        output_dtypes=[mx.float32] + ([q.dtype] if ATTN_NO_MERGE else []),
         stream=stream,
-    )[0]
+    )
+    if ATTN_NO_MERGE:
+        return outs[1]
+    part = outs[0]
     dc = ATTN_MERGE_COLS or D
     # warps a merge block: one a group of the capacity, up to 16, for span partials; one for halves
     # or groups, walked 16 at a time (session 37: 16 warps a row at 16 rows, 32k keys, took 19.4 us)
