@@ -330,6 +330,30 @@ BAD = [
     ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "prompt", None),
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    # fields OpenAI has and this server does not implement: refused, never silently dropped
+    ("logprobs asked", "/v1/chat/completions", _msg(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("top_logprobs asked", "/v1/chat/completions", _msg(top_logprobs=5), 400, "top_logprobs",
+     "unsupported_parameter"),
+    ("logit_bias asked", "/v1/chat/completions", _msg(logit_bias={"5": 10}), 400, "logit_bias",
+     "unsupported_parameter"),
+    ("presence_penalty asked", "/v1/chat/completions", _msg(presence_penalty=0.5), 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("frequency_penalty asked", "/v1/chat/completions", _msg(frequency_penalty=-1), 400, "frequency_penalty",
+     "unsupported_parameter"),
+    ("repetition_penalty asked", "/v1/chat/completions", _msg(repetition_penalty=1.1), 400,
+     "repetition_penalty", "unsupported_parameter"),
+    ("json mode asked", "/v1/chat/completions", _msg(response_format={"type": "json_object"}), 400,
+     "response_format", "unsupported_parameter"),
+    ("tools asked", "/v1/chat/completions",
+     _msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools",
+     "unsupported_parameter"),
+    ("tool_choice required", "/v1/chat/completions", _msg(tool_choice="required"), 400, "tool_choice",
+     "unsupported_parameter"),
+    ("completion logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("echo asked", "/v1/completions", {"prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("best_of asked", "/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("suffix asked", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "suffix", "unsupported_parameter"),
 ]
 
 
@@ -349,6 +373,24 @@ def _check_error(r, status, param=None, code=None):
 def test_bad_input(srv, name, path, body, status, param, code):
     _check_error(srv.post(path, body), status, param, code)
     assert chat_text(srv.chat(max_tokens=2))     # still serving
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(srv):
+    """What clients send by default (false, 0, 1, {}, [], "none" / "auto", {"type": "text"}) asks for
+    nothing, so it is served, and the reply equals the same request without those fields."""
+    base = _msg(temperature=0.0)
+    neutral = dict(logprobs=False, top_logprobs=0, logit_bias={}, presence_penalty=0.0,
+                   frequency_penalty=0, repetition_penalty=1.0, response_format={"type": "text"},
+                   tools=[], tool_choice="none", n=1)
+    a, b = srv.post("/v1/chat/completions", base), srv.post("/v1/chat/completions", {**base, **neutral})
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+    r = srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2, "logprobs": None, "echo": False,
+                                      "best_of": 1, "suffix": ""})
+    assert r.status_code == 200, r.text
+    # and through the official client, which leaves unset fields out
+    assert chat_text(srv.client.chat.completions.create(model=srv.name, messages=USER, max_tokens=2,
+                                                        presence_penalty=0, logprobs=False))
 
 
 def test_prompt_longer_than_context(srv):

@@ -146,9 +146,43 @@ def _stop(v) -> list[str] | None:
     return v or None
 
 
+# OpenAI fields this server does not implement, each with a test of "asks for nothing": a request
+# that asks for one gets a 400 naming it instead of a reply that silently lacks it (no logprobs,
+# no tool calls, other sampling than asked). Their neutral values (false, 0, 1, {}, [], "none",
+# "text") are accepted, since many clients send them by default.
+_UNSUPPORTED = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+}
+
+
+def _refuse_unsupported(data: dict) -> None:
+    for key, neutral in _UNSUPPORTED.items():
+        v = data.get(key)
+        if not (isinstance(v, bool) and key not in ("logprobs", "echo")) and neutral(v):
+            continue
+        hint = ("; this server samples with temperature, top_p, top_k, min_p and seed"
+                if key.endswith(("penalty", "bias")) else "")
+        raise RequestError(f"Unsupported parameter: '{key}' is not supported by this server "
+                           f"(got {json.dumps(v)[:60]}){hint}.", param=key, code="unsupported_parameter")
+
+
 def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
-    """Validate an OpenAI body for `kind` ("chat" or "completion"). Unknown fields are ignored."""
+    """Validate an OpenAI body for `kind` ("chat" or "completion"). Unknown fields are ignored;
+    known fields this server does not implement are refused unless neutral (_UNSUPPORTED)."""
     r = Request(kind=kind)
+    _refuse_unsupported(data)
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "expected a string.")
