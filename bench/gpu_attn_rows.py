@@ -11,7 +11,8 @@ cache (offset = keys - M), the offset a device array as in the compiled step. Ev
 alone with cold caches (ncu flushes them before each replay). Between cases a marker kernel names
 the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
 row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
-kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit.
+kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit;
+a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`; cD a whole row): "c64", "s4c128".
 
 ATTN_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`, `s41b`): caches as in a decode
 step instead of all cold. Each call reads K / V from its own copy, rotated over copies of at least
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -41,12 +43,24 @@ STEP_COLD_BYTES = 192e6
 HQ, HKV, D = 32, 8, 128
 
 
+def plan_and_cols(impl, cols0):
+    """An ATTN_IMPL entry: a launch plan, optionally with the merge's columns a block as a suffix
+    c<DC> (cD: a whole row a block; the bits do not depend on it): "s4c64", "c128" (the default plan),
+    "wg4". Returns (_cuda.attn_impl, _cuda.ATTN_MERGE_COLS)."""
+    if impl is None:
+        return None, cols0
+    m = re.fullmatch(r"(.*?)(?:c(\d+|D))?", impl)
+    cols = cols0 if m[2] is None else (None if m[2] == "D" else int(m[2]))
+    return (m[1] or None), cols
+
+
 def run():
     import mlx.core as mx
     from gpu_kernel_time import marker
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
+    cols0 = _cuda.ATTN_MERGE_COLS
     scale = D ** -0.5
     bad = 0
     for L in KEYS:
@@ -76,7 +90,7 @@ def run():
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
-                _cuda.attn_impl = impl
+                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS = plan_and_cols(impl, cols0)
                 if impl is not None:
                     marker("setup")
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
@@ -85,7 +99,7 @@ def run():
                 marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     call(lambda q_, k_, v_: K.row_attention(q_, k_, v_, off, scale), q)
-            _cuda.attn_impl = None
+            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS = None, cols0
             marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
                 call(lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(

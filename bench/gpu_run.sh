@@ -127,6 +127,7 @@
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
 #   bash bench/gpu_run.sh s42a          # prepared: 8B decode with the attention merge not launched (timing only)
+#   bash bench/gpu_run.sh s42b          # prepared: the merge's columns a block at 1k-8k keys (same bits), step caches
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1010,6 +1011,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # layer fewer, wrong outputs, timing only) against the default, in one process, next to mlx-lm
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} --decode 128 \
         --repeat ${REPEAT:-3} --no-merge-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/nomerge42a.md"
+    ;;
+  s42b)     # prepared in session 41, not yet run: the merge's columns a block (ATTN_MERGE_COLS 32, the default since
+            # session 6, set at 32k keys) at the small caps where 16 rows miss 1.3x: 64 / 128 columns a block with the
+            # default plan, each checked bit for bit against the default (the bits do not depend on it), step caches
+    ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL=${ATTN_IMPL-c64,cD} TAG=attn42b LIMIT=${LIMIT:-300} bash "$0" attn-rows
+    rm -f "$out"/attn42b.csv
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
