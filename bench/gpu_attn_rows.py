@@ -12,7 +12,8 @@ alone with cold caches (ncu flushes them before each replay). Between cases a ma
 the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
 row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
 kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit;
-a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`; cD a whole row): "c64", "s4c128".
+a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`, the many-rows rule off; cD a whole
+row): "c64", "s4c128", "c32" (the columns before session 41 everywhere).
 
 ATTN_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`, `s41b`): caches as in a decode
 step instead of all cold. Each call reads K / V from its own copy, rotated over copies of at least
@@ -60,7 +61,7 @@ def run():
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
-    cols0 = _cuda.ATTN_MERGE_COLS
+    cols0, many0 = _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY
     scale = D ** -0.5
     bad = 0
     for L in KEYS:
@@ -91,6 +92,8 @@ def run():
             mx.eval(ref)
             for impl in [None] + impls:
                 _cuda.attn_impl, _cuda.ATTN_MERGE_COLS = plan_and_cols(impl, cols0)
+                # an explicit c<DC> also turns off the many-rows rule (attn_merge_cols)
+                _cuda.ATTN_MERGE_COLS_MANY = None if impl and re.search(r"c(\d+|D)$", impl) else many0
                 if impl is not None:
                     marker("setup")
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
@@ -99,7 +102,7 @@ def run():
                 marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     call(lambda q_, k_, v_: K.row_attention(q_, k_, v_, off, scale), q)
-            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS = None, cols0
+            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY = None, cols0, many0
             marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
                 call(lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(

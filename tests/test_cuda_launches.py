@@ -181,6 +181,23 @@ def test_attention_without_merge_is_one_launch_for_benchmarks(launches, monkeypa
     assert launches[0]["output_shapes"][1] == q.shape
 
 
+def test_attention_merge_columns_follow_rows_and_capacity(launches):
+    """The merge's columns a block (launch shape only, the same bits): 32, or 64 for calls of at
+    least 512 query rows on caches up to 4k keys (session 41's H200 times)."""
+    def merge(M, cap, Hq=32, Hkv=8, D=128):
+        launches.clear()
+        q = mx.ones((1, Hq, M, D), mx.bfloat16)
+        kc = mx.zeros((1, Hkv, cap, D), mx.bfloat16)
+        K.row_attention(q, kc, kc, cap - M, D ** -0.5)
+        lc = next(lc for lc in launches if lc["name"] == "row_attn_merge")
+        dc = dict(lc["template"])["DC"]
+        assert lc["grid"][0] == 1 * Hq * M * -(-D // dc) * lc["threadgroup"][0], lc
+        return dc
+    assert [merge(16, cap) for cap in (1024, 2048, 4096)] == [64, 64, 64]
+    assert merge(16, 4097) == 32 and merge(1, 1024) == 32 and merge(8, 2048) == 32
+    assert merge(16, 1024, D=64) == 64 and merge(16, 1024, Hq=8, Hkv=2) == 32    # 128 rows
+
+
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):
     """Where row_attn_wg runs (Hopper, sessions 37-38's H200 times): a group a block (wd4) from 384
     halves of 8 spans (24k keys at 8 KV heads) and past 32 rows a KV head from 256; half blocks from

@@ -73,6 +73,10 @@ for T in (bf, f16, f32):
             for E, MW in ((8, 1), (16, 1), (8, 4), (16, 4), (1, 1), (1, 4)):
                 CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=MW, E=E),
                               dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
+            if D > 64:      # 64 columns a block: many rows on small caches (attn_merge_cols)
+                for E, MW in ((1, 1), (1, 4), (8, 1), (16, 1)):
+                    CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=64, MW=MW, E=E),
+                                  dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes
     for bits in (2, 3, 4, 5, 6, 8):
         CASES.append(("row_expert_qmm", dict(T=T, S=T, K=2048, N=768, E=128, TOPK=8, GS=64,

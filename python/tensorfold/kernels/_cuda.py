@@ -33,6 +33,11 @@ ATTN_MERGE_WARPS_PRE = 1   # for halves or group results (tests: > 1, groups sid
 # the merge was latency-bound on one block per row: 11.6 us at 32k keys, session 6); None: one
 # block per row. Bit-identical either way (row_attention.cu, row_attn_merge).
 ATTN_MERGE_COLS = 32
+# (rows a call from, capacity up to, columns): calls of that many query rows (B * HQ * M) on caches
+# that small take wider merge blocks (session 41, H200, step caches, 16 rows at 32 q heads: 1k / 2k /
+# 4k keys 12.4 / 17.6 / 21.3 -> 11.6 / 16.7 / 20.9 us with 64 columns, one row unchanged; the same
+# bits). None: ATTN_MERGE_COLS everywhere (the benchmarks' and tests' explicit columns).
+ATTN_MERGE_COLS_MANY = (512, 4096, 64)
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
 
 # (input names, output names, file) of each kernel
@@ -722,6 +727,19 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
     return spb, int(m[3]), int(m[5] or ATTN_TCG_BUFFERS), kw
 
 
+def attn_merge_cols(rows: int, cap: int, D: int) -> int:
+    """Columns a row_attn_merge block writes: ATTN_MERGE_COLS (None: the whole row), or
+    ATTN_MERGE_COLS_MANY's columns for calls of many rows on small caches. Launch shape only: every
+    column count gives the same bits (row_attention.cu, row_attn_merge)."""
+    if ATTN_MERGE_COLS is None:
+        return D
+    if ATTN_MERGE_COLS_MANY is not None:
+        r, c, dc = ATTN_MERGE_COLS_MANY
+        if rows >= r and cap <= c:
+            return min(dc, D)
+    return min(ATTN_MERGE_COLS, D)
+
+
 def attention(q, k, v, offset, scale, stream):
     B, HQ, M, D = q.shape
     HKV, cap = k.shape[1], k.shape[2]
@@ -759,7 +777,7 @@ def attention(q, k, v, offset, scale, stream):
     if ATTN_NO_MERGE:
         return outs[1]
     part = outs[0]
-    dc = ATTN_MERGE_COLS or D
+    dc = attn_merge_cols(B * HQ * M, cap, D)
     # warps a merge block: one a group of the capacity, up to 16, for span partials; one for halves
     # or groups, walked 16 at a time (session 37: 16 warps a row at 16 rows, 32k keys, took 19.4 us)
     mw = min(ATTN_MERGE_WARPS if spb == 1 else ATTN_MERGE_WARPS_PRE, -(-cap // (2 * ATTN_HALF_SPANS * span)))
