@@ -16,8 +16,7 @@ a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`, t
 row): "c64", "s4c128", "c32" (the columns before session 41 everywhere).
 
 ATTN_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`, `s41b`): caches as in a decode
-step instead of all cold. Each call reads K / V from its own copy, rotated over copies of at least
-STEP_COLD_BYTES in all (so a copy comes back after the others have pushed it out of the 50 MB L2;
+step instead of all cold. Each call reads K / V from its own copy (gpu_kernel_time.cold_copies;
 the setup's calls and bit checks use the original, which the rotation leaves out),
 and q is written by a kernel right before the call (q + 0), as the step's q/k norm + RoPE writes it.
 So K / V come from HBM, and what the op writes and reads back itself (the span or group partials
@@ -40,24 +39,23 @@ KEYS = [int(v) for v in os.environ.get("ATTN_KEYS", "1024,8192,32768").split(","
 ROWS = [int(v) for v in os.environ.get("ATTN_ROWS", "1,2,4,8,16").split(",")]
 REPS = int(os.environ.get("ATTN_REPS", "5"))
 STEP = os.environ.get("ATTN_CACHE", "cold") == "step"
-STEP_COLD_BYTES = 192e6
 HQ, HKV, D = 32, 8, 128
 
 
-def plan_and_cols(impl, cols0):
+def plan_and_cols(impl, cols0, many0):
     """An ATTN_IMPL entry: a launch plan, optionally with the merge's columns a block as a suffix
-    c<DC> (cD: a whole row a block; the bits do not depend on it): "s4c64", "c128" (the default plan),
-    "wg4". Returns (_cuda.attn_impl, _cuda.ATTN_MERGE_COLS)."""
-    if impl is None:
-        return None, cols0
-    m = re.fullmatch(r"(.*?)(?:c(\d+|D))?", impl)
-    cols = cols0 if m[2] is None else (None if m[2] == "D" else int(m[2]))
-    return (m[1] or None), cols
+    c<DC> (cD: a whole row a block; the bits do not depend on it), which also turns the many-rows
+    rule off: "s4c64", "c128" (the default plan), "wg4". Returns (_cuda.attn_impl,
+    _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY); None: the defaults."""
+    m = re.fullmatch(r"(.*?)(?:c(\d+|D))?", impl or "")
+    if m[2] is None:
+        return (m[1] or None), cols0, many0
+    return (m[1] or None), (None if m[2] == "D" else int(m[2])), None
 
 
 def run():
     import mlx.core as mx
-    from gpu_kernel_time import marker
+    from gpu_kernel_time import cold_copies, marker
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
@@ -69,12 +67,7 @@ def run():
         k = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, HKV, L, D)).astype(mx.bfloat16)
         mx.eval(k, v)
-        kvs = []
-        if STEP:    # copies that each timed call takes in turn, cold when they come back
-            n = max(2, -(-int(STEP_COLD_BYTES) // (2 * k.nbytes)))
-            kvs = [(k + mx.zeros_like(k), v + mx.zeros_like(v)) for _ in range(n)]
-            mx.eval(kvs)
-            mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
+        kvs = cold_copies((k, v)) if STEP else []     # the setup's calls use k, v themselves
         turn = [0]
 
         def call(fn, q):
@@ -91,9 +84,7 @@ def run():
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
-                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS = plan_and_cols(impl, cols0)
-                # an explicit c<DC> also turns off the many-rows rule (attn_merge_cols)
-                _cuda.ATTN_MERGE_COLS_MANY = None if impl and re.search(r"c(\d+|D)$", impl) else many0
+                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY = plan_and_cols(impl, cols0, many0)
                 if impl is not None:
                     marker("setup")
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())

@@ -38,12 +38,12 @@ STEP = os.environ.get("GEMM_CACHE", "cold") == "step"
 STEP_COLD_BYTES = 192e6
 
 
-def copies(ws):
-    """ws and, with step caches, copies of it (new buffers, same values) of STEP_COLD_BYTES in all."""
-    if not STEP:
-        return [ws]
+def cold_copies(ws):
+    """Step caches (GEMM_CACHE / ATTN_CACHE=step): copies of the arrays ws (new buffers, same values),
+    at least two and STEP_COLD_BYTES in all, for timed calls to take in turn, so each copy comes back
+    after the others have pushed it out of the 50 MB L2; L2 is flushed once they are made."""
     n = max(2, -(-int(STEP_COLD_BYTES) // sum(a.nbytes for a in ws)))
-    out = [ws] + [tuple(a + mx.zeros_like(a) for a in ws) for _ in range(n - 1)]
+    out = [tuple(a + mx.zeros_like(a) for a in ws) for _ in range(n)]
     mx.eval(out)
     mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
     return out
@@ -91,11 +91,11 @@ def run():
                 wq, s, b = mx.quantize(w, group_size=64, bits=4)
                 s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
                 mx.eval(wq, s, b)
-                ws = copies((wq, s, b))
+                ws = cold_copies((wq, s, b)) if STEP else None
             else:
                 wb = w.astype(mx.bfloat16)
                 mx.eval(wb)
-                ws = copies((wb,))
+                ws = cold_copies((wb,)) if STEP else None
             del w
             turn = 0
             for M in MS:

@@ -127,7 +127,7 @@
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
 #   bash bench/gpu_run.sh s42a          # prepared: 8B decode with the attention merge not launched (timing only)
-#   bash bench/gpu_run.sh s42b          # prepared: the merge's columns a block at 1k-8k keys (same bits), step caches
+#   bash bench/gpu_run.sh s42b          # the merge's columns a block at 1k-8k keys (same bits), step caches (run in part)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -989,10 +989,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s41a)     # session 41: the 4-bit GEMMs with a decode step's caches (GEMM_CACHE=step under ncu --cache-control none:
             # weights rotated over >= 192 MB of copies so they come from HBM, x written right before the call) next to
             # all-cold (ncu's flush before every kernel, x from HBM too), at every M
-    GEMM_MS=${GEMM_MS:-1,2,4,8,16} GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} \
-        GEMM_OPS=qmm GEMM_CACHE=step NCU_CACHE=none gemm_table gemm41step ${GLIMIT:-240}
-    GEMM_MS=${GEMM_MS:-1,2,4,8,16} GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} \
-        GEMM_OPS=qmm gemm_table gemm41cold ${GLIMIT:-240}
+    export GEMM_MS=${GEMM_MS:-1,2,4,8,16} GEMM_OPS=qmm \
+        GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096}
+    GEMM_CACHE=step NCU_CACHE=none gemm_table gemm41step ${GLIMIT:-240}
+    gemm_table gemm41cold ${GLIMIT:-240}
     rm -f "$out"/gemm41*.csv
     ;;
   s41b)     # session 41: the attention with a decode step's caches (ATTN_CACHE=step under ncu --cache-control none: K / V
@@ -1012,9 +1012,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} --decode 128 \
         --repeat ${REPEAT:-3} --no-merge-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/nomerge42a.md"
     ;;
-  s42b)     # prepared in session 41, not yet run: the merge's columns a block (ATTN_MERGE_COLS 32, the default since
-            # session 6, set at 32k keys) at the small caps where 16 rows miss 1.3x: 64 / 128 columns a block with the
-            # default plan, each checked bit for bit against the default (the bits do not depend on it), step caches
+  s42b)     # session 41 (run with ATTN_KEYS=1024,2048,4096 ATTN_ROWS=1,16 ATTN_REPS=3 only): the merge's columns a block
+            # at the small caps where 16 rows miss 1.3x -- 64 / 128 columns (c64 / cD: the many-rows rule off) against
+            # the default (since session 41 64 columns at >= 512 rows up to 4k keys, else 32), each checked bit for bit
+            # (the bits do not depend on it), step caches
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL-c64,cD} TAG=attn42b LIMIT=${LIMIT:-300} bash "$0" attn-rows
     rm -f "$out"/attn42b.csv

@@ -766,7 +766,7 @@ def attention(q, k, v, offset, scale, stream):
         grid = nspan * -(-R // rows) * threads
     else:
         grid = nspan * threads
-    outs = (_kernel(name, smem, True) if ATTN_NO_MERGE else _kernel(name, smem))(
+    outs = _kernel(name, smem, unused_out=ATTN_NO_MERGE)(
         inputs=[q, k, v, offset, _scale_array(scale * LOG2E)],
         template=list(template),
         grid=(grid, B * HKV, 1), threadgroup=(threads, 1, 1),

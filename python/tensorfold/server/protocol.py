@@ -150,27 +150,32 @@ def _stop(v) -> list[str] | None:
 # that asks for one gets a 400 naming it instead of a reply that silently lacks it (no logprobs,
 # no tool calls, other sampling than asked). Their neutral values (false, 0, 1, {}, [], "none",
 # "text") are accepted, since many clients send them by default.
+def _is(v, n) -> bool:
+    """v is the number n (a JSON boolean is not a number here)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == n
+
+
 _UNSUPPORTED = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
+    "logprobs": lambda v: v is None or v is False or _is(v, 0),     # chat: a boolean; completions: a count
+    "top_logprobs": lambda v: v is None or _is(v, 0),
     "logit_bias": lambda v: v is None or v == {},
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
+    "presence_penalty": lambda v: v is None or _is(v, 0),
+    "frequency_penalty": lambda v: v is None or _is(v, 0),
+    "repetition_penalty": lambda v: v is None or _is(v, 1),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "echo": lambda v: v in (None, False),
-    "best_of": lambda v: v in (None, 1),
-    "suffix": lambda v: v in (None, ""),
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v in ("none", "auto"),
+    "echo": lambda v: v is None or v is False or _is(v, 0),
+    "best_of": lambda v: v is None or _is(v, 1),
+    "suffix": lambda v: v is None or v == "",
 }
 
 
 def _refuse_unsupported(data: dict) -> None:
     for key, neutral in _UNSUPPORTED.items():
         v = data.get(key)
-        if not (isinstance(v, bool) and key not in ("logprobs", "echo")) and neutral(v):
+        if neutral(v):
             continue
         hint = ("; this server samples with temperature, top_p, top_k, min_p and seed"
                 if key.endswith(("penalty", "bias")) else "")
