@@ -126,8 +126,9 @@
 #   bash bench/gpu_run.sh s41a | s41b   # session 41: 4-bit GEMMs / attention with a decode step's caches (weights, K/V
 #                                       # cold; x, q and the op's own partials in L2); the attention plans under them
 #   bash bench/gpu_run.sh s41c          # session 41: a verify call's wall time by its row count (8B-shaped, 36 layers)
-#   bash bench/gpu_run.sh s42a          # prepared: 8B decode with the attention merge not launched (timing only)
+#   bash bench/gpu_run.sh s42a          # 8B decode with the attention merge not launched (timing only)
 #   bash bench/gpu_run.sh s42b          # the merge's columns a block at 1k-8k keys (same bits), step caches (run in part)
+#   bash bench/gpu_run.sh s42c          # session 42: merge columns 32 vs 64 at 1k-32k keys, 1 / 8 / 16 rows (KEYS)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1006,10 +1007,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         ATTN_ROWS=${ATTN_ROWS:-1,8,16} ATTN_IMPL= TAG=attn41b2 LIMIT=${LIMIT2:-120} bash "$0" attn-rows
     rm -f "$out"/attn41b*.csv
     ;;
-  s42a)     # prepared in session 41, not yet run: the most a merge fused into the attention's partials kernel could
+  s42a)     # session 41, run in session 42: the most a merge fused into the attention's partials kernel could
             # gain in 8B decode -- serial tok/s with the merge not launched (kernels._cuda.ATTN_NO_MERGE: one launch a
             # layer fewer, wrong outputs, timing only) against the default, in one process, next to mlx-lm
-    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} --decode 128 \
+    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} --decode ${DECODE:-128} \
         --repeat ${REPEAT:-3} --no-merge-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/nomerge42a.md"
     ;;
   s42b)     # session 41 (run with ATTN_KEYS=1024,2048,4096 ATTN_ROWS=1,16 ATTN_REPS=3 only): the merge's columns a block
@@ -1019,6 +1020,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL-c64,cD} TAG=attn42b LIMIT=${LIMIT:-300} bash "$0" attn-rows
     rm -f "$out"/attn42b.csv
+    ;;
+  s42c)     # session 42: the merge's columns a block, 32 against 64 (c32 / c64: the many-rows rule off), at 1, 8 and 16
+            # rows, every cap from 1k to 32k keys (KEYS, two calls: 1024,2048,4096,8192 and 12288,16384,24576,32768), step
+            # caches, each checked bit for bit against the default (the bits do not depend on it)
+    ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
+        ATTN_IMPL=${ATTN_IMPL-c32,c64} TAG=attn42c_${KEYS%%,*} LIMIT=${LIMIT:-540} bash "$0" attn-rows
+    rm -f "$out"/attn42c_*.csv
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
