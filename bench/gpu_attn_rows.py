@@ -12,7 +12,7 @@ alone with cold caches (ncu flushes them before each replay). Between cases a ma
 the case. Ours is one call's kernels summed (partials + merge); MLX's is its sdpa (causal past one
 row) summed the same way. ATTN_IMPL=a,b (env) times other row_attention launch plans where the
 kernels module offers them (`_cuda.attn_impl`: "span", "g1" .. "g8"), each against the default's output bit for bit;
-a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`, the many-rows rule off; cD a whole
+a suffix c<DC> also sets the merge's columns a block (`_cuda.ATTN_MERGE_COLS`, the wide-columns rule off; cD a whole
 row): "c64", "s4c128", "c32" (the columns before session 41 everywhere).
 
 ATTN_CACHE=step (with `ncu --cache-control none`; gpu_run.sh `s41a`, `s41b`): caches as in a decode
@@ -44,9 +44,9 @@ HQ, HKV, D = 32, 8, 128
 
 def plan_and_cols(impl, cols0, many0):
     """An ATTN_IMPL entry: a launch plan, optionally with the merge's columns a block as a suffix
-    c<DC> (cD: a whole row a block; the bits do not depend on it), which also turns the many-rows
+    c<DC> (cD: a whole row a block; the bits do not depend on it), which also turns the wide-columns
     rule off: "s4c64", "c128" (the default plan), "wg4". Returns (_cuda.attn_impl,
-    _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY); None: the defaults."""
+    _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE); None: the defaults."""
     m = re.fullmatch(r"(.*?)(?:c(\d+|D))?", impl or "")
     if m[2] is None:
         return (m[1] or None), cols0, many0
@@ -59,7 +59,7 @@ def run():
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
-    cols0, many0 = _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY
+    cols0, many0 = _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE
     scale = D ** -0.5
     bad = 0
     for L in KEYS:
@@ -84,7 +84,7 @@ def run():
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
-                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY = plan_and_cols(impl, cols0, many0)
+                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = plan_and_cols(impl, cols0, many0)
                 if impl is not None:
                     marker("setup")
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
@@ -93,7 +93,7 @@ def run():
                 marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     call(lambda q_, k_, v_: K.row_attention(q_, k_, v_, off, scale), q)
-            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_MANY = None, cols0, many0
+            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = None, cols0, many0
             marker(f"L{L}_M{M}_sdpa")
             for _ in range(REPS):
                 call(lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(

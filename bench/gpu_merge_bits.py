@@ -17,7 +17,7 @@ from tensorfold.kernels import _cuda
 def dump(path):
     out = {}
     st = mx.default_stream(mx.gpu)
-    _cuda.ATTN_MERGE_COLS_MANY = None     # DC exactly as each entry says (32 or D)
+    _cuda.ATTN_MERGE_COLS_WIDE = None     # DC exactly as each entry says (32 or D)
     for (Hq, Hkv, D, dtype) in ((32, 8, 128, mx.bfloat16), (12, 4, 80, mx.float16)):
         for cap in (1000, 2000, 3 * 1024 + 300, 40000):      # MW 1, 2, 4, 16 with span partials
             mx.random.seed(cap + D)

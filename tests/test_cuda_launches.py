@@ -182,8 +182,8 @@ def test_attention_without_merge_is_one_launch_for_benchmarks(launches, monkeypa
 
 
 def test_attention_merge_columns_follow_rows_and_capacity(launches):
-    """The merge's columns a block (launch shape only, the same bits): 32, or 64 for calls of at
-    least 512 query rows on caches up to 4k keys (session 41's H200 times)."""
+    """The merge's columns a block (launch shape only, the same bits): 64 for calls of at least 32
+    query rows on caches up to 8k keys, else 32 (sessions 41-42's H200 times)."""
     def merge(M, cap, Hq=32, Hkv=8, D=128):
         launches.clear()
         q = mx.ones((1, Hq, M, D), mx.bfloat16)
@@ -193,9 +193,10 @@ def test_attention_merge_columns_follow_rows_and_capacity(launches):
         dc = dict(lc["template"])["DC"]
         assert lc["grid"][0] == 1 * Hq * M * -(-D // dc) * lc["threadgroup"][0], lc
         return dc
-    assert [merge(16, cap) for cap in (1024, 2048, 4096)] == [64, 64, 64]
-    assert merge(16, 4097) == 32 and merge(1, 1024) == 32 and merge(8, 2048) == 32
-    assert merge(16, 1024, D=64) == 64 and merge(16, 1024, Hq=8, Hkv=2) == 32    # 128 rows
+    assert [merge(M, cap) for M in (1, 8, 16) for cap in (1024, 8192)] == [64] * 6
+    assert merge(1, 8193) == 32 and merge(16, 32768) == 32
+    assert merge(16, 1024, D=64) == 64 and merge(1, 1024, Hq=8, Hkv=2) == 32     # 8 query rows
+    assert merge(4, 2048, Hq=8, Hkv=2) == 64                                     # 32
 
 
 def test_attention_launch_plan_follows_the_measurements(monkeypatch):

@@ -326,8 +326,8 @@ def test_cuda_mm_cp_pipeline_equals_register_kernel(N, Kd, dtype):
 @pytest.mark.parametrize("D,dtype", [(128, mx.bfloat16), (80, mx.float16), (64, mx.float32),
                                      (256, mx.bfloat16)])
 def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypatch):
-    """row_attn_merge spread over blocks of 32 columns (the default) or 64 (calls of many rows on
-    small caches, ATTN_MERGE_COLS_MANY) gives the bits of one block per row: every block folds the
+    """row_attn_merge spread over blocks of 32 or 64 columns (64: calls of 32+ query rows on
+    small caches, ATTN_MERGE_COLS_WIDE) gives the bits of one block per row: every block folds the
     same (m, l) sequence, each column only its own partials."""
     from tensorfold.kernels import _cuda
     rng = _rng("attn-merge-cols", D, str(dtype))
@@ -339,8 +339,8 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
         monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", None)
         ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
         monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", 32)
-        for many in (None, (1, cap, 64)):       # 32 columns a block; 64 (the many-rows rule, forced)
-            monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS_MANY", many)
+        for many in (None, (1, cap, 64)):       # 32 columns a block; 64 (the wide rule, forced)
+            monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS_WIDE", many)
             got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
             assert np.array_equal(got, ref), (M, off, many)
 

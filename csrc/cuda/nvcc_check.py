@@ -73,8 +73,8 @@ for T in (bf, f16, f32):
             for E, MW in ((8, 1), (16, 1), (8, 4), (16, 4), (1, 1), (1, 4)):
                 CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=32, MW=MW, E=E),
                               dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
-            if D > 64:      # 64 columns a block: many rows on small caches (attn_merge_cols)
-                for E, MW in ((1, 1), (1, 4), (8, 1), (16, 1)):
+            if D > 64:      # 64 columns a block: caches up to 8k keys (attn_merge_cols), MW up to 8 there
+                for E, MW in ((1, 1), (1, 2), (1, 4), (1, 8), (8, 1), (16, 1)):
                     CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=64, DC=64, MW=MW, E=E),
                                   dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
     # row_expert.cu (MoE decode): Qwen3-30B-A3B-like expert shapes

@@ -33,11 +33,15 @@ ATTN_MERGE_WARPS_PRE = 1   # for halves or group results (tests: > 1, groups sid
 # the merge was latency-bound on one block per row: 11.6 us at 32k keys, session 6); None: one
 # block per row. Bit-identical either way (row_attention.cu, row_attn_merge).
 ATTN_MERGE_COLS = 32
-# (rows a call from, capacity up to, columns): calls of that many query rows (B * HQ * M) on caches
-# that small take wider merge blocks (session 41, H200, step caches, 16 rows at 32 q heads: 1k / 2k /
-# 4k keys 12.4 / 17.6 / 21.3 -> 11.6 / 16.7 / 20.9 us with 64 columns, one row unchanged; the same
-# bits). None: ATTN_MERGE_COLS everywhere (the benchmarks' and tests' explicit columns).
-ATTN_MERGE_COLS_MANY = (512, 4096, 64)
+# (rows a call from, capacity up to, columns): calls of at least that many query rows (B * HQ * M) on
+# caches up to that capacity take wider merge blocks. Session 41 (H200, step caches) set 64 columns for
+# 16 rows up to 4k keys; session 42 (s42b / s42c, 32 q / 8 KV heads, D 128) timed 32 against 64 columns
+# at 1, 8 and 16 rows from 1k to 32k keys: 64 was as fast or faster in 12 of 12 cases up to 8k keys
+# (by up to 0.9 us: 1k keys one row 8.4 -> 8.2, 16 rows 12.6 -> 11.9; 4k keys 16 rows 21.5 -> 20.6) and
+# within the runs' spread past it (12k-32k: -0.9 to +0.9 us). Rows below 32 were not timed and keep 32
+# columns. Launch shape only: the same bits (36 of 36 timed variants checked). None: ATTN_MERGE_COLS
+# everywhere (the benchmarks' and tests' explicit columns).
+ATTN_MERGE_COLS_WIDE = (32, 8192, 64)
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
 
 # (input names, output names, file) of each kernel
@@ -729,12 +733,12 @@ def _tcg_plan(impl: str) -> tuple[int, int, int, int]:
 
 def attn_merge_cols(rows: int, cap: int, D: int) -> int:
     """Columns a row_attn_merge block writes: ATTN_MERGE_COLS (None: the whole row), or
-    ATTN_MERGE_COLS_MANY's columns for calls of many rows on small caches. Launch shape only: every
+    ATTN_MERGE_COLS_WIDE's columns for calls of enough rows on caches up to 8k keys. Launch shape only: every
     column count gives the same bits (row_attention.cu, row_attn_merge)."""
     if ATTN_MERGE_COLS is None:
         return D
-    if ATTN_MERGE_COLS_MANY is not None:
-        r, c, dc = ATTN_MERGE_COLS_MANY
+    if ATTN_MERGE_COLS_WIDE is not None:
+        r, c, dc = ATTN_MERGE_COLS_WIDE
         if rows >= r and cap <= c:
             return min(dc, D)
     return min(ATTN_MERGE_COLS, D)
