@@ -129,6 +129,7 @@
 #   bash bench/gpu_run.sh s42a          # 8B decode with the attention merge not launched (timing only)
 #   bash bench/gpu_run.sh s42b          # the merge's columns a block at 1k-8k keys (same bits), step caches (run in part)
 #   bash bench/gpu_run.sh s42c          # session 42: merge columns 32 vs 64 at 1k-32k keys, 1 / 8 / 16 rows (KEYS)
+#   bash bench/gpu_run.sh s42d          # session 42: the GEMM table with untimed calls first, and without (GEMM_WARM)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1027,6 +1028,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \
         ATTN_IMPL=${ATTN_IMPL-c32,c64} TAG=attn42c_${KEYS%%,*} LIMIT=${LIMIT:-540} bash "$0" attn-rows
     rm -f "$out"/attn42c_*.csv
+    ;;
+  s42d)     # session 42: the 4-bit GEMM table with step caches and two untimed calls before every case (GEMM_WARM=2),
+            # then without them (GEMM_WARM=0) on two shapes: is the one-row time of the tables before biased, as the
+            # attention's was (its first case after a setup)?
+    export GEMM_MS=${GEMM_MS:-1,8,16} GEMM_OPS=qmm GEMM_CACHE=step NCU_CACHE=none
+    GEMM_WARM=2 GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} gemm_table gemm42warm ${GLIMIT:-110}
+    GEMM_WARM=0 GEMM_SHAPES=12288x4096,4096x4096 GEMM_MS=1,16 gemm_table gemm42nowarm 60
+    rm -f "$out"/gemm42*.csv
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
