@@ -130,6 +130,7 @@
 #   bash bench/gpu_run.sh s42b          # the merge's columns a block at 1k-8k keys (same bits), step caches (run in part)
 #   bash bench/gpu_run.sh s42c          # session 42: merge columns 32 vs 64 at 1k-32k keys, 1 / 8 / 16 rows (KEYS)
 #   bash bench/gpu_run.sh s42d          # session 42: the GEMM table with untimed calls first, and without (GEMM_WARM)
+#   bash bench/gpu_run.sh s43a          # prepared: the GEMM table, flush vs rotation, RUNS rounds, untimed calls first
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1036,6 +1037,22 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     GEMM_WARM=2 GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096} gemm_table gemm42warm ${GLIMIT:-110}
     GEMM_WARM=0 GEMM_SHAPES=12288x4096,4096x4096 GEMM_MS=1,16 gemm_table gemm42nowarm 60
     rm -f "$out"/gemm42*.csv
+    ;;
+  s43a)     # prepared in session 42, not run: the status of issue 3's GEMM targets under both timing modes, side by side,
+            # with untimed calls first (GEMM_WARM=2): RUNS rounds of the flush table (ncu's L2 flush before every kernel,
+            # one weight buffer) and the rotation table (step caches: weights over >= 192 MB of copies, the issue's method),
+            # M = 1 / 8 / 16 on the five 8B shapes; each table ~65 s. Then the attention at 1k-8k keys, 1 and 16 rows, warm.
+    export GEMM_MS=${GEMM_MS:-1,8,16} GEMM_OPS=qmm GEMM_WARM=2
+    export GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288,24576x4096}
+    for r in $(seq ${RUNS:-3}); do
+      gemm_table gemm43flush$r ${GLIMIT:-110}
+      GEMM_CACHE=step NCU_CACHE=none gemm_table gemm43rot$r ${GLIMIT:-110}
+    done
+    for f in "$out"/gemm43flush*.md "$out"/gemm43rot*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done > "$out/gemm43all.txt"
+    tail -3 "$out"/gemm43*.err > "$out/gemm43err.txt" 2>&1
+    rm -f "$out"/gemm43*.csv "$out"/gemm43flush* "$out"/gemm43rot*      # at most 8 files come back
+    [ -n "${NO_ATTN:-}" ] || { ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192} ATTN_ROWS=1,16 \
+        ATTN_IMPL= TAG=attn43a LIMIT=${ALIMIT:-120} bash "$0" attn-rows; rm -f "$out"/attn43a.csv; }
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
