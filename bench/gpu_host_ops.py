@@ -15,6 +15,33 @@ import time
 import mlx.core as mx
 
 
+def text_chains(x):
+    """One custom kernel (a copy) with kernel texts of three sizes: MLX's CustomKernel::eval_gpu
+    hashes the whole text at every launch (std::hash: 1.4 us for 11 KB on the 2-core CI host), and
+    our 4-bit GEMMs' texts are ~11 KB. The third keeps the 11 KB in a file that the text includes
+    by its absolute path: if NVRTC takes that and the host time drops, kernel bodies could move
+    to files (session 42's question; its answer here needs the device)."""
+    import os
+    import tempfile
+    pad = "".join(f"#define TF_PAD_{i} {i}\n" for i in range(500))        # ~11 KB of text
+    path = os.path.join(tempfile.mkdtemp(prefix="tf_text_"), "tf_pad.cuh")
+    with open(path, "w") as f:
+        f.write(pad)
+    body = ("unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+            "if (i < 2048) out[i] = a[i];\n")
+
+    def kern(name, header):
+        k = mx.fast.cuda_kernel(name=name, input_names=["a"], output_names=["out"], source=body,
+                                header=header)
+        return lambda t: k(inputs=[t], grid=(t.shape[1], 1, 1), threadgroup=(256, 1, 1),
+                           output_shapes=[t.shape], output_dtypes=[t.dtype])[0]
+    return {
+        "custom: copy, text ~0.3 KB": (x, kern("tf_text_small", "")),
+        "custom: copy, text ~11 KB": (x, kern("tf_text_big", pad)),
+        "custom: copy, 11 KB by absolute #include": (x, kern("tf_text_incl", f'#include "{path}"\n')),
+    }
+
+
 def chains():
     from tensorfold import kernels as K
     from tensorfold.kernels import moe as KM
@@ -35,6 +62,7 @@ def chains():
         return y.reshape(1, -1)[:, :2048] if y.size >= 2048 else y
 
     return {
+        **text_chains(x),
         "add (binary)": (x, lambda t: t + x),
         "astype x2 (2 kernels)": (x, lambda t: t.astype(mx.float32).astype(mx.bfloat16)),
         "rms_norm": (x, lambda t: mx.fast.rms_norm(t, norm, 1e-6)),
@@ -53,11 +81,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--only", default="", help="run the chains whose name holds this text (e.g. 'text')")
     args = ap.parse_args()
     print(f"# host time per op, chains of {args.n}, median of {args.reps}; {mx.default_device()}")
     print("| op (one kernel unless said) | host us per chain link (async_eval) | graph build us per link |")
     print("|---|---:|---:|")
     for name, (x0, f) in chains().items():
+        if args.only not in name:
+            continue
         launch, build = [], []
         for r in range(args.reps + 1):
             mx.synchronize()

@@ -131,6 +131,7 @@
 #   bash bench/gpu_run.sh s42c          # session 42: merge columns 32 vs 64 at 1k-32k keys, 1 / 8 / 16 rows (KEYS)
 #   bash bench/gpu_run.sh s42d          # session 42: the GEMM table with untimed calls first, and without (GEMM_WARM)
 #   bash bench/gpu_run.sh s43a          # prepared: the GEMM table, flush vs rotation, RUNS rounds, untimed calls first
+#   bash bench/gpu_run.sh s43b          # prepared: host time a launch by kernel text size (and by absolute #include)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1053,6 +1054,11 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     rm -f "$out"/gemm43*.csv "$out"/gemm43flush* "$out"/gemm43rot*      # at most 8 files come back
     [ -n "${NO_ATTN:-}" ] || { ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192} ATTN_ROWS=1,16 \
         ATTN_IMPL= TAG=attn43a LIMIT=${ALIMIT:-120} bash "$0" attn-rows; rm -f "$out"/attn43a.csv; }
+    ;;
+  s43b)     # prepared in session 42, not run: what the kernel text's size costs at each launch (MLX hashes the whole
+            # text in CustomKernel::eval_gpu): one copy kernel with a ~0.3 KB text, an ~11 KB text (our 4-bit GEMMs'
+            # size) and the 11 KB by an absolute #include (does NVRTC take it?), MLX host time a launch
+    timeout ${LIMIT:-120} python3 bench/gpu_host_ops.py --only text --n 400 --reps 7 2>&1 | tee "$out/host43b.md" | tail -6
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
