@@ -43,14 +43,14 @@ STEP = os.environ.get("ATTN_CACHE", "cold") == "step"
 HQ, HKV, D = 32, 8, 128
 
 
-def plan_and_cols(impl, cols0, many0):
+def plan_and_cols(impl, cols0, wide0):
     """An ATTN_IMPL entry: a launch plan, optionally with the merge's columns a block as a suffix
     c<DC> (cD: a whole row a block; the bits do not depend on it), which also turns the wide-columns
     rule off: "s4c64", "c128" (the default plan), "wg4". Returns (_cuda.attn_impl,
     _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE); None: the defaults."""
     m = re.fullmatch(r"(.*?)(?:c(\d+|D))?", impl or "")
     if m[2] is None:
-        return (m[1] or None), cols0, many0
+        return (m[1] or None), cols0, wide0
     return (m[1] or None), (None if m[2] == "D" else int(m[2])), None
 
 
@@ -60,7 +60,7 @@ def run():
     from tensorfold import kernels as K
     from tensorfold.kernels import _cuda
     impls = [v for v in os.environ.get("ATTN_IMPL", "").split(",") if v]
-    cols0, many0 = _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE
+    cols0, wide0 = _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE
     scale = D ** -0.5
     bad = 0
     for L in KEYS:
@@ -85,7 +85,7 @@ def run():
             ref = K.row_attention(q, k, v, off, scale)
             mx.eval(ref)
             for impl in [None] + impls:
-                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = plan_and_cols(impl, cols0, many0)
+                _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = plan_and_cols(impl, cols0, wide0)
                 marker("setup")
                 if impl is not None:
                     same = bool(mx.array_equal(K.row_attention(q, k, v, off, scale), ref).item())
@@ -99,7 +99,7 @@ def run():
                 marker(f"L{L}_M{M}_{(impl or 'ours').replace('.', 'b')}")
                 for _ in range(REPS):
                     call(lambda q_, k_, v_: K.row_attention(q_, k_, v_, off, scale), q)
-            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = None, cols0, many0
+            _cuda.attn_impl, _cuda.ATTN_MERGE_COLS, _cuda.ATTN_MERGE_COLS_WIDE = None, cols0, wide0
             sdpa = lambda q_, k_, v_: mx.fast.scaled_dot_product_attention(  # noqa: E731
                 q_, k_, v_, scale=scale, mask="causal" if M > 1 else None)
             marker("setup")

@@ -39,7 +39,7 @@ ATTN_MERGE_COLS = 32
 # at 1, 8 and 16 rows from 1k to 32k keys: 64 was as fast or faster in 12 of 12 cases up to 8k keys
 # (by up to 0.9 us: 1k keys one row 8.4 -> 8.2, 16 rows 12.6 -> 11.9; 4k keys 16 rows 21.5 -> 20.6) and
 # within the runs' spread past it (12k-32k: -0.9 to +0.9 us). Rows below 32 were not timed and keep 32
-# columns. Launch shape only: the same bits (36 of 36 timed variants checked). None: ATTN_MERGE_COLS
+# columns. Launch shape only: the same bits (108 of 108 timed variants checked). None: ATTN_MERGE_COLS
 # everywhere (the benchmarks' and tests' explicit columns).
 ATTN_MERGE_COLS_WIDE = (32, 8192, 64)
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory per block, the default limit
