@@ -50,6 +50,34 @@ def ours_run(eng, prompt, n_decode, draft):
                 per_round=st.completion_tokens / max(1, st.completion_tokens - st.accepted))
 
 
+def _fresh_kernels(eng):
+    """Kernels and the compiled step made again at their next use (after a setting they read changed)."""
+    from tensorfold.kernels import _cuda
+    _cuda._kernel.cache_clear()
+    _cuda._file_kernel.cache_clear()
+    eng.model.__dict__.pop("_exact_step", None)
+
+
+def _no_merge(on, eng):
+    """The attention merge not launched (kernels._cuda.ATTN_NO_MERGE: wrong outputs, timing only)."""
+    from tensorfold.kernels import _cuda
+    _cuda.ATTN_NO_MERGE = on
+    _fresh_kernels(eng)
+
+
+def _text_file(on, eng):
+    """TENSORFOLD_CUDA_TEXT=file: the same operations from short kernel texts."""
+    import os
+    if on:
+        _text_file.saved = os.environ.get("TENSORFOLD_CUDA_TEXT")
+        os.environ["TENSORFOLD_CUDA_TEXT"] = "file"
+    elif _text_file.saved is None:
+        os.environ.pop("TENSORFOLD_CUDA_TEXT", None)
+    else:
+        os.environ["TENSORFOLD_CUDA_TEXT"] = _text_file.saved
+    _fresh_kernels(eng)
+
+
 def med(runs, key):
     return statistics.median(r[key] for r in runs)
 
@@ -75,6 +103,9 @@ def main(argv=None):
     ap.add_argument("--no-merge-too", action="store_true",
                     help="CUDA, timing only: also time serial decode with the attention merge not launched "
                          "(kernels._cuda.ATTN_NO_MERGE: wrong outputs), the most a fused merge could gain")
+    ap.add_argument("--text-file-too", action="store_true",
+                    help="CUDA: also time serial decode with TENSORFOLD_CUDA_TEXT=file (kernel bodies in files "
+                         "the texts include: MLX hashes a short text at every launch; the same operations)")
     ap.add_argument("--no-drafted", action="store_true",
                     help="skip the drafted runs (their column then repeats nothing: '-')")
     args = ap.parse_args(argv)
@@ -93,13 +124,18 @@ def main(argv=None):
     ref, tok = mlx_lm.load(str(path))
     tok._eos_token_ids = set()   # decode the full length on both sides
     vocab = eng.model.cfg.vocab_size
+    variants = {}
+    if args.no_merge_too:
+        variants["no merge (timing only)"] = _no_merge
+    if args.text_file_too:
+        variants["kernel texts in files"] = _text_file
     print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}"
           f"  serial decode={'host' if args.host_decode else 'pipelined'}")
     print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "
           "| ours drafted | accept | tok/call | peak GB mlx-lm | ours |" + ((" ours serial, eager step |" if eng.model.uses_compiled_step() else " ours serial, compiled step |") if args.other_step else "")
-          + (" ours serial, no merge (timing only) | ratio |" if args.no_merge_too else ""))
+          + "".join(f" ours serial, {label} | ratio |" for label in variants))
     print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.other_step else "")
-          + ("---|---|" if args.no_merge_too else ""))
+          + "---|---|" * len(variants))
     rng = np.random.default_rng(0)
     for n in [int(x) for x in args.prompts.split(",")]:
         if args.copy_prompt:
@@ -110,25 +146,23 @@ def main(argv=None):
         # warm up both (compilation, allocation)
         mlx_lm_run(ref, tok, prompt[:64], 4)
         ours_run(eng, prompt[:64], 4, False)
-        ref_runs, ser_runs, dr_runs, other_runs, nm_runs = [], [], [], [], []
+        ref_runs, ser_runs, dr_runs, other_runs = [], [], [], []
+        var_runs = {label: [] for label in variants}
         for _ in range(args.repeat):
             ref_runs.append(mlx_lm_run(ref, tok, prompt, args.decode))
             ser_runs.append(ours_run(eng, prompt, args.decode, False))
             if not args.no_drafted:
                 dr_runs.append(ours_run(eng, prompt, args.decode, True))
-            if args.no_merge_too:
-                from tensorfold.kernels import _cuda
-                _cuda.ATTN_NO_MERGE = True
-                # trace the step again with the flag, outside the timed run: it is traced per (rows, KV
-                # capacity), and the capacity follows the prompt and max_tokens, so the warm-up is the
+            for label, switch in variants.items():
+                # trace the step again under the variant, outside the timed run: it is traced per (rows,
+                # KV capacity), and the capacity follows the prompt and max_tokens, so the warm-up is the
                 # same request (a shorter one left the trace in the timed prefill: session 42)
-                eng.model.__dict__.pop("_exact_step", None)
+                switch(True, eng)
                 try:
                     ours_run(eng, prompt, args.decode, False)
-                    nm_runs.append(ours_run(eng, prompt, args.decode, False))
+                    var_runs[label].append(ours_run(eng, prompt, args.decode, False))
                 finally:
-                    _cuda.ATTN_NO_MERGE = False
-                    eng.model.__dict__.pop("_exact_step", None)
+                    switch(False, eng)
                     ours_run(eng, prompt, args.decode, False)   # and back, before the next timed run
             if args.other_step:
                 eng.model.compiled_decode = not eng.model.uses_compiled_step()
@@ -138,7 +172,8 @@ def main(argv=None):
                     del eng.model.compiled_decode
         print(f"# {n}: decode tok/s per run: mlx-lm " + " ".join(f"{r['decode_tps']:.1f}" for r in ref_runs)
               + ", ours serial " + " ".join(f"{r['decode_tps']:.1f}" for r in ser_runs)
-              + ("".join(f", no merge " + " ".join(f"{r['decode_tps']:.1f}" for r in nm_runs)) if nm_runs else ""),
+              + "".join(f", {label} " + " ".join(f"{r['decode_tps']:.1f}" for r in runs)
+                        for label, runs in var_runs.items()),
               file=sys.stderr)
         rp, op = med(ref_runs, "prompt_tps"), med(ser_runs, "prompt_tps")
         rd, od = med(ref_runs, "decode_tps"), med(ser_runs, "decode_tps")
@@ -147,7 +182,8 @@ def main(argv=None):
         print(f"| {n} | {rp:.0f} | {op:.0f} | {op / rp:.2f} | {rd:.1f} | {od:.1f} | {od / rd:.2f} | {dr} | "
               f"{med(ref_runs, 'peak_gb'):.2f} | {med(ser_runs, 'peak_gb'):.2f} |"
               + (f" {med(other_runs, 'decode_tps'):.1f} |" if other_runs else "")
-              + (f" {med(nm_runs, 'decode_tps'):.1f} | {med(nm_runs, 'decode_tps') / od:.3f} |" if nm_runs else ""),
+              + "".join(f" {med(runs, 'decode_tps'):.1f} | {med(runs, 'decode_tps') / od:.3f} |"
+                        for runs in var_runs.values()),
               flush=True)
 
 

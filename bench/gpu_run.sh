@@ -132,6 +132,7 @@
 #   bash bench/gpu_run.sh s42d          # session 42: the GEMM table with untimed calls first, and without (GEMM_WARM)
 #   bash bench/gpu_run.sh s43a          # prepared: the GEMM table, flush vs rotation, RUNS rounds, untimed calls first
 #   bash bench/gpu_run.sh s43b          # prepared: host time a launch by kernel text size (and by absolute #include)
+#   bash bench/gpu_run.sh s43c          # prepared: kernel texts in files (TENSORFOLD_CUDA_TEXT=file): tests, 8B decode
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1059,6 +1060,16 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # text in CustomKernel::eval_gpu): one copy kernel with a ~0.3 KB text, an ~11 KB text (our 4-bit GEMMs'
             # size) and the 11 KB by an absolute #include (does NVRTC take it?), MLX host time a launch
     timeout ${LIMIT:-120} python3 bench/gpu_host_ops.py --only text --n 400 --reps 7 2>&1 | tee "$out/host43b.md" | tail -6
+    ;;
+  s43c)     # prepared in session 42, not run: TENSORFOLD_CUDA_TEXT=file (kernel bodies in files the texts include by
+            # absolute path; nvcc_check --ptx-hash --text-file: the inline PTX for 534 of 550 cases). First s43b (does
+            # NVRTC take the include, what does a text's size cost a launch), then a kernel test subset in file mode, then
+            # 8B decode with and without it in one process (bench_engine --text-file-too)
+    bash "$0" s43b
+    TENSORFOLD_CUDA_TEXT=file timeout ${TLIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "cuda_attention_merge or cuda_fused_qk or (cuda_cp_pipeline and 1152-384-64) or (row_exact and cuda)" 2>&1 | tail -4
+    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} \
+        --decode ${DECODE:-256} --repeat ${REPEAT:-5} --text-file-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43c.md"
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)

@@ -49,3 +49,46 @@ def test_every_cuda_kernel_finds_its_helpers():
             assert re.search(rf"(?:\b{ident}\s*(?:<[^()]*>)?\s*\(|#define {ident}\b|struct {ident}\b)",
                              header), (name, ident)
         assert len(text) < 13500, (name, len(text))    # the longest: row_attn_wg, 13.2 KB (MLX hashes it every launch)
+
+
+def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
+    """TENSORFOLD_CUDA_TEXT=file: the text MLX gets (and hashes at every launch) is the include of a
+    file holding the pruned header and the body as tf_body_<name>, plus one call passing the
+    kernel's parameters and template constants; the file is written once, under
+    TENSORFOLD_CACHE_DIR. (Its machine code: test_cuda_compiles.py.)"""
+    import mlx.core as mx
+    from tensorfold.kernels import _cuda
+    from tensorfold.kernels._sources import kernel_text
+    made = []
+
+    def fake_kernel(**kw):
+        made.append(kw)
+        return lambda **call: call
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", "file")
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
+    _cuda._kernel.cache_clear()
+    _cuda._file_kernel.cache_clear()
+    try:
+        tmpl = [("T", mx.bfloat16), ("D", 128), ("SPAN", 64), ("DC", 32), ("MW", 1), ("E", 1)]
+        for _ in range(2):
+            _cuda._kernel("row_attn_merge", 0)(template=tmpl, grid=(1, 1, 1))
+        tmpl2 = [("T", mx.bfloat16), ("H", 32), ("HK", 8), ("HD", 128), ("NORM", True)]
+        _cuda._kernel("qk_norm_rope_kv", 0)(template=tmpl2, grid=(1, 1, 1))
+    finally:
+        _cuda._kernel.cache_clear()
+        _cuda._file_kernel.cache_clear()
+    assert len(made) == 2                       # one kernel a template signature, made once
+    header, body = kernel_text("cuda", "row_attention.cu", "row_attn_merge")
+    k = made[0]
+    path = k["header"].split('"')[1]
+    assert k["header"] == f'#include "{path}"\n' and path.startswith(str(tmp_path.resolve()))
+    text = open(path).read()
+    assert text.startswith(header) and body in text
+    assert "template <typename T, int D, int SPAN, int DC, int MW, int E," in text
+    assert "__device__ __forceinline__ void tf_body_row_attn_merge(" in text
+    assert k["source"].startswith("tf_body_row_attn_merge<T, D, SPAN, DC, MW, E>(part, part_shape, offset,")
+    assert len(k["header"]) + len(k["source"]) < (len(header) + len(body)) // 4
+    q = made[1]["source"]                       # inputs whose shapes the body reads pass them on
+    assert "qkv, qkv_shape" in q and "kc, kc_shape" in q and "<T, H, HK, HD, NORM>" in q
+    assert len(list(tmp_path.rglob("*.cuh"))) == 2

@@ -12,7 +12,7 @@ import re
 
 import mlx.core as mx
 
-from ._sources import kernel_text
+from ._sources import body_file_text, cuda_text_mode, kernel_text, written_once
 
 _CUDA_TYPES = {
     mx.float32: "float",
@@ -88,7 +88,14 @@ _KERNELS = {
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, shared_memory: int, unused_out: bool = False):
-    """unused_out (ATTN_NO_MERGE, benchmarks only): one more output, which the body never writes."""
+    """unused_out (ATTN_NO_MERGE, benchmarks only): one more output, which the body never writes.
+    Under TENSORFOLD_CUDA_TEXT=file (_sources.body_file_text) a callable with the kernel's interface
+    that makes one kernel a template signature."""
+    if cuda_text_mode() == "file":
+        def call(*, template=(), **kw):
+            kinds = tuple((k, _template_kind(v)) for k, v in template)
+            return _file_kernel(name, shared_memory, unused_out, kinds)(template=template, **kw)
+        return call
     inputs, outputs, filename = _KERNELS[name]
     header, body = kernel_text("cuda", filename, name)
     return mx.fast.cuda_kernel(
@@ -97,6 +104,28 @@ def _kernel(name: str, shared_memory: int, unused_out: bool = False):
         output_names=outputs + (["unused_out"] if unused_out else []),
         source=body,
         header=header,
+        ensure_row_contiguous=True,
+        shared_memory=shared_memory,
+    )
+
+
+def _template_kind(v) -> str:
+    return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "type"
+
+
+@functools.lru_cache(maxsize=None)
+def _file_kernel(name: str, shared_memory: int, unused_out: bool, kinds: tuple):
+    """The kernel in file mode: MLX's text includes the file by its absolute path and calls the body."""
+    inputs, outputs, filename = _KERNELS[name]
+    outputs = outputs + (["unused_out"] if unused_out else [])
+    header, body = kernel_text("cuda", filename, name)
+    text, call = body_file_text(name, header, body, inputs, outputs, list(kinds))
+    return mx.fast.cuda_kernel(
+        name=f"tf_{name}" + ("_nm" if unused_out else ""),
+        input_names=inputs,
+        output_names=outputs,
+        source=call,
+        header=f'#include "{written_once(text, "tf_" + name)}"\n',
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
@@ -1065,15 +1094,20 @@ def moe_route(logits, k, normalize, stream):
 # ---------------------------------------------------------------- offline syntax check
 
 def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtypes: dict,
-                      shaped: tuple = ()) -> str:
+                      shaped: tuple = (), text: str = "inline") -> str:
     """The kernel as MLX would generate it, as a plain .cu file for `nvcc -c` checks.
 
     Mirrors mlx/backend/cuda/custom_kernel.cpp: header, then in namespace mlx::core::cu a
     __global__ function with one pointer per input (+ `<name>_shape` if used), one per
-    output, template arguments as constexpr / using lines, then the body.
+    output, template arguments as constexpr / using lines, then the body. text="file": the
+    header and body as TENSORFOLD_CUDA_TEXT=file passes them (the file written to cache_dir()).
     """
     inputs, outputs, filename = _KERNELS[name]
     header, body = kernel_text("cuda", filename, name)
+    if text == "file":
+        ftext, call = body_file_text(name, header, body, inputs, list(outputs),
+                                     [(k, _template_kind(v)) for k, v in template.items()])
+        header, body = f'#include "{written_once(ftext, "tf_" + name)}"\n', call
     prelude = (
         "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
         "#include <cooperative_groups.h>\n"

@@ -171,3 +171,69 @@ def _split(text: str) -> dict[str, str]:
         if current is not None:
             out[current].append(line)
     return {k: "\n".join(v) + "\n" for k, v in out.items()}
+
+
+# ---- CUDA kernel bodies in files (TENSORFOLD_CUDA_TEXT=file; session 42, prepared, not yet run on a GPU) ----
+# MLX's CustomKernel::eval_gpu hashes the kernel's whole text at every launch (std::hash: 1.4 us for the
+# 4-bit GEMMs' ~11 KB on the 2-core CI host). In "file" mode the pruned header and the body go into a file,
+# the body as a device function; the text MLX gets includes that file by its absolute path and calls the
+# function, so it holds the signature MLX writes, its template constants and one call. The operations are
+# the same: `csrc/cuda/nvcc_check.py --text-file --ptx-hash` prints the inline mode's hash for 534 of its 550
+# cases; the other 16 (row_mm_cp with 4 stages at K = 12288, sparse_tc) order some independent address
+# arithmetic differently (diffed on one case of each).
+
+def cuda_text_mode() -> str:
+    mode = os.environ.get("TENSORFOLD_CUDA_TEXT", "inline")
+    if mode not in ("inline", "file"):
+        raise ValueError(f"TENSORFOLD_CUDA_TEXT must be 'inline' or 'file', got {mode!r}")
+    return mode
+
+
+def cache_dir() -> Path:
+    """Where generated kernel files go: TENSORFOLD_CACHE_DIR, else ~/.cache/tensorfold."""
+    base = os.environ.get("TENSORFOLD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tensorfold")
+    return Path(base) / "cuda"
+
+
+def body_file_text(name: str, header: str, body: str, inputs: list[str], outputs: list[str],
+                   kinds: list[tuple[str, str]]) -> tuple[str, str]:
+    """(file text, call) for kernel `name` in file mode. kinds: its template arguments in order, as
+    (name, "type" | "int" | "bool"). The body becomes `tf_body_<name>`, a forced-inline device function
+    in MLX's kernel namespace taking the kernel's parameters by the same names (pointer types
+    deduced; an input's `<n>_shape` by reference where the body reads it) and its template constants
+    as template arguments."""
+    tparams = [f"{'typename' if k == 'type' else k} {n}" for n, k in kinds]
+    params, args = [], []
+    for i, n in enumerate(inputs):
+        tparams.append(f"typename TfIn{i}")
+        params.append(f"const TfIn{i}* {n}")
+        args.append(n)
+        if f"{n}_shape" in body:
+            params.append(f"const Shape& {n}_shape")
+            args.append(f"{n}_shape")
+    for i, n in enumerate(outputs):
+        tparams.append(f"typename TfOut{i}")
+        params.append(f"TfOut{i}* {n}")
+        args.append(n)
+    text = (header + "namespace mlx::core::cu {\n"
+            f"template <{', '.join(tparams)}>\n"
+            f"__device__ __forceinline__ void tf_body_{name}({', '.join(params)}) {{\n"
+            + body + "}\n} // namespace mlx::core::cu\n")
+    targs = ", ".join(n for n, _ in kinds)
+    call = f"tf_body_{name}{f'<{targs}>' if targs else ''}({', '.join(args)});\n"
+    return text, call
+
+
+def written_once(text: str, stem: str) -> Path:
+    """`text` in cache_dir() under a name that holds its hash (written atomically, once)."""
+    import hashlib
+    import tempfile
+    d = cache_dir()
+    path = d / f"{stem}_{hashlib.sha256(text.encode()).hexdigest()[:16]}.cuh"
+    if not path.is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return path.resolve()
