@@ -1025,7 +1025,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         ATTN_IMPL=${ATTN_IMPL-c64,cD} TAG=attn42b LIMIT=${LIMIT:-300} bash "$0" attn-rows
     rm -f "$out"/attn42b.csv
     ;;
-  s42c)     # session 42: the merge's columns a block, 32 against 64 (c32 / c64: the many-rows rule off), at 1, 8 and 16
+  s42c)     # session 42: the merge's columns a block, 32 against 64 (c32 / c64: the wide-columns rule off), at 1, 8 and 16
             # rows, every cap from 1k to 32k keys (KEYS, two calls: 1024,2048,4096,8192 and 12288,16384,24576,32768), step
             # caches, each checked bit for bit against the default (the bits do not depend on it)
     ATTN_CACHE=step NCU_CACHE=none ATTN_REPS=5 ATTN_KEYS=${KEYS:-1024,2048,4096,8192} ATTN_ROWS=${ATTN_ROWS:-1,8,16} \

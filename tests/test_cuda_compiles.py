@@ -32,8 +32,8 @@ def test_a_failing_case_in_a_batch_is_named(tmp_path, monkeypatch):
     cases = [(i, c) for i, c in enumerate(check.CASES) if c[0] == "moe_route"][:3]
     real = check.standalone_source
 
-    def source(name, tmpl, *args):
-        src = real(name, tmpl, *args)
+    def source(name, tmpl, *args, **kw):
+        src = real(name, tmpl, *args, **kw)
         if tmpl == cases[1][1][1]:
             src = src.replace("} // namespace mlx::core::cu",
                               "static_assert(false, \"bad\");\n} // namespace mlx::core::cu")

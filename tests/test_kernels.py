@@ -339,10 +339,10 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
         monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", None)
         ref = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
         monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS", 32)
-        for many in (None, (1, cap, 64)):       # 32 columns a block; 64 (the wide rule, forced)
-            monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS_WIDE", many)
+        for wide in (None, (1, cap, 64)):       # 32 columns a block; 64 (the wide rule, forced)
+            monkeypatch.setattr(_cuda, "ATTN_MERGE_COLS_WIDE", wide)
             got = bits(K.row_attention(q, k, v, off, D ** -0.5, stream=st))
-            assert np.array_equal(got, ref), (M, off, many)
+            assert np.array_equal(got, ref), (M, off, wide)
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's attention launch plans")

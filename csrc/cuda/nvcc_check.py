@@ -251,7 +251,7 @@ def _compile(tmp, idx, case, ptx, verbose, text="inline"):
     name, tmpl, ins, outs = case
     path = os.path.join(tmp, f"k{idx}.cu")
     with open(path, "w") as f:
-        f.write(standalone_source(name, tmpl, ins, outs, **({"text": text} if text != "inline" else {})))
+        f.write(standalone_source(name, tmpl, ins, outs, text=text))
     cmd = ["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-ptx" if ptx else "-c", path, "-o", path + ".o"]
     if verbose:
         cmd.append("-Xptxas=-v")

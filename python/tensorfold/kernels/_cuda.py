@@ -86,49 +86,53 @@ _KERNELS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(name: str, shared_memory: int, unused_out: bool = False):
-    """unused_out (ATTN_NO_MERGE, benchmarks only): one more output, which the body never writes.
-    Under TENSORFOLD_CUDA_TEXT=file (_sources.body_file_text) a callable with the kernel's interface
-    that makes one kernel a template signature."""
-    if cuda_text_mode() == "file":
-        def call(*, template=(), **kw):
-            kinds = tuple((k, _template_kind(v)) for k, v in template)
-            return _file_kernel(name, shared_memory, unused_out, kinds)(template=template, **kw)
-        return call
-    inputs, outputs, filename = _KERNELS[name]
+def _texts(name: str, outputs: list[str], kinds: tuple | None = None) -> tuple[str, str]:
+    """(header, source) MLX gets for kernel `name`: the pruned header and the body (kinds None), or
+    TENSORFOLD_CUDA_TEXT=file's include of a file holding both and one call (kinds: the template
+    arguments' (name, kind) in order; _sources.body_file_text)."""
+    inputs, _, filename = _KERNELS[name]
     header, body = kernel_text("cuda", filename, name)
+    if kinds is None:
+        return header, body
+    text, call = body_file_text(name, header, body, inputs, outputs, list(kinds))
+    return f'#include "{written_once(text, "tf_" + name)}"\n', call
+
+
+def _make(name: str, shared_memory: int, unused_out: bool, kinds: tuple | None = None):
+    inputs, outputs, _ = _KERNELS[name]
+    outputs = outputs + (["unused_out"] if unused_out else [])
+    header, source = _texts(name, outputs, kinds)
     return mx.fast.cuda_kernel(
         name=f"tf_{name}" + ("_nm" if unused_out else ""),
         input_names=inputs,
-        output_names=outputs + (["unused_out"] if unused_out else []),
-        source=body,
+        output_names=outputs,
+        source=source,
         header=header,
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
 
 
-def _template_kind(v) -> str:
-    return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "type"
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, shared_memory: int, unused_out: bool = False):
+    """unused_out (ATTN_NO_MERGE, benchmarks only): one more output, which the body never writes.
+    Under TENSORFOLD_CUDA_TEXT=file a callable with the kernel's interface that makes one kernel a
+    template signature (the file's device function takes the template arguments by kind)."""
+    if cuda_text_mode() == "file":
+        def call(*, template=(), **kw):
+            kinds = tuple((k, _template_kind(v)) for k, v in template)
+            return _file_kernel(name, shared_memory, unused_out, kinds)(template=template, **kw)
+        return call
+    return _make(name, shared_memory, unused_out)
 
 
 @functools.lru_cache(maxsize=None)
 def _file_kernel(name: str, shared_memory: int, unused_out: bool, kinds: tuple):
-    """The kernel in file mode: MLX's text includes the file by its absolute path and calls the body."""
-    inputs, outputs, filename = _KERNELS[name]
-    outputs = outputs + (["unused_out"] if unused_out else [])
-    header, body = kernel_text("cuda", filename, name)
-    text, call = body_file_text(name, header, body, inputs, outputs, list(kinds))
-    return mx.fast.cuda_kernel(
-        name=f"tf_{name}" + ("_nm" if unused_out else ""),
-        input_names=inputs,
-        output_names=outputs,
-        source=call,
-        header=f'#include "{written_once(text, "tf_" + name)}"\n',
-        ensure_row_contiguous=True,
-        shared_memory=shared_memory,
-    )
+    return _make(name, shared_memory, unused_out, kinds)
+
+
+def _template_kind(v) -> str:
+    return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "type"
 
 
 def _rows_per_block(dtype) -> int:
@@ -1102,12 +1106,9 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
     output, template arguments as constexpr / using lines, then the body. text="file": the
     header and body as TENSORFOLD_CUDA_TEXT=file passes them (the file written to cache_dir()).
     """
-    inputs, outputs, filename = _KERNELS[name]
-    header, body = kernel_text("cuda", filename, name)
-    if text == "file":
-        ftext, call = body_file_text(name, header, body, inputs, list(outputs),
-                                     [(k, _template_kind(v)) for k, v in template.items()])
-        header, body = f'#include "{written_once(ftext, "tf_" + name)}"\n', call
+    inputs, outputs, _ = _KERNELS[name]
+    kinds = tuple((k, _template_kind(v)) for k, v in template.items()) if text == "file" else None
+    header, body = _texts(name, list(outputs), kinds)
     prelude = (
         "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
         "#include <cooperative_groups.h>\n"
