@@ -44,7 +44,7 @@ def ours_run(eng, prompt, n_decode, draft):
                                    sampling=SamplingParams(temperature=0.0))
     wall = time.perf_counter() - t0
     return dict(prompt_tps=len(prompt) / st.prefill_s, decode_tps=st.decode_tps,
-                peak_gb=mx.get_peak_memory() / 1e9, tokens=len(ids), wall=wall,
+                peak_gb=mx.get_peak_memory() / 1e9, tokens=len(ids), wall=wall, ids=list(ids),
                 accept=(st.accepted / st.drafted) if st.drafted else 0.0,
                 # tokens emitted per decode call (each call emits its accepted drafts plus one)
                 per_round=st.completion_tokens / max(1, st.completion_tokens - st.accepted))
@@ -53,8 +53,7 @@ def ours_run(eng, prompt, n_decode, draft):
 def _fresh_kernels(eng):
     """Kernels and the compiled step made again at their next use (after a setting they read changed)."""
     from tensorfold.kernels import _cuda
-    _cuda._kernel.cache_clear()
-    _cuda._file_kernel.cache_clear()
+    _cuda.clear_kernel_caches()     # the launch plans hold kernels too (session 43: they had kept inline ones)
     eng.model.__dict__.pop("_exact_step", None)
 
 
@@ -175,6 +174,11 @@ def main(argv=None):
               + "".join(f", {label} " + " ".join(f"{r['decode_tps']:.1f}" for r in runs)
                         for label, runs in var_runs.items()),
               file=sys.stderr)
+        for label, runs in var_runs.items():
+            if variants[label] is not _no_merge:    # a variant of the same operations: the same tokens
+                same = all(r["ids"] == ser_runs[0]["ids"] for r in runs + ser_runs)
+                print(f"# {n}: {label}: {'the same tokens as' if same else 'OTHER TOKENS THAN'} ours serial",
+                      file=sys.stderr)
         rp, op = med(ref_runs, "prompt_tps"), med(ser_runs, "prompt_tps")
         rd, od = med(ref_runs, "decode_tps"), med(ser_runs, "decode_tps")
         dr = (f"{med(dr_runs, 'decode_tps'):.1f} | {med(dr_runs, 'accept'):.2f} | {med(dr_runs, 'per_round'):.2f}"

@@ -1065,9 +1065,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # absolute path; nvcc_check --ptx-hash --text-file: the inline PTX for 534 of 550 cases). First s43b (does
             # NVRTC take the include, what does a text's size cost a launch), then a kernel test subset in file mode, then
             # 8B decode with and without it in one process (bench_engine --text-file-too)
+    # (session 43: the kernel-test subset's "row_exact and cuda" matched nothing -- those tests are device
+    # agnostic; and bench_engine's switch had left the launch plans' inline kernels in place: fixed first)
     bash "$0" s43b
+    timeout ${TLIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k text_file_mode 2>&1 | tail -4
     TENSORFOLD_CUDA_TEXT=file timeout ${TLIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        -k "cuda_attention_merge or cuda_fused_qk or (cuda_cp_pipeline and 1152-384-64) or (row_exact and cuda)" 2>&1 | tail -4
+        -k "quantized_matmul_row_exact_model_shapes or attention_row_exact or cuda_fused_qk or cuda_attention_merge" 2>&1 | tail -4
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} \
         --decode ${DECODE:-256} --repeat ${REPEAT:-5} --text-file-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43c.md"
     ;;

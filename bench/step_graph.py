@@ -50,11 +50,7 @@ def trace(family: str, layers: int) -> tuple[collections.Counter, collections.Co
         def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
             return stand_in(self.name, inputs, output_shapes, output_dtypes)
 
-    def clear_caches():      # launch plans cache the kernel objects they were made with
-        for f in vars(_cuda).values():
-            if hasattr(f, "cache_clear"):
-                f.cache_clear()
-
+    clear_caches = _cuda.clear_kernel_caches    # launch plans cache the kernel objects they were made with
     clear_caches()
     saved = (_cuda._kernel, _cuda._const_array, K._face_of, K.backend_face, K._gpu_stream, mx.fast.rms_norm)
     _cuda._kernel = lambda name, smem: Kernel(name)

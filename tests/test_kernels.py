@@ -345,6 +345,64 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
             assert np.array_equal(got, ref), (M, off, wide)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's kernel texts")
+def test_cuda_text_file_mode_gives_the_same_bits(tmp_path, monkeypatch):
+    """TENSORFOLD_CUDA_TEXT=file (each kernel's body in a file its short text includes) compiles the
+    same operations: every decode kernel family gives the inline texts' bits -- 4- and 8-bit GEMMs
+    (tensor-core and cp.async faces, 1 / 8 / 16 rows), dense GEMMs, attention (tensor-core and
+    CUDA-core partials, the merge), the fused q/k norm + RoPE, routed experts, sparse attention."""
+    from tensorfold.kernels import _cuda
+    rng = _rng("text-file")
+    st = mx.default_stream(mx.gpu)
+    cases = []
+    for N, Kd, gs, b in ((4096, 4096, 64, 4), (12288, 4096, 64, 4), (4096, 12288, 64, 4),
+                         (1152, 384, 64, 8), (72, 256, 32, 4)):
+        wq, s, bb = make_quantized(rng, N, Kd, gs, b, mx.bfloat16)
+        x = rand(rng, (16, Kd), mx.bfloat16)
+        for M in (1, 8, 16):
+            cases.append(lambda wq=wq, s=s, bb=bb, x=x[:M], gs=gs, b=b:
+                         K.row_quantized_matmul(x, wq, s, bb, gs, b, stream=st))
+    for N, Kd in ((4096, 4096), (72, 256)):
+        w, x = rand(rng, (N, Kd), mx.bfloat16, 0.05), rand(rng, (16, Kd), mx.bfloat16)
+        for M in (1, 16):
+            cases.append(lambda w=w, x=x[:M]: K.row_matmul(x, w, stream=st))
+    for Hq, Hkv, D, dtype in ((32, 8, 128, mx.bfloat16), (8, 2, 80, mx.float16), (8, 2, 64, mx.float32)):
+        cap = 5000
+        k, v = rand(rng, (1, Hkv, cap, D), dtype), rand(rng, (1, Hkv, cap, D), dtype)
+        for M, off in ((1, 4095), (8, 1000), (16, cap - 16)):
+            q = rand(rng, (1, Hq, M, D), dtype)
+            cases.append(lambda q=q, k=k, v=v, off=off, D=D: K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+    qkv = rand(rng, (1, 16, 12 * 128), mx.bfloat16, 2.0)
+    qn, kn = rand(rng, (128,), mx.bfloat16), rand(rng, (128,), mx.bfloat16)
+    inv = mx.array([10000.0 ** (-i / 128) for i in range(0, 128, 2)], dtype=mx.float32)
+    cases.append(lambda qkv=qkv, qn=qn, kn=kn, inv=inv: mx.concatenate(
+        [t.reshape(-1) for t in K.fused_qk_norm_rope(qkv, 8, 2, qn, kn, 1e-6, inv, 1.0, 1000)]))
+    E, N, Kd = 8, 256, 512
+    wq, s, bb = make_quantized(rng, E * N, Kd, 64, 4, mx.bfloat16)
+    wq, s, bb = wq.reshape(E, N, -1), s.reshape(E, N, -1), bb.reshape(E, N, -1)
+    x, ind = rand(rng, (16, Kd), mx.bfloat16), mx.array(np.arange(48).reshape(16, 3) % E, dtype=mx.int32)
+    cases.append(lambda x=x, wq=wq, s=s, bb=bb, ind=ind: K.row_expert_matmul(x, wq, s, bb, ind, 64, 4, stream=st))
+    Hq, Hkv, D, cap = 8, 2, 128, 600
+    q, k, v = (rand(rng, (1, Hq, 4, D), mx.bfloat16), rand(rng, (1, Hkv, cap, D), mx.bfloat16),
+               rand(rng, (1, Hkv, cap, D), mx.bfloat16))
+    sel = np.stack([np.sort(np.random.default_rng(i).choice(500 + i + 1, 64, replace=False)) for i in range(4)])
+    ind = mx.array(sel[None].astype(np.int32))
+    cases.append(lambda q=q, k=k, v=v, ind=ind: K.sparse_attention(q, k, v, ind, 500, D ** -0.5, stream=st))
+
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
+    outs = {}
+    try:
+        for mode in ("inline", "file"):
+            monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", mode)
+            _cuda.clear_kernel_caches()
+            outs[mode] = [bits(run(lambda f=f: f())) for f in cases]
+    finally:
+        _cuda.clear_kernel_caches()
+    assert list(tmp_path.rglob("*.cuh"))                 # file mode did make its files
+    for i, (a, b) in enumerate(zip(outs["inline"], outs["file"])):
+        assert np.array_equal(a, b), i
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's attention launch plans")
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype", [(1, 32, 8, 128, mx.bfloat16), (2, 12, 4, 80, mx.float16),
                                               (1, 8, 1, 64, mx.bfloat16)])

@@ -67,8 +67,7 @@ def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
     monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
     monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", "file")
     monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
-    _cuda._kernel.cache_clear()
-    _cuda._file_kernel.cache_clear()
+    _cuda.clear_kernel_caches()
     try:
         tmpl = [("T", mx.bfloat16), ("D", 128), ("SPAN", 64), ("DC", 32), ("MW", 1), ("E", 1)]
         for _ in range(2):
@@ -76,8 +75,7 @@ def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
         tmpl2 = [("T", mx.bfloat16), ("H", 32), ("HK", 8), ("HD", 128), ("NORM", True)]
         _cuda._kernel("qk_norm_rope_kv", 0)(template=tmpl2, grid=(1, 1, 1))
     finally:
-        _cuda._kernel.cache_clear()
-        _cuda._file_kernel.cache_clear()
+        _cuda.clear_kernel_caches()
     assert len(made) == 2                       # one kernel a template signature, made once
     header, body = kernel_text("cuda", "row_attention.cu", "row_attn_merge")
     k = made[0]
@@ -92,3 +90,30 @@ def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
     q = made[1]["source"]                       # inputs whose shapes the body reads pass them on
     assert "qkv, qkv_shape" in q and "kc, kc_shape" in q and "<T, H, HK, HD, NORM>" in q
     assert len(list(tmp_path.rglob("*.cuh"))) == 2
+
+
+def test_clearing_the_caches_switches_the_launch_plans_to_file_mode(tmp_path, monkeypatch):
+    """The launch plans (_qmm_cp_call and the other *_call caches) hold the kernel they were made
+    with, so switching TENSORFOLD_CUDA_TEXT must clear them too (bench_engine --text-file-too had
+    cleared only the kernel caches: its GEMMs stayed inline). clear_kernel_caches does."""
+    import mlx.core as mx
+    from tensorfold.kernels import _cuda
+    made = []
+
+    def fake_kernel(**kw):
+        made.append(kw)
+        return lambda **call: call
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
+
+    def launch():
+        kern, template, grid, tg, shapes, dtypes = _cuda._qmm_cp_call(mx.bfloat16, mx.bfloat16, 4096, 4096, 64, 1)
+        kern(template=template, grid=grid)
+        return made[-1]["header"]
+    try:
+        for mode, inline in (("inline", True), ("file", False), ("inline", True)):
+            monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", mode)
+            _cuda.clear_kernel_caches()
+            assert launch().startswith("#include") is not inline, mode
+    finally:
+        _cuda.clear_kernel_caches()

@@ -131,6 +131,15 @@ def _file_kernel(name: str, shared_memory: int, unused_out: bool, kinds: tuple):
     return _make(name, shared_memory, unused_out, kinds)
 
 
+def clear_kernel_caches() -> None:
+    """Forget every kernel object and every launch plan holding one (the *_call caches keep the
+    kernel they were made with), so the next launch reads TENSORFOLD_CUDA_TEXT, ATTN_NO_MERGE and
+    the other creation-time settings again. Benchmarks and tests only."""
+    for f in list(globals().values()):
+        if callable(getattr(f, "cache_clear", None)):
+            f.cache_clear()
+
+
 def _template_kind(v) -> str:
     return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "type"
 
