@@ -64,16 +64,18 @@ def _no_merge(on, eng):
     _fresh_kernels(eng)
 
 
-def _text_file(on, eng):
-    """TENSORFOLD_CUDA_TEXT=file: the same operations from short kernel texts."""
+def _other_text(on, eng):
+    """The other CUDA kernel text mode than the one in effect (TENSORFOLD_CUDA_TEXT: "file", the default
+    since session 43, or "inline"): the same operations from another text."""
     import os
+    from tensorfold.kernels._sources import cuda_text_mode
     if on:
-        _text_file.saved = os.environ.get("TENSORFOLD_CUDA_TEXT")
-        os.environ["TENSORFOLD_CUDA_TEXT"] = "file"
-    elif _text_file.saved is None:
+        _other_text.saved = os.environ.get("TENSORFOLD_CUDA_TEXT")
+        os.environ["TENSORFOLD_CUDA_TEXT"] = "inline" if cuda_text_mode() == "file" else "file"
+    elif _other_text.saved is None:
         os.environ.pop("TENSORFOLD_CUDA_TEXT", None)
     else:
-        os.environ["TENSORFOLD_CUDA_TEXT"] = _text_file.saved
+        os.environ["TENSORFOLD_CUDA_TEXT"] = _other_text.saved
     _fresh_kernels(eng)
 
 
@@ -102,9 +104,9 @@ def main(argv=None):
     ap.add_argument("--no-merge-too", action="store_true",
                     help="CUDA, timing only: also time serial decode with the attention merge not launched "
                          "(kernels._cuda.ATTN_NO_MERGE: wrong outputs), the most a fused merge could gain")
-    ap.add_argument("--text-file-too", action="store_true",
-                    help="CUDA: also time serial decode with TENSORFOLD_CUDA_TEXT=file (kernel bodies in files "
-                         "the texts include: MLX hashes a short text at every launch; the same operations)")
+    ap.add_argument("--other-text-too", action="store_true",
+                    help="CUDA: also time serial decode with the other kernel text mode (TENSORFOLD_CUDA_TEXT: "
+                         "inline where files are in effect, the default, else files; the same operations)")
     ap.add_argument("--no-drafted", action="store_true",
                     help="skip the drafted runs (their column then repeats nothing: '-')")
     args = ap.parse_args(argv)
@@ -126,8 +128,9 @@ def main(argv=None):
     variants = {}
     if args.no_merge_too:
         variants["no merge (timing only)"] = _no_merge
-    if args.text_file_too:
-        variants["kernel texts in files"] = _text_file
+    if args.other_text_too:
+        from tensorfold.kernels._sources import cuda_text_mode
+        variants[f"kernel texts {'inline' if cuda_text_mode() == 'file' else 'in files'}"] = _other_text
     print(f"# {path}  device={mx.default_device()}  mlx={mx.__version__}  row_exact={eng.row_exact}  prefill={args.prefill}"
           f"  serial decode={'host' if args.host_decode else 'pipelined'}")
     print("| prompt | mlx-lm prompt tok/s | ours | ratio | mlx-lm decode tok/s | ours serial | ratio "

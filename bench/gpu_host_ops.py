@@ -38,7 +38,7 @@ def text_chains(x):
     return {
         "custom: copy, text ~0.3 KB": (x, kern("tf_text_small", "")),
         "custom: copy, text ~11 KB": (x, kern("tf_text_big", pad)),
-        "custom: copy, 11 KB by absolute #include": (x, kern("tf_text_incl", f'#include "{path}"\n')),
+        "custom: copy, text 11 KB by absolute #include": (x, kern("tf_text_incl", f'#include "{path}"\n')),
     }
 
 

@@ -130,9 +130,10 @@
 #   bash bench/gpu_run.sh s42b          # the merge's columns a block at 1k-8k keys (same bits), step caches (run in part)
 #   bash bench/gpu_run.sh s42c          # session 42: merge columns 32 vs 64 at 1k-32k keys, 1 / 8 / 16 rows (KEYS)
 #   bash bench/gpu_run.sh s42d          # session 42: the GEMM table with untimed calls first, and without (GEMM_WARM)
-#   bash bench/gpu_run.sh s43a          # prepared: the GEMM table, flush vs rotation, RUNS rounds, untimed calls first
-#   bash bench/gpu_run.sh s43b          # prepared: host time a launch by kernel text size (and by absolute #include)
-#   bash bench/gpu_run.sh s43c          # prepared: kernel texts in files (TENSORFOLD_CUDA_TEXT=file): tests, 8B decode
+#   bash bench/gpu_run.sh s43a          # session 43: the GEMM table, flush vs rotation, RUNS rounds, untimed calls first
+#   bash bench/gpu_run.sh s43b          # session 43: host time a launch by kernel text size (and by absolute #include)
+#   bash bench/gpu_run.sh s43c          # session 43: kernel texts in files (then opt-in): tests, 8B decode
+#   bash bench/gpu_run.sh s43d          # session 43: the same after files became the default (against inline)
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1072,7 +1073,17 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     TENSORFOLD_CUDA_TEXT=file timeout ${TLIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         -k "quantized_matmul_row_exact_model_shapes or attention_row_exact or cuda_fused_qk or cuda_attention_merge" 2>&1 | tail -4
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} \
-        --decode ${DECODE:-256} --repeat ${REPEAT:-5} --text-file-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43c.md"
+        --decode ${DECODE:-256} --repeat ${REPEAT:-5} --other-text-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43c.md"
+    ;;
+  s43d)     # session 43, after kernel texts in files became the default: s43b again (its filter had dropped the
+            # include row), the staging tests (cp == tc / register kernel, every staging; row_mm_cp with 4 stages at
+            # K = 12288 is one of nvcc_check's 16 cases whose address arithmetic file mode orders differently) in the
+            # default mode, then 8B decode with the default against inline texts (bench_engine --other-text-too)
+    bash "$0" s43b
+    timeout ${TLIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "cuda_mm_cp_pipeline or cuda_cp_pipeline" 2>&1 | tail -4
+    timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} \
+        --decode ${DECODE:-256} --repeat ${REPEAT:-7} --other-text-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43d.md"
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)

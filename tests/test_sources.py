@@ -3,6 +3,8 @@ uses. MLX hashes the whole text on every launch, so the text is kept short; the 
 is checked to be unchanged by `python csrc/cuda/nvcc_check.py --ptx-hash` (nvcc, no GPU)."""
 import re
 
+import pytest
+
 from tensorfold.kernels import _cuda
 from tensorfold.kernels._sources import kernel_text, minified, pruned
 
@@ -117,3 +119,39 @@ def test_clearing_the_caches_switches_the_launch_plans_to_file_mode(tmp_path, mo
             assert launch().startswith("#include") is not inline, mode
     finally:
         _cuda.clear_kernel_caches()
+
+
+def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch):
+    """Kernel texts in files are the default (session 43). Where the cache directory can't be
+    written, a kernel gets its inline text (the same operations) and the user one warning; a file
+    that does not hold exactly the text its name promises is written again."""
+    import mlx.core as mx
+    from tensorfold.kernels import _cuda
+    from tensorfold.kernels._sources import cuda_text_mode, written_once
+    monkeypatch.delenv("TENSORFOLD_CUDA_TEXT", raising=False)
+    assert cuda_text_mode() == "file"
+    made = []
+
+    def fake_kernel(**kw):
+        made.append(kw)
+        return lambda **call: call
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(_cuda._texts, "warned", False)
+    tmpl = [("T", mx.bfloat16), ("D", 128), ("SPAN", 64), ("DC", 32), ("MW", 1), ("E", 1)]
+    _cuda.clear_kernel_caches()
+    try:
+        with pytest.warns(RuntimeWarning, match="CUDA kernel texts inline"):
+            _cuda._kernel("row_attn_merge", 0)(template=tmpl, grid=(1, 1, 1))
+        _cuda._kernel("qk_norm_rope", 0)(template=[("T", mx.bfloat16), ("H", 32), ("HK", 8), ("HD", 128),
+                                                   ("NORM", True)], grid=(1, 1, 1))   # no second warning
+    finally:
+        _cuda.clear_kernel_caches()
+    header, body = kernel_text("cuda", "row_attention.cu", "row_attn_merge")
+    assert (made[0]["header"], made[0]["source"]) == (header, body)
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "ok"))
+    path = written_once("int a;\n", "tf_x")
+    path.write_text("int b;\n")                 # damaged
+    assert written_once("int a;\n", "tf_x") == path and path.read_text() == "int a;\n"

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import mlx.core as mx
 
-from ._sources import body_file_text, cuda_text_mode, kernel_text, written_once
+from ._sources import body_file_text, cache_dir, cuda_text_mode, kernel_text, written_once
 
 _CUDA_TYPES = {
     mx.float32: "float",
@@ -95,7 +96,18 @@ def _texts(name: str, outputs: list[str], kinds: tuple | None = None) -> tuple[s
     if kinds is None:
         return header, body
     text, call = body_file_text(name, header, body, inputs, outputs, list(kinds))
-    return f'#include "{written_once(text, "tf_" + name)}"\n', call
+    try:
+        path = written_once(text, "tf_" + name)
+    except OSError as e:            # an unwritable cache directory: the inline text, the same bits
+        if not _texts.warned:
+            _texts.warned = True
+            warnings.warn(f"tensorfold: CUDA kernel texts inline (cannot write {cache_dir()}: {e}; "
+                          "set TENSORFOLD_CACHE_DIR)", RuntimeWarning, stacklevel=2)
+        return header, body
+    return f'#include "{path}"\n', call
+
+
+_texts.warned = False
 
 
 def _make(name: str, shared_memory: int, unused_out: bool, kinds: tuple | None = None):

@@ -173,17 +173,21 @@ def _split(text: str) -> dict[str, str]:
     return {k: "\n".join(v) + "\n" for k, v in out.items()}
 
 
-# ---- CUDA kernel bodies in files (TENSORFOLD_CUDA_TEXT=file; session 42, prepared, not yet run on a GPU) ----
-# MLX's CustomKernel::eval_gpu hashes the kernel's whole text at every launch (std::hash: 1.4 us for the
-# 4-bit GEMMs' ~11 KB on the 2-core CI host). In "file" mode the pruned header and the body go into a file,
-# the body as a device function; the text MLX gets includes that file by its absolute path and calls the
-# function, so it holds the signature MLX writes, its template constants and one call. The operations are
-# the same: `csrc/cuda/nvcc_check.py --text-file --ptx-hash` prints the inline mode's hash for 534 of its 550
-# cases; the other 16 (row_mm_cp with 4 stages at K = 12288, sparse_tc) order some independent address
-# arithmetic differently (diffed on one case of each).
+# ---- CUDA kernel bodies in files (the default since session 43; TENSORFOLD_CUDA_TEXT=inline for the old way) ----
+# MLX's CUDA custom kernel builds the kernel's whole source string at every call and hashes it at every
+# launch (mlx/backend/cuda/custom_kernel.cpp: build_kernel, then std::hash of it in eval_gpu); the 4-bit
+# GEMMs' texts are ~11 KB. In "file" mode the pruned header and the body go into a file, the body as a
+# device function; the text MLX gets includes that file by its absolute path and calls the function, so it
+# holds the signature MLX writes, its template constants and one call. The operations are the same:
+# `csrc/cuda/nvcc_check.py --ptx-hash` prints the inline mode's hash (--inline) for 534 of its 550 cases;
+# the other 16 (row_mm_cp with 4 stages at K = 12288, sparse_tc) order some independent address arithmetic
+# differently (diffed on one case of each). On the H200 (session 43): the same bits as inline for every
+# decode kernel family (tests/test_kernels.py::test_cuda_text_file_mode_gives_the_same_bits), the same
+# tokens in 8B decode, and 1.18x / 1.11x decode tok/s at 2k / 16k tokens (docs/benchmarks.md). Where the
+# cache directory cannot be written, kernels fall back to inline texts (the same bits) with one warning.
 
 def cuda_text_mode() -> str:
-    mode = os.environ.get("TENSORFOLD_CUDA_TEXT", "inline")
+    mode = os.environ.get("TENSORFOLD_CUDA_TEXT", "file")
     if mode not in ("inline", "file"):
         raise ValueError(f"TENSORFOLD_CUDA_TEXT must be 'inline' or 'file', got {mode!r}")
     return mode
@@ -225,12 +229,17 @@ def body_file_text(name: str, header: str, body: str, inputs: list[str], outputs
 
 
 def written_once(text: str, stem: str) -> Path:
-    """`text` in cache_dir() under a name that holds its hash (written atomically, once)."""
+    """`text` in cache_dir() under a name that holds its hash (written atomically; an existing file is
+    read back and written again unless it holds exactly `text`). OSError where it cannot be written."""
     import hashlib
     import tempfile
     d = cache_dir()
     path = d / f"{stem}_{hashlib.sha256(text.encode()).hexdigest()[:16]}.cuh"
-    if not path.is_file():
+    try:
+        same = path.read_text() == text
+    except (OSError, UnicodeDecodeError):
+        same = False
+    if not same:
         d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
