@@ -155,3 +155,27 @@ def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch
     path = written_once("int a;\n", "tf_x")
     path.write_text("int b;\n")                 # damaged
     assert written_once("int a;\n", "tf_x") == path and path.read_text() == "int a;\n"
+
+
+def test_a_new_template_instance_finds_its_file_again(tmp_path, monkeypatch):
+    """MLX compiles a file-mode kernel's template instance at its first launch, so a new instance
+    must find the included file even after the cache directory was cleaned under a running server:
+    the first call of each instance writes it again."""
+    import mlx.core as mx
+    from tensorfold.kernels import _cuda
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: (lambda **call: call))
+    monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", "file")
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
+    tmpl = [("T", mx.bfloat16), ("D", 128), ("SPAN", 64), ("DC", 32), ("MW", 1), ("E", 1)]
+    _cuda.clear_kernel_caches()
+    try:
+        _cuda._kernel("row_attn_merge", 0)(template=tmpl, grid=(1, 1, 1))
+        (f,) = tmp_path.rglob("*.cuh")
+        text = f.read_text()
+        f.unlink()                                   # cleaned
+        _cuda._kernel("row_attn_merge", 0)(template=tmpl, grid=(1, 1, 1))
+        assert not f.exists()                        # a known instance: MLX compiled it already
+        _cuda._kernel("row_attn_merge", 0)(template=tmpl[:4] + [("MW", 2), ("E", 1)], grid=(1, 1, 1))
+        assert f.read_text() == text                 # a new one: the same file, written again
+    finally:
+        _cuda.clear_kernel_caches()

@@ -110,9 +110,13 @@ def _texts(name: str, outputs: list[str], kinds: tuple | None = None) -> tuple[s
 _texts.warned = False
 
 
+def _outputs(name: str, unused_out: bool) -> list[str]:
+    return _KERNELS[name][1] + (["unused_out"] if unused_out else [])
+
+
 def _make(name: str, shared_memory: int, unused_out: bool, kinds: tuple | None = None):
-    inputs, outputs, _ = _KERNELS[name]
-    outputs = outputs + (["unused_out"] if unused_out else [])
+    inputs, _, _ = _KERNELS[name]
+    outputs = _outputs(name, unused_out)
     header, source = _texts(name, outputs, kinds)
     return mx.fast.cuda_kernel(
         name=f"tf_{name}" + ("_nm" if unused_out else ""),
@@ -132,8 +136,7 @@ def _kernel(name: str, shared_memory: int, unused_out: bool = False):
     template signature (the file's device function takes the template arguments by kind)."""
     if cuda_text_mode() == "file":
         def call(*, template=(), **kw):
-            kinds = tuple((k, _template_kind(v)) for k, v in template)
-            return _file_kernel(name, shared_memory, unused_out, kinds)(template=template, **kw)
+            return _file_instance(name, shared_memory, unused_out, tuple(template))(template=template, **kw)
         return call
     return _make(name, shared_memory, unused_out)
 
@@ -141,6 +144,17 @@ def _kernel(name: str, shared_memory: int, unused_out: bool = False):
 @functools.lru_cache(maxsize=None)
 def _file_kernel(name: str, shared_memory: int, unused_out: bool, kinds: tuple):
     return _make(name, shared_memory, unused_out, kinds)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_instance(name: str, shared_memory: int, unused_out: bool, template: tuple):
+    """The file-mode kernel of one template instance. MLX compiles an instance at its first launch,
+    which must find the included file: so each new instance checks it (written again where it is
+    gone or damaged, e.g. a cache directory cleaned under a long-running server), once."""
+    kinds = tuple((k, _template_kind(v)) for k, v in template)
+    kern = _file_kernel(name, shared_memory, unused_out, kinds)
+    _texts(name, _outputs(name, unused_out), kinds)
+    return kern
 
 
 def clear_kernel_caches() -> None:
