@@ -17,6 +17,12 @@ step instead of all cold. Each call reads its weights from its own copy, rotated
 least STEP_COLD_BYTES in all (cold when they come back: the L2 is 50 MB), and x is written by a
 kernel right before the call (x + 0), as the step's previous op writes it. So the weights come from
 HBM and x from L2; with the default, ncu flushes L2 before every kernel and x comes from HBM too.
+
+GEMM_TOUCH=1 (with GEMM_CACHE=step; prepared in session 43, not yet run): before each call a kernel
+that ncu does not time reads one element every 64 KB of the copy's arrays. That warms the address
+translations of the copy and leaves ~0.2 % of it in L2. Session 43 measured rotation 0.3-1.6 us slower
+than the flush at one row on the smaller 8B shapes, and the same at 8-16 rows; if the touched calls
+come back to the flush's times, the difference is translation (TLB) misses, not the weights' bytes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,28 @@ STEP = os.environ.get("GEMM_CACHE", "cold") == "step"
 # first case after a setup timed up to 1.2 us slow at one row (gpu_attn_rows.py, ATTN_WARM)
 WARM = int(os.environ.get("GEMM_WARM", "2"))
 STEP_COLD_BYTES = 192e6
+TOUCH = STEP and os.environ.get("GEMM_TOUCH", "0") == "1"
+TOUCH_STRIDE_BYTES = 64 << 10
+
+
+def touch(arrays):
+    """One element every TOUCH_STRIDE_BYTES of each array read by a kernel whose name ncu's filter
+    (custom_kernel_tf|qmv|qmm|...) leaves out: address translations warmed, next to nothing in L2."""
+    if not hasattr(touch, "kernel"):
+        touch.kernel = mx.fast.cuda_kernel(
+            name="zz_touch", input_names=["a", "stride"], output_names=["o"],
+            source="""
+                unsigned int i = (blockIdx.x * blockDim.x + threadIdx.x) * (unsigned int)stride[0];
+                if (i < a_shape[0] && static_cast<float>(a[i]) == 1234.5f) o[0] = 1.0f;""")
+    outs = []
+    for a in arrays:
+        flat = a.reshape(-1)
+        stride = max(1, TOUCH_STRIDE_BYTES // a.itemsize)
+        n = -(-flat.size // stride)
+        outs.append(touch.kernel(inputs=[flat, mx.array([stride], dtype=mx.int32)], grid=(-(-n // 128) * 128, 1, 1),
+                                 threadgroup=(128, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32],
+                                 init_value=0)[0])
+    mx.eval(outs)
 
 
 def cold_copies(ws):
@@ -116,6 +144,8 @@ def run():
                                     wq, s, b = cur
                                 else:
                                     wb, = cur
+                                if TOUCH:
+                                    touch(cur)
                                 x = x0 + mx.zeros_like(x0)
                             if op == "qmm":
                                 y = (K.row_quantized_matmul(x, wq, s, b, 64, 4) if impl == "ours" else

@@ -134,6 +134,7 @@
 #   bash bench/gpu_run.sh s43b          # session 43: host time a launch by kernel text size (and by absolute #include)
 #   bash bench/gpu_run.sh s43c          # session 43: kernel texts in files (then opt-in): tests, 8B decode
 #   bash bench/gpu_run.sh s43d          # session 43: the same after files became the default (against inline)
+#   bash bench/gpu_run.sh s44a          # prepared: one-row GEMMs, flush / rotation / rotation + warmed translations
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1084,6 +1085,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         -k "cuda_mm_cp_pipeline or cuda_cp_pipeline" 2>&1 | tail -4
     timeout ${LIMIT:-400} python3 bench/bench_engine.py --shape qwen3-8b-4bit --prompts ${PROMPTS:-2048,16384} \
         --decode ${DECODE:-256} --repeat ${REPEAT:-7} --other-text-too --no-drafted 2>&1 | grep -v "^WARN" | tee "$out/text43d.md"
+    ;;
+  s44a)     # prepared in session 43, not run: why rotated weights cost a one-row GEMM 0.3-1.6 us more than ncu's
+            # flush on the smaller 8B shapes (s43a): RUNS rounds of flush / rotation / rotation with each copy's
+            # address translations warmed by an untimed kernel first (GEMM_TOUCH: one element every 64 KB)
+    export GEMM_MS=${GEMM_MS:-1,16} GEMM_OPS=qmm GEMM_WARM=2
+    export GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288}
+    for r in $(seq ${RUNS:-2}); do
+      gemm_table tlb44flush$r ${GLIMIT:-80}
+      GEMM_CACHE=step NCU_CACHE=none gemm_table tlb44rot$r ${GLIMIT:-80}
+      GEMM_CACHE=step GEMM_TOUCH=1 NCU_CACHE=none gemm_table tlb44touch$r ${GLIMIT:-80}
+    done
+    for f in "$out"/tlb44*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done > "$out/tlb44all.txt"
+    tail -3 "$out"/tlb44*.err > "$out/tlb44err.txt" 2>&1
+    rm -f "$out"/tlb44*.csv "$out"/tlb44flush* "$out"/tlb44rot* "$out"/tlb44touch*
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)

@@ -179,3 +179,12 @@ def test_a_new_template_instance_finds_its_file_again(tmp_path, monkeypatch):
         assert f.read_text() == text                 # a new one: the same file, written again
     finally:
         _cuda.clear_kernel_caches()
+
+
+def test_kernel_cache_directory(monkeypatch, tmp_path):
+    from tensorfold.kernels._sources import cache_dir
+    monkeypatch.delenv("TENSORFOLD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "tensorfold" / "cuda"
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "tf"))
+    assert cache_dir() == tmp_path / "tf" / "cuda"

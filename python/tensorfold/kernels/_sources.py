@@ -194,8 +194,10 @@ def cuda_text_mode() -> str:
 
 
 def cache_dir() -> Path:
-    """Where generated kernel files go: TENSORFOLD_CACHE_DIR, else ~/.cache/tensorfold."""
-    base = os.environ.get("TENSORFOLD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tensorfold")
+    """Where generated kernel files go: $TENSORFOLD_CACHE_DIR/cuda, else $XDG_CACHE_HOME/tensorfold/cuda
+    (~/.cache/tensorfold/cuda; the snapshots' default sits next to it, cli.py)."""
+    base = os.environ.get("TENSORFOLD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tensorfold")
     return Path(base) / "cuda"
 
 
