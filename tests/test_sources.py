@@ -1,6 +1,7 @@
 """The CUDA kernel texts handed to mx.fast.cuda_kernel: minified, header pruned to what the body
 uses. MLX hashes the whole text on every launch, so the text is kept short; the generated code
 is checked to be unchanged by `python csrc/cuda/nvcc_check.py --ptx-hash` (nvcc, no GPU)."""
+import os
 import re
 
 import pytest
@@ -155,6 +156,13 @@ def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch
     path = written_once("int a;\n", "tf_x")
     path.write_text("int b;\n")                 # damaged
     assert written_once("int a;\n", "tf_x") == path and path.read_text() == "int a;\n"
+
+    def no_room(*a):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", no_room)
+    with pytest.raises(OSError):
+        written_once("int c;\n", "tf_x")
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]     # no partial file left
 
 
 def test_a_new_template_instance_finds_its_file_again(tmp_path, monkeypatch):

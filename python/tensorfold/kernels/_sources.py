@@ -179,11 +179,11 @@ def _split(text: str) -> dict[str, str]:
 # GEMMs' texts are ~11 KB. In "file" mode the pruned header and the body go into a file, the body as a
 # device function; the text MLX gets includes that file by its absolute path and calls the function, so it
 # holds the signature MLX writes, its template constants and one call. The operations are the same:
-# `csrc/cuda/nvcc_check.py --ptx-hash` prints the inline mode's hash (--inline) for 534 of its 550 cases;
+# `csrc/cuda/nvcc_check.py --ptx-hash --text-file` prints the inline texts' hash for 534 of its 550 cases;
 # the other 16 (row_mm_cp with 4 stages at K = 12288, sparse_tc) order some independent address arithmetic
 # differently (diffed on one case of each). On the H200 (session 43): the same bits as inline for every
 # decode kernel family (tests/test_kernels.py::test_cuda_text_file_mode_gives_the_same_bits), the same
-# tokens in 8B decode, and 1.18x / 1.11x decode tok/s at 2k / 16k tokens (docs/benchmarks.md). Where the
+# tokens in 8B decode, and 1.11-1.26x decode tok/s at 2k / 16k tokens in two runs (docs/benchmarks.md). Where the
 # cache directory cannot be written, kernels fall back to inline texts (the same bits) with one warning.
 
 def cuda_text_mode() -> str:
@@ -244,7 +244,14 @@ def written_once(text: str, stem: str) -> Path:
     if not same:
         d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
     return path.resolve()
