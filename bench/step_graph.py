@@ -53,7 +53,7 @@ def trace(family: str, layers: int) -> tuple[collections.Counter, collections.Co
     clear_caches = _cuda.clear_kernel_caches    # launch plans cache the kernel objects they were made with
     clear_caches()
     saved = (_cuda._kernel, _cuda._const_array, K._face_of, K.backend_face, K._gpu_stream, mx.fast.rms_norm)
-    _cuda._kernel = lambda name, smem: Kernel(name)
+    _cuda._kernel = lambda name, smem, unused_out=False: Kernel(name)
     _cuda._const_array = lambda v, d: mx.array(list(v), dtype=d)
     K._face_of = lambda gpu: "cuda"
     K.backend_face = lambda stream=None: "cuda"

@@ -230,3 +230,17 @@ def test_attn_rows_report_sums_a_calls_kernels(tmp_path, capsys, monkeypatch):
     cell = lambda name: row[head.index(name)].strip()  # noqa: E731
     assert cell("ours us") == "12.0" and cell("g4b3 us") == "nan" and cell("sdpa us") == "11.5"
     assert "row_attn_tc_bf16 7.0 + row_attn_merge_bf16 5.0" in out
+
+
+def test_step_graph_counts_a_dense_decode_steps_launches(monkeypatch):
+    """bench/step_graph.py (the CUDA decode step's nodes, counted on any machine) still traces the
+    step (its kernel stand-in had lost track of _kernel's signature), and pins the launches a layer:
+    q|k|v, o, gate|up and down GEMMs, the fused q/k norm + RoPE + KV write, the attention partials
+    and merge, two MLX rms_norms; the LM head and the final norm once a step."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("step_graph", None)
+    sg = importlib.import_module("step_graph")
+    launches, nodes = sg.trace("qwen3", 2)
+    assert dict(launches) == {"row_qmm_cp": 4 * 2 + 1, "rms_norm (MLX)": 2 * 2 + 1, "qk_norm_rope_kv": 2,
+                              "row_attn_tcg": 2, "row_attn_merge": 2}
+    assert nodes["CompiledSigmoidBroadcastBroadcastMultiplyBroadcastBroadcastMultiply"] == 2  # SwiGLU, MLX's
