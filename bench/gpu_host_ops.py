@@ -19,8 +19,9 @@ def text_chains(x):
     """One custom kernel (a copy) with kernel texts of three sizes: MLX's CustomKernel::eval_gpu
     hashes the whole text at every launch (std::hash: 1.4 us for 11 KB on the 2-core CI host), and
     our 4-bit GEMMs' texts are ~11 KB. The third keeps the 11 KB in a file that the text includes
-    by its absolute path: if NVRTC takes that and the host time drops, kernel bodies could move
-    to files (session 42's question; its answer here needs the device)."""
+    by its absolute path. Session 43 on the H200: NVRTC takes it, and it costs what the short text
+    does (3.0 / 6.1 / 3.2 us a launch for include / 11 KB / 0.3 KB), so kernel bodies now live in
+    files (kernels._sources, TENSORFOLD_CUDA_TEXT)."""
     import os
     import tempfile
     pad = "".join(f"#define TF_PAD_{i} {i}\n" for i in range(500))        # ~11 KB of text

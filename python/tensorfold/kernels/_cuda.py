@@ -114,14 +114,11 @@ def _outputs(name: str, unused_out: bool) -> list[str]:
     return _KERNELS[name][1] + (["unused_out"] if unused_out else [])
 
 
-def _make(name: str, shared_memory: int, unused_out: bool, kinds: tuple | None = None):
-    inputs, _, _ = _KERNELS[name]
-    outputs = _outputs(name, unused_out)
-    header, source = _texts(name, outputs, kinds)
+def _make(name: str, shared_memory: int, unused_out: bool, header: str, source: str):
     return mx.fast.cuda_kernel(
         name=f"tf_{name}" + ("_nm" if unused_out else ""),
-        input_names=inputs,
-        output_names=outputs,
+        input_names=_KERNELS[name][0],
+        output_names=_outputs(name, unused_out),
         source=source,
         header=header,
         ensure_row_contiguous=True,
@@ -138,23 +135,22 @@ def _kernel(name: str, shared_memory: int, unused_out: bool = False):
         def call(*, template=(), **kw):
             return _file_instance(name, shared_memory, unused_out, tuple(template))(template=template, **kw)
         return call
-    return _make(name, shared_memory, unused_out)
-
-
-@functools.lru_cache(maxsize=None)
-def _file_kernel(name: str, shared_memory: int, unused_out: bool, kinds: tuple):
-    return _make(name, shared_memory, unused_out, kinds)
+    return _make(name, shared_memory, unused_out, *_texts(name, _outputs(name, unused_out)))
 
 
 @functools.lru_cache(maxsize=None)
 def _file_instance(name: str, shared_memory: int, unused_out: bool, template: tuple):
     """The file-mode kernel of one template instance. MLX compiles an instance at its first launch,
-    which must find the included file: so each new instance checks it (written again where it is
-    gone or damaged, e.g. a cache directory cleaned under a long-running server), once."""
+    which must find the included file: so each new instance writes or checks it once (written again
+    where it is gone or damaged, e.g. a cache directory cleaned under a long-running server).
+    Instances of one template signature share a kernel object (their texts are the same)."""
     kinds = tuple((k, _template_kind(v)) for k, v in template)
-    kern = _file_kernel(name, shared_memory, unused_out, kinds)
-    _texts(name, _outputs(name, unused_out), kinds)
-    return kern
+    return _file_kernel(name, shared_memory, unused_out, *_texts(name, _outputs(name, unused_out), kinds))
+
+
+@functools.lru_cache(maxsize=None)
+def _file_kernel(name: str, shared_memory: int, unused_out: bool, header: str, source: str):
+    return _make(name, shared_memory, unused_out, header, source)
 
 
 def clear_kernel_caches() -> None:
