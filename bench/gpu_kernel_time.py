@@ -18,11 +18,14 @@ least STEP_COLD_BYTES in all (cold when they come back: the L2 is 50 MB), and x 
 kernel right before the call (x + 0), as the step's previous op writes it. So the weights come from
 HBM and x from L2; with the default, ncu flushes L2 before every kernel and x comes from HBM too.
 
-GEMM_TOUCH=1 (with GEMM_CACHE=step; prepared in session 43, not yet run): before each call a kernel
-that ncu does not time reads one element every 64 KB of the copy's arrays. That warms the address
-translations of the copy and leaves ~0.2 % of it in L2. Session 43 measured rotation 0.3-1.6 us slower
-than the flush at one row on the smaller 8B shapes, and the same at 8-16 rows; if the touched calls
-come back to the flush's times, the difference is translation (TLB) misses, not the weights' bytes.
+GEMM_TOUCH=1 (with GEMM_CACHE=step): before each call a kernel that ncu does not time reads one
+element every 64 KB of the copy's arrays. That warms the address translations of the copy and leaves
+~0.2 % of it in L2. Session 43 measured rotation 0.3-1.6 us slower than the flush at one row on the
+smaller 8B shapes, and the same at 8-16 rows. Session 44 (`gpu_run.sh s44a`, two rounds): the touched
+calls took the rotated calls' times, not the flush's (4096x4096 one row: flush 6.4, rotation 7.9-8.0,
+touched 8.1-8.2 us). So the gap is not page walks that a touch from any SM warms. The touch kernel runs
+on a few SMs (one thread a 64 KB), so the per-SM TLBs of the timed kernel's SMs stay cold: those are
+not ruled out.
 """
 
 from __future__ import annotations

@@ -47,3 +47,11 @@ def tinycode_path() -> pathlib.Path:
     if path is None:
         pytest.fail("tinycode-4bit not found: the package ships it (tensorfold/data), or set TF_TINYCODE")
     return path
+
+
+def pytest_runtest_logreport(report):
+    """TF_FAILURES_NOW=1: print each failure's report when it happens, not at the session's end.
+    The H200 runs cut long suites at a time limit, which kills pytest before its summary (session
+    44's s44b lost the one failure of 157 tests that way)."""
+    if report.failed and os.environ.get("TF_FAILURES_NOW") == "1":
+        print(f"\n== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n", flush=True)
