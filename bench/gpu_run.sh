@@ -138,6 +138,7 @@
 #   bash bench/gpu_run.sh s44b          # session 44: the CUDA suites + gpu_exact with texts in files (the default)
 #   bash bench/gpu_run.sh s44c | s44d   # session 44: s44b's failure probed over seeds and text modes + the ids its
 #                                       # limit cut (bench/s44_ids.txt); the chunked-prefill tests + row-exact reruns
+#   bash bench/gpu_run.sh s45a          # prepared in session 44: its test fixes on CUDA + the three kernel suites again
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1145,6 +1146,17 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     done
     wait; cat "$out"/flake.*.log > "$out/flake.log"; rm -f "$out"/flake.*.log
     tail -8 "$out/chunk.log"; grep -c "passed" "$out/flake.log"; grep -h "failed\|FAILED" "$out/flake.log" | head
+    ;;
+  s45a)     # prepared in session 44, not run: session 44's test fixes on CUDA (the chunked-prefill comparisons with
+            # mlx-lm's last row through its head alone, dense and MoE) and test_moe's two peak-memory tests its limit cut,
+            # beside the three kernel suites again, each process with its own MLX PTX cache
+    (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.s45a timeout ${LIMIT:-500} python3 -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_models.py::test_chunked_prefill_matches_mlx_lm_cache tests/test_moe.py::test_chunked_prefill_matches_mlx_lm_cache \
+        tests/test_moe.py::test_prefill_peak_memory_flat > "$out/s45a_fixes.log" 2>&1; echo "rc $?" >> "$out/s45a_fixes.log") &
+    SUITE=${SUITE:-"tests/test_kernels.py tests/test_moe.py tests/test_sparse_attention.py"} PROCS=${PROCS:-9} \
+        LIMIT=${LIMIT:-500} bash "$0" suite
+    wait; tail -6 "$out/s45a_fixes.log"
+    for f in "$out"/suite.part.*.log; do echo "#### $f"; cat "$f"; done > "$out/suite_all.log"; rm -f "$out"/suite.part.*.log
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
