@@ -49,9 +49,25 @@ def tinycode_path() -> pathlib.Path:
     return path
 
 
+def _test_seed() -> str:
+    """The random-input seed of this run (kernel_helpers.TEST_SEED), where a test module loaded it."""
+    import sys
+    kh = sys.modules.get("kernel_helpers")
+    return f"TF_TEST_SEED={kh.TEST_SEED}" if kh is not None else "TF_TEST_SEED unused"
+
+
 def pytest_runtest_logreport(report):
     """TF_FAILURES_NOW=1: print each failure's report when it happens, not at the session's end.
     The H200 runs cut long suites at a time limit, which kills pytest before its summary (session
-    44's s44b lost the one failure of 157 tests that way)."""
-    if report.failed and os.environ.get("TF_FAILURES_NOW") == "1":
-        print(f"\n== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n", flush=True)
+    44's s44b lost the one failure of 157 tests that way). Every failure's report names the run's
+    input seed (rerun with it: TF_TEST_SEED=<seed> pytest <id>)."""
+    if report.failed:
+        report.sections.append(("random inputs", _test_seed()))
+        if os.environ.get("TF_FAILURES_NOW") == "1":
+            print(f"\n== FAILED {report.nodeid} ({report.when}; {_test_seed()})\n{report.longreprtext}\n",
+                  flush=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(f"random inputs of this run: {_test_seed()}")
