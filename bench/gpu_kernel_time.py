@@ -44,6 +44,13 @@ MS = [int(m) for m in os.environ.get("GEMM_MS", "1,2,4,8,16").split(",")]   # e.
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
 STEP = os.environ.get("GEMM_CACHE", "cold") == "step"
+# GEMM_CACHE=wflush / rflush (with `ncu --cache-control none`; prepared in session 44, not run): one weight
+# buffer, as with the flush, but L2 emptied before each call by an untimed MLX kernel that writes (wflush) or
+# reads (rflush) 256 MB, instead of by ncu. If these take the flush's one-row times, the rotation's extra
+# time comes with the copies' new addresses; if they take the rotation's, with what L2 holds or how it was
+# emptied. GEMM_XFRESH=0 (with step): x not rewritten before each call, to see what that write costs.
+SWEEP = os.environ.get("GEMM_CACHE", "cold") if os.environ.get("GEMM_CACHE") in ("wflush", "rflush") else None
+XFRESH = os.environ.get("GEMM_XFRESH", "1") == "1"
 # untimed calls before each case's timed ones (both impls): session 42 found the attention table's
 # first case after a setup timed up to 1.2 us slow at one row (gpu_attn_rows.py, ATTN_WARM)
 WARM = int(os.environ.get("GEMM_WARM", "2"))
@@ -70,6 +77,14 @@ def touch(arrays):
                                  threadgroup=(128, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32],
                                  init_value=0)[0])
     mx.eval(outs)
+
+
+def l2_sweep(kind: str):
+    """256 MB through L2 by an MLX kernel the ncu filter leaves out: written (wflush) or read (rflush)."""
+    if not hasattr(l2_sweep, "buf"):
+        l2_sweep.buf = mx.zeros((64 << 20,), mx.float32) + 1
+        mx.eval(l2_sweep.buf)
+    mx.eval(l2_sweep.buf + 1 if kind == "wflush" else mx.sum(l2_sweep.buf))
 
 
 def cold_copies(ws):
@@ -149,6 +164,9 @@ def run():
                                     wb, = cur
                                 if TOUCH:
                                     touch(cur)
+                                x = x0 + mx.zeros_like(x0) if XFRESH else x0
+                            elif SWEEP:     # one weight buffer, L2 emptied by a kernel; x written after
+                                l2_sweep(SWEEP)
                                 x = x0 + mx.zeros_like(x0)
                             if op == "qmm":
                                 y = (K.row_quantized_matmul(x, wq, s, b, 64, 4) if impl == "ours" else

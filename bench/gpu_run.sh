@@ -139,6 +139,7 @@
 #   bash bench/gpu_run.sh s44c | s44d   # session 44: s44b's failure probed over seeds and text modes + the ids its
 #                                       # limit cut (bench/s44_ids.txt); the chunked-prefill tests + row-exact reruns
 #   bash bench/gpu_run.sh s45a          # prepared in session 44: its test fixes on CUDA + the three kernel suites again
+#   bash bench/gpu_run.sh s45b          # prepared in session 44: the one-row rotation gap, L2 emptied by a kernel
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1157,6 +1158,22 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         LIMIT=${LIMIT:-500} bash "$0" suite
     wait; tail -6 "$out/s45a_fixes.log"
     for f in "$out"/suite.part.*.log; do echo "#### $f"; cat "$f"; done > "$out/suite_all.log"; rm -f "$out"/suite.part.*.log
+    ;;
+  s45b)     # prepared in session 44, not run: the one-row rotation gap again (s44a: warming page translations did not
+            # close it). One weight buffer with L2 emptied by an untimed MLX kernel writing / reading 256 MB (wflush /
+            # rflush) against ncu's flush and the rotation, and the rotation without x's write before each call
+    export GEMM_MS=${GEMM_MS:-1} GEMM_OPS=qmm GEMM_WARM=2
+    export GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288}
+    for r in $(seq ${RUNS:-2}); do
+      gemm_table gap45flush$r ${GLIMIT:-60}
+      GEMM_CACHE=step NCU_CACHE=none gemm_table gap45rot$r ${GLIMIT:-60}
+      GEMM_CACHE=step GEMM_XFRESH=0 NCU_CACHE=none gemm_table gap45rotx$r ${GLIMIT:-60}
+      GEMM_CACHE=wflush NCU_CACHE=none gemm_table gap45wfl$r ${GLIMIT:-60}
+      GEMM_CACHE=rflush NCU_CACHE=none gemm_table gap45rfl$r ${GLIMIT:-60}
+    done
+    for f in "$out"/gap45*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done > "$out/gap45all.txt"
+    tail -3 "$out"/gap45*.err > "$out/gap45err.txt" 2>&1
+    rm -f "$out"/gap45*.csv "$out"/gap45*.md "$out"/gap45*.err
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
