@@ -140,6 +140,8 @@
 #                                       # limit cut (bench/s44_ids.txt); the chunked-prefill tests + row-exact reruns
 #   bash bench/gpu_run.sh s45a          # prepared in session 44: its test fixes on CUDA + the three kernel suites again
 #   bash bench/gpu_run.sh s45b          # prepared in session 44: the one-row rotation gap, L2 emptied by a kernel
+#   bash bench/gpu_run.sh s45c          # prepared in session 44: the engine suites with texts in files (via `ids`)
+#   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
 #                                       # timed; the group-block bit test after it, the default at 8k / 16k keys
@@ -1174,6 +1176,31 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     for f in "$out"/gap45*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done > "$out/gap45all.txt"
     tail -3 "$out"/gap45*.err > "$out/gap45err.txt" 2>&1
     rm -f "$out"/gap45*.csv "$out"/gap45*.md "$out"/gap45*.err
+    ;;
+  s45c)     # prepared in session 44, not run: the engine suites with texts in files (session 43's default), last run
+            # on CUDA with inline texts (sessions 11 / 21): drafted == serial and resumed == fresh on random checkpoints,
+            # the compiled step and its launches, MoE resumed == fresh; each process its own PTX cache
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "drafted or fresh or grid" | grep :: > "$out/s45c.ids"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py | grep :: >> "$out/s45c.ids"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe | grep :: >> "$out/s45c.ids"
+    grep -v deepseek "$out/s45c.ids" > "$out/s45c.ids2"   # MLX's CUDA quantized_matmul refuses that test checkpoint (README)
+    IDS="$out/s45c.ids2" PROCS=${PROCS:-8} LIMIT=${LIMIT:-500} bash "$0" ids
+    rm -f "$out"/s45c.ids "$out"/s45c.ids2
+    ;;
+  ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
+            # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
+    rm -f "$out"/ids.part.*; split -n r/${PROCS:-6} "$IDS" "$out/ids.part."
+    for f in "$out"/ids.part.??; do
+      (end=$((SECONDS + ${LIMIT:-400})); while read -r id; do
+         left=$((end - SECONDS)); [ $left -lt 20 ] && { echo "NOT RUN $id"; continue; }
+         echo "== $id"; MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout $left python3 -m pytest -q \
+           -p no:cacheprovider --tb=short "$id" 2>&1 | tail -25
+       done < "$f" > "$f.log") &
+    done
+    wait
+    cat "$out"/ids.part.??.log > "$out/ids.log"; rm -f "$out"/ids.part.*
+    echo "$(grep -c '^== ' "$out/ids.log") run, $(grep -c ' passed' "$out/ids.log") passed, $(grep -c '^NOT RUN' "$out/ids.log") not run"
+    grep -h "^FAILED\|^ERROR" "$out/ids.log" | head -30
     ;;
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
