@@ -81,8 +81,8 @@ def default_snapshot_dir() -> str:
     env = os.environ.get("TENSORFOLD_SNAPSHOT_DIR")
     if env:
         return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tensorfold", "snapshots")
+    from .kernels._sources import user_cache_home
+    return str(user_cache_home() / "snapshots")
 
 
 # -- parser ----------------------------------------------------------------------------------------

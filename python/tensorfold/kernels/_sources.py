@@ -193,12 +193,15 @@ def cuda_text_mode() -> str:
     return mode
 
 
+def user_cache_home() -> Path:
+    """$XDG_CACHE_HOME/tensorfold, i.e. ~/.cache/tensorfold: the kernel files' and (cli.py) the
+    snapshots' default parent."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "tensorfold"
+
+
 def cache_dir() -> Path:
-    """Where generated kernel files go: $TENSORFOLD_CACHE_DIR/cuda, else $XDG_CACHE_HOME/tensorfold/cuda
-    (~/.cache/tensorfold/cuda; the snapshots' default sits next to it, cli.py)."""
-    base = os.environ.get("TENSORFOLD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tensorfold")
-    return Path(base) / "cuda"
+    """Where generated kernel files go: $TENSORFOLD_CACHE_DIR/cuda, else user_cache_home()/cuda."""
+    return Path(os.environ.get("TENSORFOLD_CACHE_DIR") or user_cache_home()) / "cuda"
 
 
 def body_file_text(name: str, header: str, body: str, inputs: list[str], outputs: list[str],
