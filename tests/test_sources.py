@@ -54,7 +54,21 @@ def test_every_cuda_kernel_finds_its_helpers():
         assert len(text) < 13500, (name, len(text))    # the longest: row_attn_wg, 13.2 KB (MLX hashes it every launch)
 
 
-def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """mx.fast.cuda_kernel replaced by a recorder: the list of each kernel's creation arguments (a
+    launch returns its own arguments), so the texts can be read on any machine."""
+    import mlx.core as mx
+    made = []
+
+    def fake_kernel(**kw):
+        made.append(kw)
+        return lambda **call: call
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    return made
+
+
+def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch, fake_kernels):
     """TENSORFOLD_CUDA_TEXT=file: the text MLX gets (and hashes at every launch) is the include of a
     file holding the pruned header and the body as tf_body_<name>, plus one call passing the
     kernel's parameters and template constants; the file is written once, under
@@ -62,12 +76,7 @@ def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
     import mlx.core as mx
     from tensorfold.kernels import _cuda
     from tensorfold.kernels._sources import kernel_text
-    made = []
-
-    def fake_kernel(**kw):
-        made.append(kw)
-        return lambda **call: call
-    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    made = fake_kernels
     monkeypatch.setenv("TENSORFOLD_CUDA_TEXT", "file")
     monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
     _cuda.clear_kernel_caches()
@@ -95,18 +104,13 @@ def test_file_mode_text_is_short_and_includes_the_body(tmp_path, monkeypatch):
     assert len(list(tmp_path.rglob("*.cuh"))) == 2
 
 
-def test_clearing_the_caches_switches_the_launch_plans_to_file_mode(tmp_path, monkeypatch):
+def test_clearing_the_caches_switches_the_launch_plans_to_file_mode(tmp_path, monkeypatch, fake_kernels):
     """The launch plans (_qmm_cp_call and the other *_call caches) hold the kernel they were made
     with, so switching TENSORFOLD_CUDA_TEXT must clear them too (bench_engine --text-file-too had
     cleared only the kernel caches: its GEMMs stayed inline). clear_kernel_caches does."""
     import mlx.core as mx
     from tensorfold.kernels import _cuda
-    made = []
-
-    def fake_kernel(**kw):
-        made.append(kw)
-        return lambda **call: call
-    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    made = fake_kernels
     monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path))
 
     def launch():
@@ -122,7 +126,7 @@ def test_clearing_the_caches_switches_the_launch_plans_to_file_mode(tmp_path, mo
         _cuda.clear_kernel_caches()
 
 
-def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch):
+def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch, fake_kernels):
     """Kernel texts in files are the default (session 43). Where the cache directory can't be
     written, a kernel gets its inline text (the same operations) and the user one warning; a file
     that does not hold exactly the text its name promises is written again."""
@@ -131,12 +135,7 @@ def test_file_mode_is_the_default_and_falls_back_to_inline(tmp_path, monkeypatch
     from tensorfold.kernels._sources import cuda_text_mode, written_once
     monkeypatch.delenv("TENSORFOLD_CUDA_TEXT", raising=False)
     assert cuda_text_mode() == "file"
-    made = []
-
-    def fake_kernel(**kw):
-        made.append(kw)
-        return lambda **call: call
-    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    made = fake_kernels
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(blocker / "cache"))
