@@ -43,13 +43,14 @@ SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (12288, 4096), (4096, 12288
 MS = [int(m) for m in os.environ.get("GEMM_MS", "1,2,4,8,16").split(",")]   # e.g. GEMM_MS=1,8,9,16
 COPY_CEILING_GBS = 4300     # issue 3: the H200's ~4.3 TB/s copy ceiling
 REPS = int(os.environ.get("GEMM_REPS", "3"))   # calls a case; the report needs the same value
-STEP = os.environ.get("GEMM_CACHE", "cold") == "step"
+CACHE = os.environ.get("GEMM_CACHE", "cold")
+STEP = CACHE == "step"
 # GEMM_CACHE=wflush / rflush (with `ncu --cache-control none`; prepared in session 44, not run): one weight
 # buffer, as with the flush, but L2 emptied before each call by an untimed MLX kernel that writes (wflush) or
 # reads (rflush) 256 MB, instead of by ncu. If these take the flush's one-row times, the rotation's extra
 # time comes with the copies' new addresses; if they take the rotation's, with what L2 holds or how it was
 # emptied. GEMM_XFRESH=0 (with step): x not rewritten before each call, to see what that write costs.
-SWEEP = os.environ.get("GEMM_CACHE", "cold") if os.environ.get("GEMM_CACHE") in ("wflush", "rflush") else None
+SWEEP = CACHE if CACHE in ("wflush", "rflush") else None
 XFRESH = os.environ.get("GEMM_XFRESH", "1") == "1"
 # untimed calls before each case's timed ones (both impls): session 42 found the attention table's
 # first case after a setup timed up to 1.2 us slow at one row (gpu_attn_rows.py, ATTN_WARM)
