@@ -141,6 +141,7 @@
 #   bash bench/gpu_run.sh s45a          # prepared in session 44: its test fixes on CUDA + the three kernel suites again
 #   bash bench/gpu_run.sh s45b          # prepared in session 44: the one-row rotation gap, L2 emptied by a kernel
 #   bash bench/gpu_run.sh s45c          # prepared in session 44: the engine suites with texts in files (via `ids`)
+#   bash bench/gpu_run.sh s45d          # session 45: compute-sanitizer memcheck, one case a test function
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
@@ -1177,6 +1178,30 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     grep -v deepseek "$out/s45c.ids" > "$out/s45c.ids2"   # MLX's CUDA quantized_matmul refuses that test checkpoint (README)
     IDS="$out/s45c.ids2" PROCS=${PROCS:-8} LIMIT=${LIMIT:-500} bash "$0" ids
     rm -f "$out"/s45c.ids "$out"/s45c.ids2
+    ;;
+  s45d)     # session 45: s45a's process part.ah hit an illegal memory access (err 700, sticky; reported inside cuDNN's
+            # SDPA graph in test_moe's mlx_8bit_f16_step2 prefill, after 13 GPU kernel tests in that process), then glibc's
+            # "double free or corruption" at exit. compute-sanitizer memcheck over the first case of every test function
+            # of the kernel / MoE / sparse / compiled-step / engine files (PROCS processes) and over part.ah's sequence
+            # (bench/s45_ah_ids.txt); MLX's buffer cache off so freed buffers go back to CUDA; beside them part.ah's
+            # sequence without the sanitizer, REPEAT times
+    command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
+        tests/test_compiled_step.py tests/test_engine.py | python3 bench/first_ids.py > "$out/san.ids"
+    rm -f "$out"/san.part.*; split -n r/${PROCS:-6} "$out/san.ids" "$out/san.part."; cp bench/s45_ah_ids.txt "$out/san.part.ah0"
+    san_py='import sys, mlx.core as mx, pytest; mx.set_cache_limit(0); sys.exit(pytest.main(sys.argv[1:]))'
+    for f in "$out"/san.part.*; do
+      p=$(basename "$f")
+      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$p timeout ${LIMIT:-420} compute-sanitizer --tool memcheck --print-limit 8 \
+          --error-exitcode 9 --log-file "$out/$p.san" python3 -c "$san_py" -q -p no:cacheprovider --tb=line $(cat "$f") \
+          > "$f.log" 2>&1; echo "rc $? ($(wc -l < "$f") ids; 9: memcheck errors, 124: cut by LIMIT)" >> "$f.log") &
+    done
+    (for r in $(seq ${REPEAT:-2}); do MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.plain$r timeout ${LIMIT:-420} python3 -m pytest -q \
+        -p no:cacheprovider --tb=line $(cat bench/s45_ah_ids.txt); echo "rc $?"; done > "$out/san_plain.log" 2>&1) &
+    wait
+    for f in "$out"/san.part.*.log; do echo "#### $f"; cat "$f"; echo "## memcheck:"; grep -v "^========= *$" "${f%.log}.san" | head -60; done > "$out/san_all.log"
+    grep -h "^rc\|ERROR SUMMARY" "$out"/san.part.*.log "$out"/san.part.*.san; tail -3 "$out/san_plain.log"
+    rm -f "$out"/san.part.* "$out/san.ids"
     ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
