@@ -1189,14 +1189,16 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     python3 -m pytest --co -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
         tests/test_compiled_step.py tests/test_engine.py | python3 bench/first_ids.py > "$out/san.ids"
     rm -f "$out"/san.part.*; split -n r/${PROCS:-6} "$out/san.ids" "$out/san.part."; cp bench/s45_ah_ids.txt "$out/san.part.ah0"
+    for p in ${SKIP:-}; do rm -f "$out/san.part.$p"; done     # parts already run (the first call ran aa, ab)
     san_py='import sys, mlx.core as mx, pytest; mx.set_cache_limit(0); sys.exit(pytest.main(sys.argv[1:]))'
     for f in "$out"/san.part.*; do
       p=$(basename "$f")
-      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$p timeout ${LIMIT:-420} compute-sanitizer --tool memcheck --print-limit 8 \
+      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$p timeout -k 10 ${LIMIT:-420} compute-sanitizer --tool memcheck --print-limit 8 \
           --error-exitcode 9 --log-file "$out/$p.san" python3 -c "$san_py" -q -p no:cacheprovider --tb=line $(cat "$f") \
           > "$f.log" 2>&1; echo "rc $? ($(wc -l < "$f") ids; 9: memcheck errors, 124: cut by LIMIT)" >> "$f.log") &
     done
-    (for r in $(seq ${REPEAT:-2}); do MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.plain$r timeout ${LIMIT:-420} python3 -m pytest -q \
+    (end=$((SECONDS + ${LIMIT:-420})); for r in $(seq ${REPEAT:-2}); do [ $SECONDS -lt $end ] || break   # all repeats
+        MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.plain$r timeout -k 10 $((end - SECONDS)) python3 -m pytest -q \
         -p no:cacheprovider --tb=line $(cat bench/s45_ah_ids.txt); echo "rc $?"; done > "$out/san_plain.log" 2>&1) &
     wait
     for f in "$out"/san.part.*.log; do echo "#### $f"; cat "$f"; echo "## memcheck:"; grep -v "^========= *$" "${f%.log}.san" | head -60; done > "$out/san_all.log"
