@@ -272,6 +272,22 @@ def test_row_check_disables_drafting_loudly(checkpoints, monkeypatch, caplog):
     assert st.drafted == 0
 
 
+def test_engine_warns_of_mlx_cuda_overreads(checkpoints, monkeypatch, caplog):
+    """On CUDA the engine names a checkpoint's modules that reach MLX's quantized-matmul over-read
+    (models.loader.mlx_cuda_qmm_overreads); elsewhere it says nothing. The device is faked here:
+    only the check reads it."""
+    path = checkpoints["qwen3_mlx_4bit"]
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        Engine(path, drafts=False)
+    assert "reads past" not in caplog.text
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        Engine(path, drafts=False)
+    assert "reads past its operands" in caplog.text and "5 modules" in caplog.text
+    assert "(model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj, model.layers.1" in caplog.text
+
+
 def test_default_seed_is_the_prompt(engines):
     eng = engines["q4"]
     p = SamplingParams(temperature=1.0)

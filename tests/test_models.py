@@ -173,3 +173,25 @@ def test_decode_fuses_qkv_and_gate_up_without_a_second_copy(checkpoints, name, m
     c = model.new_cache()
     mx.eval(model.forward(mx.array([[5, 6, 7]]), c, exact=True, all_logits=True))
     assert len(calls) == 4 * model.cfg.num_layers + 1      # qkv, o, gate_up, down per layer; LM head
+
+
+def test_mlx_cuda_qmm_overreads_names_the_short_k_modules(tmp_path):
+    """The modules whose prefill products reach MLX's CUDA quantized-matmul over-read (K <= 2 x
+    its K tile where N % 128 == 0; loader.mlx_cuda_qmm_overreads): the engine warns about them on
+    CUDA. hidden 64 (this suite's default): gate/up (128 x 64), experts' gate/up (128 x 64) and
+    the LM head (512 x 64); q/k/v/o and down are 64 rows wide, where MLX takes another kernel.
+    hidden 256 (what gpu_run.sh sets on the H200): none."""
+    from tensorfold.models.loader import mlx_cuda_qmm_overreads
+    from tensorfold.testing import write_checkpoint
+
+    small = load_model(write_checkpoint(tmp_path / "s", family="qwen3_moe", layout="mlx", bits=4,
+                                        mlp_only_layers=[1], moe_intermediate=128, seed=1)).cfg
+    assert mlx_cuda_qmm_overreads(small) == [
+        "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "lm_head",
+        "model.layers.0.mlp.switch_mlp.gate_proj", "model.layers.0.mlp.switch_mlp.up_proj"]
+    tied = load_model(write_checkpoint(tmp_path / "t", layout="mlx", bits=4, tie_embeddings=True)).cfg
+    assert mlx_cuda_qmm_overreads(tied)[-1] == "model.embed_tokens"       # the head, tied
+    wide = load_model(write_checkpoint(tmp_path / "w", family="qwen3_moe", layout="mlx", bits=4,
+                                       hidden=256, intermediate=512, moe_intermediate=256)).cfg
+    assert mlx_cuda_qmm_overreads(wide) == []
+    assert mlx_cuda_qmm_overreads(load_model(write_checkpoint(tmp_path / "f")).cfg) == []  # float

@@ -794,19 +794,23 @@ DEFAULT_SET: dict[str, dict[str, Any]] = {
 def write_default_set(root: str | pathlib.Path) -> dict[str, pathlib.Path]:
     """Write the standard small test checkpoints under `root`; returns {name: path}.
 
-    $TF_TEST_HIDDEN (e.g. 128) widens the dense/MoE checkpoints that use the default hidden size
-    of 64: MLX 0.32.4's own CUDA quantized_matmul is wrong for K = 64 at M >= 2 (measured on an
-    H200), so GPU runs of the suites need it; the CPU suite keeps the small default."""
+    $TF_TEST_HIDDEN (256 in bench/gpu_run.sh) widens the dense/MoE checkpoints that use the
+    default hidden size of 64: MLX 0.32.4's own CUDA quantized_matmul is wrong for K = 64 at M >= 2
+    (measured on an H200), and from 8 rows reads past its operands wherever K <= 128 at group 64
+    (models.loader.mlx_cuda_qmm_overreads), so GPU runs of the suites need it; the CPU suite keeps
+    the small default."""
     root = pathlib.Path(root)
     return {name: write_checkpoint(root / name, **widened(kw)) for name, kw in DEFAULT_SET.items()}
 
 
 def widened(kw: dict[str, Any]) -> dict[str, Any]:
     """write_checkpoint's arguments with $TF_TEST_HIDDEN applied (a copy): where it is set and the
-    checkpoint uses the default hidden size, hidden = TF_TEST_HIDDEN, intermediate twice that.
+    checkpoint uses the default hidden size, hidden = TF_TEST_HIDDEN, intermediate twice that, and
+    the experts' intermediate (where not given) TF_TEST_HIDDEN too: their down projections' K.
     DeepSeek-V3.2 checkpoints keep their own shapes."""
     kw = dict(kw)
     wide = int(os.environ.get("TF_TEST_HIDDEN", "0") or 0)
     if wide and "hidden" not in kw and kw.get("family") != "deepseek_v32":
         kw.update(hidden=wide, intermediate=2 * wide)
+        kw.setdefault("moe_intermediate", wide)
     return kw

@@ -22,6 +22,7 @@ from ..cache.key import cache_key
 from ..cache.memory import SnapshotStore
 from ..errors import RequestError
 from ..models import load_model
+from ..models.loader import mlx_cuda_qmm_overreads
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .prefill import PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
@@ -41,6 +42,13 @@ class Engine:
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self.model = load_model(self.model_path)
+        if mx.default_device() == mx.gpu and mx.cuda.is_available():
+            short = mlx_cuda_qmm_overreads(self.model.cfg)
+            if short:
+                log.warning("MLX's CUDA quantized matmul reads past its operands for K <= 2 x its K "
+                            "tile, which %d modules of this checkpoint have (%s): a prefill may "
+                            "fail with CUDA error 700 (docs/benchmarks.md, Session 45)",
+                            len(short), ", ".join(short[:4]) + (", ..." if len(short) > 4 else ""))
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         cfg = self.model.cfg
         self.context_length = min(context or cfg.max_position, cfg.max_position)

@@ -160,3 +160,29 @@ def take_vector(cfg: ModelConfig, weights: dict, name: str, size: int):
     if tuple(t.shape) != (size,):
         raise CheckpointError(f"{cfg.path}: {name} has shape {tuple(t.shape)}, expected {(size,)}")
     return t
+
+
+def mlx_cuda_qmm_overreads(cfg: ModelConfig) -> list[str]:
+    """The quantized modules whose prefill products MLX's CUDA quantized matmul computes by reading
+    past the end of its operands.
+
+    MLX 0.32's tensor-core kernel for 8 rows and more (qmm_sm80_kernel, mlx/backend/cuda/device/
+    qmm_sm80.cuh) fetches K tiles 0 and 1 ahead, then tile 2 before it clamps the tile index, so
+    where K <= 2 x its K tile (max(64, group size)) it reads up to two tiles past the last row of
+    x and of the weight. compute-sanitizer on the H200 caught it (docs/benchmarks.md, "Session 45").
+    Inside MLX's memory pool that read lands on a neighbour; at the pool's end it is an illegal
+    address (CUDA error 700), which ends the process's use of the GPU. MLX takes that kernel where
+    N % 128 == 0 and K % max(64, group size) == 0. Real checkpoints' K (hidden, intermediate,
+    heads x head_dim, LoRA ranks) are far above 128; small test models are not."""
+    shapes = {n: s for n, s in cfg.linear_shapes().items() if n != "model.embed_tokens"}
+    if cfg.tie_embeddings:
+        shapes["model.embed_tokens"] = cfg.linear_shapes()["model.embed_tokens"]  # the tied head
+    shapes.update({n: s[1:] for n, s in cfg.expert_shapes().items()})
+    out = []
+    for name, (n, k) in shapes.items():
+        q = cfg.quant_for(name)
+        if q is not None:
+            tile = max(64, q[0])
+            if n % 128 == 0 and k % tile == 0 and k <= 2 * tile:
+                out.append(name)
+    return out
