@@ -272,14 +272,17 @@ def test_row_check_disables_drafting_loudly(checkpoints, monkeypatch, caplog):
     assert st.drafted == 0
 
 
-def test_engine_warns_of_mlx_cuda_overreads(checkpoints, monkeypatch, caplog):
+def test_engine_warns_of_mlx_cuda_overreads(tmp_path, monkeypatch, caplog):
     """On CUDA the engine names a checkpoint's modules that reach MLX's quantized-matmul over-read
-    (models.loader.mlx_cuda_qmm_overreads); elsewhere it says nothing. The device is faked here:
-    only the check reads it."""
-    path = checkpoints["qwen3_mlx_4bit"]
+    (models.loader.mlx_cuda_qmm_overreads); elsewhere it says nothing. Hidden size 64 whatever
+    $TF_TEST_HIDDEN says. The device is then faked: only the check reads it."""
+    from tensorfold.testing import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "m", layout="mlx", bits=4, seed=1)
     with caplog.at_level(logging.WARNING, logger="tensorfold"):
         Engine(path, drafts=False)
-    assert "reads past" not in caplog.text
+    assert ("reads past" in caplog.text) == (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    caplog.clear()
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     with caplog.at_level(logging.WARNING, logger="tensorfold"):
