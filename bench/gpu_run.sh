@@ -143,6 +143,7 @@
 #   bash bench/gpu_run.sh s45c          # prepared in session 44: the engine suites with texts in files (via `ids`)
 #   bash bench/gpu_run.sh s45d          # session 45: compute-sanitizer memcheck, one case a test function
 #   bash bench/gpu_run.sh san | s46a | s46b   # memcheck (MLX's over-reading kernel unchecked); prepared in session 45
+#   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py)
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
@@ -1234,9 +1235,23 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     grep -h "^rc\|ERROR SUMMARY" "$out"/sanp.*.log "$out"/sanp.*.san; grep -h "Invalid\|^=========     at" "$out"/sanp.*.san | sort | uniq -c | head -20
     rm -f "$out"/sanp.* "$out/san.ids"
     ;;
+  qmm_overread)  # MLX's own quantized matmul at 16 rows, N = 128, under memcheck, one process a case: K over 1-8 of its
+            # K tiles, groups 64 and 128 (session 45's reading of qmm_sm80.cuh: reads past x / w iff K <= 2 tiles),
+            # and without the sanitizer the relative error (the K = 64 bug)
+    command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
+    for g in 64 128; do for K in 64 128 192 256 384 512; do
+      [ $((K % g)) -eq 0 ] || continue
+      r=$(MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.qo timeout 120 compute-sanitizer --tool memcheck --print-limit 1 \
+          python3 bench/mlx_qmm_overread.py 16 128 $K $g 2>&1 | grep "ERROR SUMMARY\|Invalid\|of size" | tr '\n' ' ')
+      e=$(MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.qo timeout 60 python3 bench/mlx_qmm_overread.py 16 128 $K $g 2>&1 | tail -1)
+      echo "$e | memcheck: $r"
+    done; done | tee "$out/qmm_overread.txt"
+    ;;
   s46a)     # prepared in session 45: memcheck again (san), now with MLX's over-reading kernel unchecked and the test
             # checkpoints widened to 256 (s45d's processes ended at MLX's over-read; 6 of its ids were never reached)
+    bash "$0" qmm_overread > /dev/null 2>&1 &
     PROCS=${PROCS:-7} LIMIT=${LIMIT:-430} bash "$0" san
+    wait; cat "$out/qmm_overread.txt"
     ;;
   s46b)     # prepared in session 45: the three kernel suites with the checkpoints widened to 256 (s45a: 36 ids cut, one
             # process ended by MLX's over-read), beside the engine suites (s45c, never run: session 44's prepared run)
