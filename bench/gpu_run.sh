@@ -1225,7 +1225,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     san_py='import sys, mlx.core as mx, pytest; mx.set_cache_limit(0); sys.exit(pytest.main(sys.argv[1:]))'
     for f in "$out"/sanp.*; do
       (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout -k 10 ${LIMIT:-420} compute-sanitizer --tool memcheck \
-          --print-limit 4 --error-exitcode 9 "${excl[@]}" --log-file "$f.san" python3 -c "$san_py" -q -p no:cacheprovider \
+          --print-limit 4 --error-exitcode 9 "${excl[@]}" --log-file "$f.san" python3 -c "$san_py" -v -p no:cacheprovider \
           --tb=line $(cat "$f") > "$f.log" 2>&1; echo "rc $? ($(wc -l < "$f") ids; 9: memcheck errors, 124/137: cut by LIMIT)" >> "$f.log") &
     done
     wait
@@ -1284,13 +1284,15 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     for f in "$out"/suite.part.*; do
       # each process its own MLX PTX cache: MLX writes that cache with plain ofstreams (no temporary file, no
       # lock) and reads it by file size, so a process can load a module another one is still writing (a
-      # candidate cause of s44b's lone failure, not confirmed; jit_module.cpp, write_cached_ptx)
-      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout ${LIMIT:-420} python3 -m pytest -q -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1
+      # candidate cause of s44b's lone failure, not confirmed; jit_module.cpp, write_cached_ptx). -v: a process its
+      # limit cuts still names every id it ran (s45a's were worked out from the CPU's collection order)
+      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout ${LIMIT:-420} python3 -m pytest -v -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1
        echo "rc $? ($(wc -l < "$f") ids; rc 124: cut by LIMIT)" >> "$f.log") &
     done
     wait
     for f in "$out"/suite.part.*.log; do echo "== $(basename "$f"): $(tail -2 "$f" | tr '\n' ' ')"; done
     grep -h "FAILED\|MLX own ops" "$out"/suite.part.*.log | head -20
+    echo "ids passed $(cat "$out"/suite.part.*.log | grep -c ' PASSED'), failed $(cat "$out"/suite.part.*.log | grep -c '^tests.* FAILED'), of $(wc -l < "$ids")"
     for f in "$out"/suite.part.*.log; do echo "#### $f"; cat "$f"; done > "$out/suite_all.log"; rm -f "$out"/suite.part.*.log
     rm -f "$out"/suite.part.?? "$ids"
     ;;
