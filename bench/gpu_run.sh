@@ -1249,7 +1249,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s46a)     # prepared in session 45: memcheck again (san), now with MLX's over-reading kernel unchecked and the test
             # checkpoints widened to 256 (s45d's processes ended at MLX's over-read; 6 of its ids were never reached)
-    bash "$0" qmm_overread > /dev/null 2>&1 &
+    timeout -k 5 ${LIMIT:-430} bash "$0" qmm_overread > /dev/null 2>&1 &
     PROCS=${PROCS:-7} LIMIT=${LIMIT:-430} bash "$0" san
     wait; cat "$out/qmm_overread.txt"
     ;;
