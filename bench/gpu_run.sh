@@ -1185,34 +1185,21 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s45d)     # session 45: s45a's process part.ah hit an illegal memory access (err 700, sticky; reported inside cuDNN's
             # SDPA graph in test_moe's mlx_8bit_f16_step2 prefill, after 13 GPU kernel tests in that process), then glibc's
-            # "double free or corruption" at exit. compute-sanitizer memcheck over the first case of every test function
-            # of the kernel / MoE / sparse / compiled-step / engine files (PROCS processes) and over part.ah's sequence
-            # (bench/s45_ah_ids.txt); MLX's buffer cache off so freed buffers go back to CUDA; beside them part.ah's
-            # sequence without the sanitizer, REPEAT times
-    command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
-        tests/test_compiled_step.py tests/test_engine.py | python3 bench/first_ids.py > "$out/san.ids"
-    rm -f "$out"/san.part.*; split -n r/${PROCS:-6} "$out/san.ids" "$out/san.part."; cp bench/s45_ah_ids.txt "$out/san.part.ah0"
-    for p in ${SKIP:-}; do rm -f "$out/san.part.$p"; done     # parts already run (the first call ran aa, ab)
-    san_py='import sys, mlx.core as mx, pytest; mx.set_cache_limit(0); sys.exit(pytest.main(sys.argv[1:]))'
-    for f in "$out"/san.part.*; do
-      p=$(basename "$f")
-      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$p timeout -k 10 ${LIMIT:-420} compute-sanitizer --tool memcheck --print-limit 8 \
-          --error-exitcode 9 --log-file "$out/$p.san" python3 -c "$san_py" -q -p no:cacheprovider --tb=line $(cat "$f") \
-          > "$f.log" 2>&1; echo "rc $? ($(wc -l < "$f") ids; 9: memcheck errors, 124: cut by LIMIT)" >> "$f.log") &
-    done
+            # "double free or corruption" at exit. memcheck (san, nothing excluded) over the first case of every test
+            # function (PROCS processes) and over part.ah's sequence as one more (bench/s45_ah_ids.txt); beside them
+            # part.ah's sequence without the sanitizer, REPEAT times within LIMIT. (Run with its own copy of san's loop;
+            # SKIP="aa ab" for the second call, whose first had returned those two parts.)
     (end=$((SECONDS + ${LIMIT:-420})); for r in $(seq ${REPEAT:-2}); do [ $SECONDS -lt $end ] || break   # all repeats
         MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.plain$r timeout -k 10 $((end - SECONDS)) python3 -m pytest -q \
         -p no:cacheprovider --tb=line $(cat bench/s45_ah_ids.txt); echo "rc $?"; done > "$out/san_plain.log" 2>&1) &
-    wait
-    for f in "$out"/san.part.*.log; do echo "#### $f"; cat "$f"; echo "## memcheck:"; grep -v "^========= *$" "${f%.log}.san" | head -60; done > "$out/san_all.log"
-    grep -h "^rc\|ERROR SUMMARY" "$out"/san.part.*.log "$out"/san.part.*.san; tail -3 "$out/san_plain.log"
-    rm -f "$out"/san.part.* "$out/san.ids"
+    SAN_EXCLUDE= SAN_WHOLE=bench/s45_ah_ids.txt PROCS=${PROCS:-6} LIMIT=${LIMIT:-420} bash "$0" san
+    wait; tail -3 "$out/san_plain.log"
     ;;
   san)      # compute-sanitizer memcheck over the pytest ids in SAN_IDS (default: the first case of every test function
-            # of the kernel / sparse / MoE / compiled-step / engine files), PROCS processes, LIMIT seconds; MLX's buffer
-            # cache off (freed buffers go back to CUDA, so a read past one is seen); kernels whose name holds SAN_EXCLUDE
-            # (default qmm_sm80: MLX's own over-read, s45d, which ends a process at its first launch) run unchecked
+            # of the kernel / sparse / MoE / compiled-step / engine files), PROCS processes (plus one for SAN_WHOLE's ids,
+            # in order), LIMIT seconds; MLX's buffer cache off (freed buffers go back to CUDA, so a read past one is
+            # seen); kernels whose name holds SAN_EXCLUDE (default qmm_sm80: MLX's own over-read, s45d, which ends a
+            # process at its first launch) run unchecked
     command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
     if [ -n "${SAN_IDS:-}" ]; then cp "$SAN_IDS" "$out/san.ids"; else
       python3 -m pytest --co -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
@@ -1222,6 +1209,8 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       else excl=(--exclude "kns=${SAN_EXCLUDE-qmm_sm80}"); fi; fi
     echo "$(wc -l < "$out/san.ids") ids in ${PROCS:-7} processes; exclude: ${excl[*]:-none}"
     rm -f "$out"/sanp.*; split -n r/${PROCS:-7} "$out/san.ids" "$out/sanp."
+    [ -z "${SAN_WHOLE:-}" ] || cp "$SAN_WHOLE" "$out/sanp.zz"   # a sequence kept whole, in order, in one more process
+    for p in ${SKIP:-}; do rm -f "$out/sanp.$p"; done          # parts an earlier call already ran
     san_py='import sys, mlx.core as mx, pytest; mx.set_cache_limit(0); sys.exit(pytest.main(sys.argv[1:]))'
     for f in "$out"/sanp.*; do
       (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout -k 10 ${LIMIT:-420} compute-sanitizer --tool memcheck \
