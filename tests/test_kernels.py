@@ -345,7 +345,9 @@ def test_cuda_attention_merge_columns_split_is_bit_identical(D, dtype, monkeypat
             assert np.array_equal(got, ref), (M, off, wide)
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA face's kernel texts")
+@pytest.mark.skipif(not mx.cuda.is_available(),
+                    reason="compares two forms of the CUDA face's texts (no CUDA texts run on the CPU; "
+                           "their machine code: test_cuda_compiles.py::test_file_mode_gives_the_same_machine_code)")
 def test_cuda_text_file_mode_gives_the_same_bits(tmp_path, monkeypatch):
     """TENSORFOLD_CUDA_TEXT=file (each kernel's body in a file its short text includes) compiles the
     same operations: every decode kernel family gives the inline texts' bits -- 4- and 8-bit GEMMs

@@ -174,9 +174,9 @@ def mlx_cuda_qmm_overreads(cfg: ModelConfig) -> list[str]:
     address (CUDA error 700), which ends the process's use of the GPU. MLX takes that kernel where
     N % 128 == 0 and K % max(64, group size) == 0. Real checkpoints' K (hidden, intermediate,
     heads x head_dim, LoRA ranks) are far above 128; small test models are not."""
-    shapes = {n: s for n, s in cfg.linear_shapes().items() if n != "model.embed_tokens"}
-    if cfg.tie_embeddings:
-        shapes["model.embed_tokens"] = cfg.linear_shapes()["model.embed_tokens"]  # the tied head
+    shapes = cfg.linear_shapes()        # the embedding is a gather, unless it is the tied head
+    if not cfg.tie_embeddings:
+        shapes.pop("model.embed_tokens")
     shapes.update({n: s[1:] for n, s in cfg.expert_shapes().items()})
     out = []
     for name, (n, k) in shapes.items():
