@@ -69,7 +69,7 @@ def trace(family: str, layers: int) -> tuple[collections.Counter, collections.Co
         mx.eval(m.parameters())
         c = m.new_cache()
         c.reserve(2304)
-        fences = [_fence0() for _ in range(layers)]
+        fences = [_fence0(m.dtype) for _ in range(layers)]
         off = c.step_offset()
         mx.eval(fences, off)
         launches.clear()

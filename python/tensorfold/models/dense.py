@@ -114,9 +114,13 @@ class Layer:
             self.q_norm = self.k_norm = None
 
 
-@functools.lru_cache(maxsize=1)
-def _fence0() -> mx.array:
-    return mx.zeros((1,), mx.float32)
+@functools.lru_cache(maxsize=4)
+def _fence0(dtype) -> mx.array:
+    """The first step's fences (StepCache.in_place). In the dtype of the fences the step returns
+    (the attention output's, the model's dtype): with another dtype the compiled step would be
+    traced twice per KV capacity, once for the first step and again for the second (the H200,
+    session 46: float32 here against bf16 returned)."""
+    return mx.zeros((1,), dtype)
 
 
 def kernels_row_attention(q, kb, vb, off, scale):
@@ -360,7 +364,7 @@ class DenseModel:
         args = (ids, cache.step_offset(), cache.keys, cache.values)
         if self.inplace_kv():
             if cache.fences is None:    # any array: the buffers' own producers order the first write
-                cache.fences = [_fence0() for _ in range(self.cfg.num_layers)]
+                cache.fences = [_fence0(self.dtype) for _ in range(self.cfg.num_layers)]
             logits, keys, values, nxt, cache.fences = step(*args, cache.fences)
         else:
             logits, keys, values, nxt = step(*args)
