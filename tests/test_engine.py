@@ -63,6 +63,11 @@ def drafter(checkpoints):
     return load_model(checkpoints["qwen3_mlx_8bit"])
 
 
+def _model_of(i: int) -> str:
+    """Case i's engine (a key of ENGINE_CHECKPOINTS), also in its test id."""
+    return ["q4", "bf16", "qwen2", "moe", "dsa"][(i // 3) % 5]
+
+
 def _case(i: int):
     rng = np.random.default_rng(1000 + i)
     plen = int(rng.choice([1, 2, 5, 15, 16, 17, 33, 47, 70]))
@@ -73,7 +78,7 @@ def _case(i: int):
         min_p=float(rng.choice([0.0, 0.0, 0.05])),
         seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**31)))
     proposer = ["context", "draft-model", "mix"][i % 3]
-    model = ["q4", "bf16", "qwen2", "moe", "dsa"][(i // 3) % 5]
+    model = _model_of(i)
     return dict(plen=plen, params=p, proposer=proposer, model=model, seed=int(rng.integers(0, 2**31)),
                 max_tokens=int(rng.integers(8, 40)))
 
@@ -97,7 +102,7 @@ def run_case(eng, drafter_model, *, plen, params, proposer, seed, max_tokens, st
     return stats
 
 
-@pytest.mark.parametrize("i", range(90))
+@pytest.mark.parametrize("i", range(90), ids=lambda i: f"{i}-{_model_of(i)}")
 def test_drafted_equals_serial(engines, drafter, i):
     c = _case(i)
     eng = engines[c.pop("model")]
