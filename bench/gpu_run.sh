@@ -143,7 +143,10 @@
 #   bash bench/gpu_run.sh s45c          # prepared in session 44: the engine suites with texts in files (via `ids`)
 #   bash bench/gpu_run.sh s45d          # session 45: compute-sanitizer memcheck, one case a test function
 #   bash bench/gpu_run.sh san | s46a | s46b   # memcheck (MLX's over-reading kernel unchecked); prepared in session 45
-#   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py)
+#   bash bench/gpu_run.sh s47a          # prepared in session 46: the compiled step after the fences fix, the rest of
+#                                       # s45c, qmm_overread with page-sized operands (~8 min)
+#   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py;
+#                                       # QO_M, QO_N, QO_K, QO_G, QO_VALUES=0)
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
 #   bash bench/gpu_run.sh suite         # a whole test file on CUDA (SUITE), its tests dealt to PROCS processes
 #   bash bench/gpu_run.sh s36c | s36d   # session 36: q rows by cp.async in row_attn_wg / row_attn_tcr, checked and
@@ -1229,12 +1232,15 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # K tiles, groups 64 and 128 (session 45's reading of qmm_sm80.cuh: reads past x / w iff K <= 2 tiles),
             # and without the sanitizer the relative error (the K = 64 bug)
     command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
-    for g in 64 128; do for K in 64 128 192 256 384 512; do
+    # (s46a: at 16 x 128 no case was flagged, K = 64 included: x and w there are 2-4 KB pool blocks, and a
+    # read past one lands in a neighbour; QO_M / QO_N size them as whole 16 KB pages, QO_K / QO_G the sweep)
+    for g in ${QO_G:-64 128}; do for K in ${QO_K:-64 128 192 256 384 512}; do
       [ $((K % g)) -eq 0 ] || continue
       r=$(MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.qo timeout 120 compute-sanitizer --tool memcheck --print-limit 1 \
-          python3 bench/mlx_qmm_overread.py 16 128 $K $g 2>&1 | grep "ERROR SUMMARY\|Invalid\|of size" | tr '\n' ' ')
-      e=$(MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.qo timeout 60 python3 bench/mlx_qmm_overread.py 16 128 $K $g 2>&1 | tail -1)
-      echo "$e | memcheck: $r"
+          python3 bench/mlx_qmm_overread.py ${QO_M:-16} ${QO_N:-128} $K $g 2>&1 | grep "ERROR SUMMARY\|Invalid\|of size" | tr '\n' ' ')
+      e=$([ "${QO_VALUES:-1}" = 0 ] || MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.qo timeout 60 python3 bench/mlx_qmm_overread.py \
+          ${QO_M:-16} ${QO_N:-128} $K $g 2>&1 | tail -1)
+      echo "M=${QO_M:-16} N=${QO_N:-128} K=$K g=$g: $e | memcheck: $r"
     done; done | tee "$out/qmm_overread.txt"
     ;;
   s46a)     # prepared in session 45: memcheck again (san), now with MLX's over-reading kernel unchecked and the test
@@ -1249,6 +1255,19 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         LIMIT=${LIMIT:-480} bash "$0" suite > "$out/s46b_suite.txt" 2>&1 &
     PROCS=4 LIMIT=${LIMIT:-480} bash "$0" s45c
     wait; cat "$out/s46b_suite.txt"
+    ;;
+  s47a)     # prepared in session 46: the compiled step's trace counts again after the fences fix (s46: 8/8 failed,
+            # the step traced twice per capacity), with the rest of s45c that s46b's drafted cases left no time for
+            # (resumed == fresh, grid resume, launches, MoE prompt cache); beside them qmm_overread with x and w as
+            # whole 16 KB pages (s46a: no memcheck error at 16 x 128, the operands inside pooled blocks)
+    (QO_M=512 QO_N=1024 QO_G=64 QO_K="64 128 192 256" timeout -k 5 ${LIMIT:-420} bash "$0" qmm_overread > /dev/null 2>&1) &
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py | grep :: > "$out/s47a.ids"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "fresh or grid or stop_strings_drafted" | grep :: >> "$out/s47a.ids"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe | grep :: >> "$out/s47a.ids"
+    grep -v "deepseek\|-dsa\]" "$out/s47a.ids" > "$out/s47a.ids2"
+    IDS="$out/s47a.ids2" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
+    rm -f "$out"/s47a.ids "$out"/s47a.ids2
+    wait; cat "$out/qmm_overread.txt"
     ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
