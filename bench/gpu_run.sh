@@ -1259,8 +1259,11 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s47a)     # prepared in session 46: the compiled step's trace counts again after the fences fix (s46: 8/8 failed,
             # the step traced twice per capacity), with the rest of s45c that s46b's drafted cases left no time for
             # (resumed == fresh, grid resume, launches, MoE prompt cache); beside them qmm_overread with x and w as
-            # whole 16 KB pages (s46a: no memcheck error at 16 x 128, the operands inside pooled blocks)
-    (QO_M=512 QO_N=1024 QO_G=64 QO_K="64 128 192 256" timeout -k 5 ${LIMIT:-420} bash "$0" qmm_overread > /dev/null 2>&1) &
+            # whole 16 KB pages (s46a: no memcheck error at 16 x 128, the operands inside pooled blocks), then
+            # bench/mlx_qmm_nt_probe.py (does a real DeepSeek-V3.2's absorbed-MLA product run on CUDA?)
+    (QO_M=512 QO_N=1024 QO_G=64 QO_K="64 128 192 256" timeout -k 5 ${LIMIT:-420} bash "$0" qmm_overread > /dev/null 2>&1
+     # which non-transposed quantized matmuls MLX's CUDA backend runs (deepseek_v32's prefill; the test checkpoint's is refused)
+     MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.nt timeout 120 python3 bench/mlx_qmm_nt_probe.py >> "$out/qmm_overread.txt" 2>&1) &
     python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py | grep :: > "$out/s47a.ids"
     python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "fresh or grid or stop_strings_drafted" | grep :: >> "$out/s47a.ids"
     python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe | grep :: >> "$out/s47a.ids"
