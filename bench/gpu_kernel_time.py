@@ -54,7 +54,16 @@ SWEEP = CACHE if CACHE in ("wflush", "rflush") else None
 XFRESH = os.environ.get("GEMM_XFRESH", "1") == "1"
 # untimed calls before each case's timed ones (both impls): session 42 found the attention table's
 # first case after a setup timed up to 1.2 us slow at one row (gpu_attn_rows.py, ATTN_WARM)
-WARM = int(os.environ.get("GEMM_WARM", "2"))
+# GEMM_WARM=copies (with step): one untimed call on each copy before a case's timed ones, so the copies
+# go round once and L2 holds their clean lines, as in a decode step's steady state
+WARM_ENV = os.environ.get("GEMM_WARM", "2")
+WARM = -1 if WARM_ENV == "copies" else int(WARM_ENV)
+# GEMM_COLD=read (with step; prepared in session 46): cold_copies empties L2 by reading 256 MB instead of
+# writing it. Written, L2 is left full of dirty lines, and the first calls after it (one row, ours: the
+# first case of each shape) write them back while they stream their weights; with a read it holds clean
+# ones. Session 44's rotation gap (one row 4096x4096 8.0 against the flush's 6.4 us, none at 16 rows,
+# which run later) fits the written one; s45b's wflush / rflush and this tell.
+COLD = os.environ.get("GEMM_COLD", "write")
 STEP_COLD_BYTES = 192e6
 TOUCH = STEP and os.environ.get("GEMM_TOUCH", "0") == "1"
 TOUCH_STRIDE_BYTES = 64 << 10
@@ -95,7 +104,10 @@ def cold_copies(ws):
     n = max(2, -(-int(STEP_COLD_BYTES) // sum(a.nbytes for a in ws)))
     out = [tuple(a + mx.zeros_like(a) for a in ws) for _ in range(n)]
     mx.eval(out)
-    mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
+    if COLD == "read":
+        l2_sweep("rflush")      # 256 MB read: the copies out of L2, which is left clean
+    else:
+        mx.eval(mx.zeros((64 << 20,), mx.float32) + 1)    # 256 MB written: the copies out of L2
     return out
 
 
@@ -153,7 +165,8 @@ def run():
                 mx.eval(x)
                 x0 = x
                 for impl in ("ours", "mlx"):
-                    for tag, n in (("setup", WARM), (f"{op}_{N}x{Kd}_M{M}_{impl}", REPS)):
+                    warm = len(ws) if WARM < 0 and STEP else max(WARM, 0)
+                    for tag, n in (("setup", warm), (f"{op}_{N}x{Kd}_M{M}_{impl}", REPS)):
                         marker(tag)
                         for _ in range(n):
                             if STEP:    # the next copy; x written right before the call

@@ -1165,9 +1165,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # rflush) against ncu's flush and the rotation, and the rotation without x's write before each call
     export GEMM_MS=${GEMM_MS:-1} GEMM_OPS=qmm GEMM_WARM=2
     export GEMM_SHAPES=${GEMM_SHAPES:-4096x4096,6144x4096,12288x4096,4096x12288}
-    for r in $(seq ${RUNS:-2}); do
+    # session 46 added rotr (the copies' L2 emptied by a read, GEMM_COLD=read) and rotc (one warm call on each
+    # copy first, GEMM_WARM=copies): with the write, L2 starts the first case (one row, ours) full of dirty lines
+    for r in $(seq ${RUNS:-1}); do
       gemm_table gap45flush$r ${GLIMIT:-60}
       GEMM_CACHE=step NCU_CACHE=none gemm_table gap45rot$r ${GLIMIT:-60}
+      GEMM_CACHE=step GEMM_COLD=read NCU_CACHE=none gemm_table gap45rotr$r ${GLIMIT:-60}
+      GEMM_CACHE=step GEMM_WARM=copies NCU_CACHE=none gemm_table gap45rotc$r ${GLIMIT:-60}
       GEMM_CACHE=step GEMM_XFRESH=0 NCU_CACHE=none gemm_table gap45rotx$r ${GLIMIT:-60}
       GEMM_CACHE=wflush NCU_CACHE=none gemm_table gap45wfl$r ${GLIMIT:-60}
       GEMM_CACHE=rflush NCU_CACHE=none gemm_table gap45rfl$r ${GLIMIT:-60}
