@@ -181,6 +181,7 @@ def test_mlx_cuda_qmm_overreads_names_the_short_k_modules(tmp_path):
     CUDA. hidden 64 (this suite's default): gate/up (128 x 64), experts' gate/up (128 x 64) and
     the LM head (512 x 64); q/k/v/o and down are 64 rows wide, where MLX takes another kernel.
     hidden 256 (what gpu_run.sh sets on the H200): none."""
+    from tensorfold.models.config import ModelConfig
     from tensorfold.models.loader import mlx_cuda_qmm_overreads
     from tensorfold.testing import write_checkpoint
 
@@ -195,3 +196,15 @@ def test_mlx_cuda_qmm_overreads_names_the_short_k_modules(tmp_path):
                                        hidden=256, intermediate=512, moe_intermediate=256)).cfg
     assert mlx_cuda_qmm_overreads(wide) == []
     assert mlx_cuda_qmm_overreads(load_model(write_checkpoint(tmp_path / "f")).cfg) == []  # float
+    # a real checkpoint: DeepSeek-V3.2's config (mlx-community 4-bit) has embed_q per head 512 x 128,
+    # the absorbed q of its sparse prefill: K = 128 at group 64, in every layer; nothing else
+    raw = {"model_type": "deepseek_v32", "hidden_size": 7168, "num_hidden_layers": 61,
+           "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128,
+           "index_topk": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 2048, "intermediate_size": 18432, "n_group": 8, "topk_group": 4,
+           "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+           "vocab_size": 129280, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "quantization": {"group_size": 64, "bits": 4}}
+    v32 = ModelConfig.from_dict(raw, tmp_path)
+    assert mlx_cuda_qmm_overreads(v32) == [f"model.layers.{i}.self_attn.embed_q" for i in range(61)]

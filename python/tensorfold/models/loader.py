@@ -172,12 +172,15 @@ def mlx_cuda_qmm_overreads(cfg: ModelConfig) -> list[str]:
     x and of the weight. compute-sanitizer on the H200 caught it (docs/benchmarks.md, "Session 45").
     Inside MLX's memory pool that read lands on a neighbour; at the pool's end it is an illegal
     address (CUDA error 700), which ends the process's use of the GPU. MLX takes that kernel where
-    N % 128 == 0 and K % max(64, group size) == 0. Real checkpoints' K (hidden, intermediate,
-    heads x head_dim, LoRA ranks) are far above 128; small test models are not."""
+    N % 128 == 0 and K % max(64, group size) == 0. Most real checkpoints' K (hidden, intermediate,
+    heads x head_dim, LoRA ranks) are far above 128; small test models' are not, and neither is
+    DeepSeek-V3.2's embed_q (per head 512 x 128: K = qk_nope_head_dim = 128), which its sparse
+    prefill chunks multiply by (models/dsa.py, the absorbed q; unembed_out's K is 512)."""
     shapes = cfg.linear_shapes()        # the embedding is a gather, unless it is the tied head
     if not cfg.tie_embeddings:
         shapes.pop("model.embed_tokens")
     shapes.update({n: s[1:] for n, s in cfg.expert_shapes().items()})
+    shapes.update({n: s[1:] for n, s in cfg.multilinear_shapes().items()})   # per head (out, in)
     out = []
     for name, (n, k) in shapes.items():
         q = cfg.quant_for(name)
