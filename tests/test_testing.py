@@ -275,3 +275,26 @@ def test_default_set(checkpoints):
     for name, p in checkpoints.items():
         cfg = json.loads((p / "config.json").read_text())
         _check_loads(p, cfg)
+
+
+def test_widened_set_has_no_mlx_cuda_overreads(tmp_path, monkeypatch):
+    """At TF_TEST_HIDDEN=256 (bench/gpu_run.sh on the H200) no test checkpoint has a module in MLX's
+    CUDA quantized-matmul over-read (loader.mlx_cuda_qmm_overreads: K <= 2 x its K tile where
+    N % 128 == 0), deepseek_v32's included; at the CI's default width
+    some do (so the check has teeth)."""
+    from tensorfold.models.config import ModelConfig
+    from tensorfold.models.loader import mlx_cuda_qmm_overreads
+    from tensorfold.testing import widened
+
+    def overreads(env):
+        monkeypatch.setenv("TF_TEST_HIDDEN", env)
+        out = {}
+        for name, kw in DEFAULT_SET.items():
+            out[name] = mlx_cuda_qmm_overreads(
+                ModelConfig.from_dir(write_checkpoint(tmp_path / env / name, **widened(kw))))
+        return out
+
+    wide = overreads("256")
+    assert all(v == [] for v in wide.values()), {k: v[:3] for k, v in wide.items() if v}
+    small = overreads("0")
+    assert small["deepseek_v32_mlx_4bit"] and small["qwen3_mlx_4bit"]

@@ -807,10 +807,18 @@ def widened(kw: dict[str, Any]) -> dict[str, Any]:
     """write_checkpoint's arguments with $TF_TEST_HIDDEN applied (a copy): where it is set and the
     checkpoint uses the default hidden size, hidden = TF_TEST_HIDDEN, intermediate twice that, and
     the experts' intermediate (where not given) TF_TEST_HIDDEN too: their down projections' K.
-    DeepSeek-V3.2 checkpoints keep their own shapes."""
+    DeepSeek-V3.2 checkpoints also take q_lora_rank = TF_TEST_HIDDEN (q_b's and the indexer's K),
+    128-wide nope heads (the prefill's non-transposed embed_q product N = 128, as in the real
+    model; MLX 0.32.4's CUDA backend refused N = 32) and 64-wide v heads (o_proj's K = heads x 64);
+    kv_lora_rank stays 64, where MLX takes another kernel. Session 46: at 256 no module is left in
+    loader.mlx_cuda_qmm_overreads (tests/test_testing.py). At 256 on the CPU, test_dsa.py's
+    test_bf16_whole_model_rows_agree_with_mlx_lm fails its 0.8 (0.59): the wider random model
+    amplifies bf16 rounding, so that mlx-lm's own bf16 and fp32 logits agree on 0.45 of rows."""
     kw = dict(kw)
     wide = int(os.environ.get("TF_TEST_HIDDEN", "0") or 0)
-    if wide and "hidden" not in kw and kw.get("family") != "deepseek_v32":
+    if wide and "hidden" not in kw:
         kw.update(hidden=wide, intermediate=2 * wide)
         kw.setdefault("moe_intermediate", wide)
+        if kw.get("family") == "deepseek_v32":
+            kw["dsa"] = dict(kw.get("dsa") or {}, q_lora_rank=wide, qk_nope_head_dim=128, v_head_dim=64)
     return kw
