@@ -280,8 +280,8 @@ def test_default_set(checkpoints):
 def test_widened_set_has_no_mlx_cuda_overreads(tmp_path, monkeypatch):
     """At TF_TEST_HIDDEN=256 (bench/gpu_run.sh on the H200) no test checkpoint has a module in MLX's
     CUDA quantized-matmul over-read (loader.mlx_cuda_qmm_overreads: K <= 2 x its K tile where
-    N % 128 == 0), deepseek_v32's included; at the CI's default width
-    some do (so the check has teeth)."""
+    N % 128 == 0), deepseek_v32's included; at the CI's default width some do (so the check
+    has teeth)."""
     from tensorfold.models.config import ModelConfig
     from tensorfold.models.loader import mlx_cuda_qmm_overreads
     from tensorfold.testing import widened
