@@ -283,6 +283,13 @@ gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, o
       > "$out/$tag.csv" 2> "$out/$tag.err"
   python3 bench/gpu_kernel_time.py --report "$out/$tag.csv" > "$out/$tag.md" 2>&1; cut -c1-110 "$out/$tag.md"
 }
+engine_ids() {   # the engine suites' pytest ids (s45c): drafted == serial, resumed == fresh, the grid, the
+                 # compiled step and its launches, the MoE prompt cache; without deepseek_v32's, which MLX's
+                 # CUDA quantized_matmul refuses (README; s47b runs them once the probe says it need not)
+  { python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "drafted or fresh or grid"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe; } | grep :: | grep -v "deepseek\|-dsa\]"
+}
 export PYTHONUNBUFFERED=1
 # MLX 0.32.4's CUDA quantized_matmul is wrong for K = 64 at M >= 2, and from 8 rows reads past its operands
 # where K <= 128 at group 64 (compute-sanitizer, s45d; models/loader.py mlx_cuda_qmm_overreads): widen the test
@@ -1184,12 +1191,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s45c)     # prepared in session 44, not run: the engine suites with texts in files (session 43's default), last run
             # on CUDA with inline texts (sessions 11 / 21): drafted == serial and resumed == fresh on random checkpoints,
             # the compiled step and its launches, MoE resumed == fresh; each process its own PTX cache
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "drafted or fresh or grid" | grep :: > "$out/s45c.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py | grep :: >> "$out/s45c.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe | grep :: >> "$out/s45c.ids"
-    grep -v "deepseek\|-dsa\]" "$out/s45c.ids" > "$out/s45c.ids2"   # MLX's CUDA quantized_matmul refuses that test checkpoint (README)
-    IDS="$out/s45c.ids2" PROCS=${PROCS:-8} LIMIT=${LIMIT:-500} bash "$0" ids
-    rm -f "$out"/s45c.ids "$out"/s45c.ids2
+    engine_ids > "$out/s45c.ids"
+    IDS="$out/s45c.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-500} bash "$0" ids
+    rm -f "$out"/s45c.ids
     ;;
   s45d)     # session 45: s45a's process part.ah hit an illegal memory access (err 700, sticky; reported inside cuDNN's
             # SDPA graph in test_moe's mlx_8bit_f16_step2 prefill, after 13 GPU kernel tests in that process), then glibc's
@@ -1269,12 +1273,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     (QO_M=512 QO_N=1024 QO_G=64 QO_K="64 128 192 256" timeout -k 5 ${LIMIT:-420} bash "$0" qmm_overread > /dev/null 2>&1
      # which non-transposed quantized matmuls MLX's CUDA backend runs (deepseek_v32's prefill; the test checkpoint's is refused)
      MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.nt timeout 120 python3 bench/mlx_qmm_nt_probe.py >> "$out/qmm_overread.txt" 2>&1) &
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py | grep :: > "$out/s47a.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "fresh or grid or stop_strings_drafted" | grep :: >> "$out/s47a.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe | grep :: >> "$out/s47a.ids"
-    grep -v "deepseek\|-dsa\]" "$out/s47a.ids" > "$out/s47a.ids2"
-    IDS="$out/s47a.ids2" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
-    rm -f "$out"/s47a.ids "$out"/s47a.ids2
+    engine_ids | grep -v "test_drafted_equals_serial\[" > "$out/s47a.ids"
+    IDS="$out/s47a.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
+    rm -f "$out"/s47a.ids
     wait; cat "$out/qmm_overread.txt"
     ;;
   s47b)     # prepared in session 46: the deepseek_v32 tests on CUDA, never run there (MLX refused the test checkpoint's

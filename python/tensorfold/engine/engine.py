@@ -22,6 +22,7 @@ from ..cache.key import cache_key
 from ..cache.memory import SnapshotStore
 from ..errors import RequestError
 from ..models import load_model
+from .. import kernels
 from ..models.loader import mlx_cuda_qmm_overreads
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .prefill import PrefillMode, prefill, reserve_rows
@@ -42,7 +43,7 @@ class Engine:
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self.model = load_model(self.model_path)
-        if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        if kernels.mlx_runs_on_cuda():
             short = mlx_cuda_qmm_overreads(self.model.cfg)
             if short:
                 log.warning("MLX's CUDA quantized matmul reads past its operands for K <= 2 x its K "

@@ -45,6 +45,12 @@ def _cuda_available() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
+def mlx_runs_on_cuda() -> bool:
+    """Whether MLX's own ops (prefill, mlx-lm's forward) run on a CUDA GPU: the default device is a
+    GPU and this MLX's GPU backend is CUDA (whatever face TENSORFOLD_KERNELS picks for ours)."""
+    return mx.default_device() == mx.gpu and _cuda_available()
+
+
 def _metal_available() -> bool:
     return hasattr(mx, "metal") and mx.metal.is_available()
 
