@@ -1185,7 +1185,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       GEMM_CACHE=rflush NCU_CACHE=none gemm_table gap45rfl$r ${GLIMIT:-60}
     done
     for f in "$out"/gap45*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done > "$out/gap45all.txt"
-    tail -3 "$out"/gap45*.err > "$out/gap45err.txt" 2>&1
+    tail -n 3 "$out"/gap45*.err > "$out/gap45err.txt" 2>&1
     rm -f "$out"/gap45*.csv "$out"/gap45*.md "$out"/gap45*.err
     ;;
   s45c)     # prepared in session 44, not run: the engine suites with texts in files (session 43's default), last run
@@ -1288,6 +1288,19 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         | grep :: | grep "deepseek\|-dsa\]" >> "$out/s47b.ids"
     IDS="$out/s47b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
     rm -f "$out"/s47b.ids
+    ;;
+  s47c)     # session 47: s47b's deepseek_v32 tests at 256 again after its two fixes (the dense prefill's latent and
+            # rope keys copied out of the cache row before mlx-lm's float matmuls: f32 logits were a few ulps off
+            # mlx-lm's; the yarn and 5-layer checkpoints widened as the others: MLX refused their N = 32), and the ids
+            # its limit cut; beside them bench/mlx_strided_matmul_probe.py (slices vs copies, and layer by layer)
+    (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.sp timeout 300 python3 bench/mlx_strided_matmul_probe.py model > "$out/strided.txt" 2>&1) &
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_dsa.py | grep "yarn\|_bitwise\|bounds_deep\|bounded_and_equal" \
+        | grep -v "rope_equals\|sparse_prefill\|exact_decode\|bitwise\[deepseek_v32_mlx\|equal\[deepseek_v32_mlx" > "$out/s47c.ids"
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py tests/test_prompt_cache.py \
+        | grep "test_drafted_equals_serial\[\(28\|29\|57\|58\|72\|73\|74\|87\|88\|89\)-dsa\]\|deepseek_v32_mlx_4bit" >> "$out/s47c.ids"
+    IDS="$out/s47c.ids" PROCS=${PROCS:-10} LIMIT=${LIMIT:-420} bash "$0" ids
+    rm -f "$out"/s47c.ids
+    wait; cat "$out/strided.txt"
     ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all

@@ -26,7 +26,7 @@ import pytest
 from tensorfold import kernels
 from tensorfold.errors import CheckpointError
 from tensorfold.models import DSAModel, load_model
-from tensorfold.testing import write_checkpoint
+from tensorfold.testing import widened, write_checkpoint
 
 from reference_helpers import mlx_lm_last_row_logits
 
@@ -312,7 +312,7 @@ def yarn(tmp_path_factory):
     }
     out = {}
     for name, kw in specs.items():
-        p = write_checkpoint(root / name, family="deepseek_v32", **kw)
+        p = write_checkpoint(root / name, **widened(dict(family="deepseek_v32", **kw)))
         ref, _ = mlx_lm.load(str(p))
         out[name] = (load_model(p), ref, p)
     return out
@@ -453,8 +453,8 @@ def test_layer_queue_yarn_equals_mlx_lm(yarn):
 
 def test_layer_queue_bounds_deep_model(tmp_path, monkeypatch):
     """5 layers: the queue really caps in-flight layers at 2, and changes no bit."""
-    m = load_model(write_checkpoint(tmp_path / "deep", family="deepseek_v32", layout="mlx", bits=4,
-                                    group_size=32, layers=5, seed=33))
+    m = load_model(write_checkpoint(tmp_path / "deep", **widened(dict(
+        family="deepseek_v32", layout="mlx", bits=4, group_size=32, layers=5, seed=33))))
     ids = mx.array([_ids(m.cfg.vocab_size, 40, 11)])
     a = m.forward(ids, m.new_cache(), exact=False, all_logits=True)
     assert m.last_queue == (2, 2, 5)

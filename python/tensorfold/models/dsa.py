@@ -379,7 +379,11 @@ class DSAModel(BoundedPrefill, DenseModel):
             o = o[..., :kvr]
             o = ly.unembed_out.exact(o) if exact else ly.unembed_out(o)
         else:   # mlx-lm's dense path, op for op
-            lat, kpe = kb[..., :S, :kvr], kb[..., :S, kvr:]
+            # on operands laid out as mlx-lm's: its cache keeps the latent and the rope keys in two
+            # buffers; ours keeps them side by side in one. As strided slices of that row (leading
+            # dimension kvr + rd, rope keys at column kvr) their float matmuls took other cuBLAS
+            # kernels than mlx-lm's on CUDA, so other bits (session 47, H200); copied, they match
+            lat, kpe = mx.contiguous(kb[..., :S, :kvr]), mx.contiguous(kb[..., :S, kvr:])
             pe_scores = (q_pe * self.scale) @ kpe.swapaxes(-1, -2)
             if L > 1:
                 pe_scores = mx.where(causal_mask(L, off), pe_scores,
