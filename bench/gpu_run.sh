@@ -1302,6 +1302,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     rm -f "$out"/s47c.ids
     wait; cat "$out/strided.txt"
     ;;
+  s48a)     # prepared in session 47: what a new process waits on CUDA before its replies, PTX cache empty, then
+            # warm (bench/gpu_cold_start.py on tinycode-4bit; one engine test took 25-290 s on the H200, 1.5 s on the
+            # CPU: NVRTC compiling each kernel instance at its first launch is the suspect, not measured). Run alone:
+            # parallel processes would share the host's cores with its compiles
+    timeout ${LIMIT:-420} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start.txt"
+    ;;
+  s48b)     # prepared in session 47: the deepseek_v32 engine cases s47b / s47c's limits cut (3 of 18 drafted ==
+            # serial, 8 of 10 resumed == fresh), fewer processes so that each case has time (~110-290 s each there)
+    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py tests/test_prompt_cache.py \
+        | grep "test_drafted_equals_serial\[\(27\|59\|73\)-dsa\]\|resumed_equals_fresh\[deepseek_v32_mlx_4bit" \
+        | grep -v "True-9\]\|False-23\]" > "$out/s48b.ids"
+    IDS="$out/s48b.ids" PROCS=${PROCS:-6} LIMIT=${LIMIT:-480} bash "$0" ids
+    rm -f "$out"/s48b.ids
+    ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
     rm -f "$out"/ids.part.*; split -n r/${PROCS:-6} "$IDS" "$out/ids.part."

@@ -1,0 +1,76 @@
+"""How long a new process waits for its replies on the current device, with MLX's PTX disk cache
+empty and then warm (session 47; prepared for the H200, dry-run on the CPU).
+
+On the H200 one engine test takes 25-290 s (session 47: test_drafted_equals_serial[12-dsa] 137 s,
+1.5 s on the CPU). Every kernel instance (ours through mx.fast.cuda_kernel, and MLX's own JIT
+kernels) is compiled by NVRTC at its first launch and kept in MLX's PTX cache on disk. A server's
+first requests on a new machine pay that. This measures it on tinycode-4bit, the model the package
+ships: one child process with a new, empty MLX_PTX_CACHE_DIR, then a second child on the cache the
+first one filled.
+
+    python3 bench/gpu_cold_start.py [max_tokens]
+
+Per child, seconds: engine init (load + row_check), one greedy reply without drafts, the same
+again, one with drafts, the same again; then our kernel instances built (file mode) and the files
+in the PTX cache."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def child(n: int) -> dict:
+    import mlx.core as mx
+
+    import tensorfold
+    from tensorfold.engine import Engine, SamplingParams
+    path = Path(tensorfold.__file__).parent / "data" / "tinycode-4bit"
+    msgs = [{"role": "user", "content": "Show the function dumps from json."}]
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    out, t = {"device": str(mx.default_device())}, time.perf_counter()
+    eng = Engine(path)
+    out["init"] = time.perf_counter() - t
+    out["row_exact"] = bool(eng.row_exact)
+    replies = []
+    for name, draft in (("serial", False), ("serial_again", False), ("drafted", True), ("drafted_again", True)):
+        t = time.perf_counter()
+        replies.append(eng.generate_text(messages=msgs, max_tokens=n, sampling=greedy, draft=draft)[1])
+        out[name] = time.perf_counter() - t
+    out["same_reply"] = all(r == replies[0] for r in replies)
+    out["tokens"] = len(replies[0])
+    try:
+        from tensorfold.kernels import _cuda
+        out["our_instances"] = _cuda._file_instance.cache_info().currsize
+    except Exception as e:          # no CUDA face here (the CPU dry run)
+        out["our_instances"] = f"n/a ({type(e).__name__})"
+    d = os.environ.get("MLX_PTX_CACHE_DIR", "")
+    out["ptx_files"] = sum(len(f) for _, _, f in os.walk(d)) if d else "n/a"
+    return out
+
+
+def main():
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(child(int(sys.argv[2]))), flush=True)
+        return
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
+    cache = tempfile.mkdtemp(prefix="mlx-ptx-cold.")
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=cache)
+    for run in ("empty cache", "warm cache"):
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if r.returncode != 0:
+            print(f"{run}: child failed (rc {r.returncode})\n{r.stderr[-2000:]}")
+            sys.exit(1)
+        o = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"{run} ({o['device']}): process {wall:.1f} s; init {o['init']:.1f} s; serial {o['serial']:.2f} s, "
+              f"again {o['serial_again']:.2f} s; drafted {o['drafted']:.2f} s, again {o['drafted_again']:.2f} s; "
+              f"{o['tokens']} tokens, same reply {o['same_reply']}, row_exact {o['row_exact']}; "
+              f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
