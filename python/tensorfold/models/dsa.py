@@ -380,9 +380,10 @@ class DSAModel(BoundedPrefill, DenseModel):
             o = ly.unembed_out.exact(o) if exact else ly.unembed_out(o)
         else:   # mlx-lm's dense path, op for op
             # on operands laid out as mlx-lm's: its cache keeps the latent and the rope keys in two
-            # buffers; ours keeps them side by side in one. As strided slices of that row (leading
-            # dimension kvr + rd, rope keys at column kvr) their float matmuls took other cuBLAS
-            # kernels than mlx-lm's on CUDA, so other bits (session 47, H200); copied, they match
+            # buffers; ours keeps them side by side in one. As a strided slice of that row (leading
+            # dimension kvr + rd, at column kvr) the rope keys gave MLX's CUDA float32 q_pe @ k_pe.T
+            # other bits than a contiguous copy (session 47, H200, bench/mlx_strided_matmul_probe.py;
+            # the latent's products were the same there, copied too so that no layout differs)
             lat, kpe = mx.contiguous(kb[..., :S, :kvr]), mx.contiguous(kb[..., :S, kvr:])
             pe_scores = (q_pe * self.scale) @ kpe.swapaxes(-1, -2)
             if L > 1:
