@@ -283,12 +283,22 @@ gemm_table() {   # gemm_table TAG TIMEOUT: bench/gpu_kernel_time.py under ncu, o
       > "$out/$tag.csv" 2> "$out/$tag.err"
   python3 bench/gpu_kernel_time.py --report "$out/$tag.csv" > "$out/$tag.md" 2>&1; cut -c1-110 "$out/$tag.md"
 }
+collect() {      # the pytest ids of the files / options given, one a line
+  python3 -m pytest --co -q -p no:cacheprovider "$@" | grep ::
+}
+
+run_ids() {      # the ids on stdin through the ids mode: run_ids NAME PROCS LIMIT (PROCS / LIMIT from the env first)
+  cat > "$out/$1.ids"
+  IDS="$out/$1.ids" PROCS=${PROCS:-$2} LIMIT=${LIMIT:-$3} bash "$0" ids
+  rm -f "$out/$1.ids"
+}
+
 engine_ids() {   # the engine suites' pytest ids (s45c): drafted == serial, resumed == fresh, the grid, the
-                 # compiled step and its launches, the MoE prompt cache; without deepseek_v32's, which MLX's
-                 # CUDA quantized_matmul refuses (README; s47b runs them once the probe says it need not)
-  { python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py -k "drafted or fresh or grid"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_compiled_step.py tests/test_cuda_launches.py
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_prompt_cache.py -k moe; } | grep :: | grep -v "deepseek\|-dsa\]"
+                 # compiled step and its launches, the MoE prompt cache; without deepseek_v32's (at the CI's
+                 # width MLX's CUDA quantized_matmul refuses that checkpoint's products; s47b / s48b run them at 256)
+  { collect tests/test_engine.py -k "drafted or fresh or grid"
+    collect tests/test_compiled_step.py tests/test_cuda_launches.py
+    collect tests/test_prompt_cache.py -k moe; } | grep -v "deepseek\|-dsa\]"
 }
 export PYTHONUNBUFFERED=1
 # MLX 0.32.4's CUDA quantized_matmul is wrong for K = 64 at M >= 2, and from 8 rows reads past its operands
@@ -1191,9 +1201,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s45c)     # prepared in session 44, not run: the engine suites with texts in files (session 43's default), last run
             # on CUDA with inline texts (sessions 11 / 21): drafted == serial and resumed == fresh on random checkpoints,
             # the compiled step and its launches, MoE resumed == fresh; each process its own PTX cache
-    engine_ids > "$out/s45c.ids"
-    IDS="$out/s45c.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-500} bash "$0" ids
-    rm -f "$out"/s45c.ids
+    engine_ids | run_ids s45c 8 500
     ;;
   s45d)     # session 45: s45a's process part.ah hit an illegal memory access (err 700, sticky; reported inside cuDNN's
             # SDPA graph in test_moe's mlx_8bit_f16_step2 prefill, after 13 GPU kernel tests in that process), then glibc's
@@ -1214,7 +1222,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # process at its first launch) run unchecked
     command -v compute-sanitizer > /dev/null || export PATH=$PATH:/usr/local/cuda/bin
     if [ -n "${SAN_IDS:-}" ]; then cp "$SAN_IDS" "$out/san.ids"; else
-      python3 -m pytest --co -q -p no:cacheprovider tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
+      collect tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py \
           tests/test_compiled_step.py tests/test_engine.py | python3 bench/first_ids.py > "$out/san.ids"; fi
     excl=(); if [ -n "${SAN_EXCLUDE-qmm_sm80}" ]; then
       san_help=$(compute-sanitizer --help 2>&1)   # not piped into grep -q: under pipefail its SIGPIPE fails the test
@@ -1273,9 +1281,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     (QO_M=512 QO_N=1024 QO_G=64 QO_K="64 128 192 256" timeout -k 5 ${LIMIT:-420} bash "$0" qmm_overread > /dev/null 2>&1
      # which non-transposed quantized matmuls MLX's CUDA backend runs (deepseek_v32's prefill; the test checkpoint's is refused)
      MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.nt timeout 120 python3 bench/mlx_qmm_nt_probe.py >> "$out/qmm_overread.txt" 2>&1) &
-    engine_ids | grep -v "test_drafted_equals_serial\[" > "$out/s47a.ids"
-    IDS="$out/s47a.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
-    rm -f "$out"/s47a.ids
+    engine_ids | grep -v "test_drafted_equals_serial\[" | run_ids s47a 8 420
     wait; cat "$out/qmm_overread.txt"
     ;;
   s47b)     # prepared in session 46: the deepseek_v32 tests on CUDA, never run there (MLX refused the test checkpoint's
@@ -1283,23 +1289,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
             # nope 128, v 64: no module in MLX's over-read, and the product N = 128 as in DeepSeek-V3.2); run it
             # if s47a's mlx_qmm_nt_probe.py says MLX runs N = 128, K = 64. Expected to fail at 256, as on the CPU:
             # test_bf16_whole_model_rows_agree_with_mlx_lm (testing.widened says why)
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_dsa.py | grep :: > "$out/s47b.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py tests/test_prompt_cache.py tests/test_compiled_step.py \
-        | grep :: | grep "deepseek\|-dsa\]" >> "$out/s47b.ids"
-    IDS="$out/s47b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" ids
-    rm -f "$out"/s47b.ids
+    { collect tests/test_dsa.py
+      collect tests/test_engine.py tests/test_prompt_cache.py tests/test_compiled_step.py | grep "deepseek\|-dsa\]"
+    } | run_ids s47b 8 420
     ;;
   s47c)     # session 47: s47b's deepseek_v32 tests at 256 again after its two fixes (the dense prefill's latent and
             # rope keys copied out of the cache row before mlx-lm's float matmuls: f32 logits were a few ulps off
             # mlx-lm's; the yarn and 5-layer checkpoints widened as the others: MLX refused their N = 32), and the ids
             # its limit cut; beside them bench/mlx_strided_matmul_probe.py (slices vs copies, and layer by layer)
     (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.sp timeout 300 python3 bench/mlx_strided_matmul_probe.py model > "$out/strided.txt" 2>&1) &
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_dsa.py | grep "yarn\|_bitwise\|bounds_deep\|bounded_and_equal" \
-        | grep -v "rope_equals\|sparse_prefill\|exact_decode\|bitwise\[deepseek_v32_mlx\|equal\[deepseek_v32_mlx" > "$out/s47c.ids"
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py tests/test_prompt_cache.py \
-        | grep "test_drafted_equals_serial\[\(28\|29\|57\|58\|72\|73\|74\|87\|88\|89\)-dsa\]\|deepseek_v32_mlx_4bit" >> "$out/s47c.ids"
-    IDS="$out/s47c.ids" PROCS=${PROCS:-10} LIMIT=${LIMIT:-420} bash "$0" ids
-    rm -f "$out"/s47c.ids
+    { collect tests/test_dsa.py | grep "yarn\|_bitwise\|bounds_deep\|bounded_and_equal" \
+        | grep -v "rope_equals\|sparse_prefill\|exact_decode\|bitwise\[deepseek_v32_mlx\|equal\[deepseek_v32_mlx"
+      collect tests/test_engine.py tests/test_prompt_cache.py \
+        | grep "test_drafted_equals_serial\[\(28\|29\|57\|58\|72\|73\|74\|87\|88\|89\)-dsa\]\|deepseek_v32_mlx_4bit"
+    } | run_ids s47c 10 420
     wait; cat "$out/strided.txt"
     ;;
   s48a)     # prepared in session 47: what a new process waits on CUDA before its replies, PTX cache empty, then
@@ -1310,11 +1313,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s48b)     # prepared in session 47: the deepseek_v32 engine cases s47b / s47c's limits cut (3 of 18 drafted ==
             # serial, 8 of 10 resumed == fresh), fewer processes so that each case has time (~110-290 s each there)
-    python3 -m pytest --co -q -p no:cacheprovider tests/test_engine.py tests/test_prompt_cache.py \
+    collect tests/test_engine.py tests/test_prompt_cache.py \
         | grep "test_drafted_equals_serial\[\(27\|59\|73\)-dsa\]\|resumed_equals_fresh\[deepseek_v32_mlx_4bit" \
-        | grep -v "True-9\]\|False-23\]" > "$out/s48b.ids"
-    IDS="$out/s48b.ids" PROCS=${PROCS:-6} LIMIT=${LIMIT:-480} bash "$0" ids
-    rm -f "$out"/s48b.ids
+        | grep -v "True-9\]\|False-23\]" | run_ids s48b 6 480
     ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
@@ -1334,7 +1335,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
     ids="$out/suite.ids"; rm -f "$out"/suite.part.*
-    python3 -m pytest --co -q -p no:cacheprovider ${SUITE:-tests/test_kernels.py} | grep :: > "$ids"
+    collect ${SUITE:-tests/test_kernels.py} > "$ids"
     echo "$(wc -l < "$ids") tests in ${PROCS:-4} processes"
     split -n r/${PROCS:-4} "$ids" "$out/suite.part."
     for f in "$out"/suite.part.*; do
