@@ -12,7 +12,12 @@ first one filled.
 
 Per child, seconds: engine init (load + row_check), one greedy reply without drafts, the same
 again, one with drafts, the same again; then our kernel instances built (file mode) and the files
-in the PTX cache."""
+in the PTX cache.
+
+Session 48 measured it (MLX compiles our kernels in every process: init 25-35 s with MLX's own
+kernels cached) and added tensorfold/kernels/_kcache.py, which writes our compiled kernels into
+MLX's PTX cache. Now four children: the kernel cache off (TENSORFOLD_KERNEL_CACHE=0), an empty then
+a warm MLX cache; then on, an empty then a warm one (a new directory)."""
 import json
 import os
 import subprocess
@@ -48,6 +53,8 @@ def child(n: int) -> dict:
         out["our_instances"] = f"n/a ({type(e).__name__})"
     d = os.environ.get("MLX_PTX_CACHE_DIR", "")
     out["ptx_files"] = sum(len(f) for _, _, f in os.walk(d)) if d else "n/a"
+    from tensorfold.kernels import _kcache
+    out["kcache"] = dict(_kcache.stats, on=_kcache.enabled())
     return out
 
 
@@ -56,9 +63,12 @@ def main():
         print(json.dumps(child(int(sys.argv[2]))), flush=True)
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
-    cache = tempfile.mkdtemp(prefix="mlx-ptx-cold.")
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=cache)
-    for run in ("empty cache", "warm cache"):
+    runs = []
+    for kc in ("0", "1"):
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
+                   TENSORFOLD_KERNEL_CACHE=kc)
+        runs += [(f"kernel cache {'on' if kc == '1' else 'off'}, {c}", env) for c in ("empty cache", "warm cache")]
+    for run, env in runs:
         t = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t
@@ -69,7 +79,8 @@ def main():
         print(f"{run} ({o['device']}): process {wall:.1f} s; init {o['init']:.1f} s; serial {o['serial']:.2f} s, "
               f"again {o['serial_again']:.2f} s; drafted {o['drafted']:.2f} s, again {o['drafted_again']:.2f} s; "
               f"{o['tokens']} tokens, same reply {o['same_reply']}, row_exact {o['row_exact']}; "
-              f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}", flush=True)
+              f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}; "
+              f"kernel cache {o['kcache']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,8 @@
 #   bash bench/gpu_run.sh s47a          # prepared in session 46: the compiled step after the fences fix, the rest of
 #                                       # s45c, qmm_overread with page-sized operands (~8 min)
 #   bash bench/gpu_run.sh s47b          # prepared in session 46: the deepseek_v32 tests on CUDA at width 256 (~8 min)
+#   bash bench/gpu_run.sh s48a | s48b   # prepared in session 47: cold start (gpu_cold_start.py); deepseek engine cases
+#   bash bench/gpu_run.sh s48c | s48d   # session 48: the kernel cache's CUDA tests; cold start with it off and on
 #   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py;
 #                                       # QO_M, QO_N, QO_K, QO_G, QO_VALUES=0)
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
@@ -1316,6 +1318,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     collect tests/test_engine.py tests/test_prompt_cache.py \
         | grep "test_drafted_equals_serial\[\(27\|59\|73\)-dsa\]\|resumed_equals_fresh\[deepseek_v32_mlx_4bit" \
         | grep -v "True-9\]\|False-23\]" | run_ids s48b 6 480
+    ;;
+  s48c)     # session 48: the kernel cache (tensorfold/kernels/_kcache.py) on CUDA -- MLX loads the module the
+            # cache names, the cache's texts are MLX's, every decode kernel family gives MLX's own compile's bits
+    timeout ${LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kcache.py 2>&1 \
+        | tee "$out/test_kcache.log" | tail -25
+    ;;
+  s48d)     # session 48: a new process's wait for its first replies, the kernel cache off and on (gpu_cold_start.py)
+    timeout ${LIMIT:-540} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_kcache.txt"
     ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all

@@ -2,6 +2,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <functional>
+#include <string>
+
 #include "layer_queue.h"
 #include "row_ops.h"
 
@@ -10,6 +14,12 @@ using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
   m.doc() = "TensorFold native core: LayerQueue and row-exact kernels (CPU faces).";
+
+  // std::hash of a string, as MLX's CUDA backend names a custom kernel's module with it (both call
+  // libstdc++'s _Hash_bytes): tensorfold.kernels._kcache finds MLX's cache entries by it
+  m.def("std_hash", [](nb::bytes b) {
+        return static_cast<uint64_t>(std::hash<std::string>{}(std::string(b.c_str(), b.size())));
+      }, "data"_a, "std::hash<std::string> of the bytes (the C++ runtime's own).");
 
   nb::class_<tensorfold::LayerQueue>(m, "LayerQueue",
       "Starts each pushed layer's outputs evaluating asynchronously and blocks on the oldest "

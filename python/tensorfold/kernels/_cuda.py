@@ -13,6 +13,7 @@ import warnings
 
 import mlx.core as mx
 
+from . import _kcache
 from ._sources import body_file_text, cache_dir, cuda_text_mode, kernel_text, written_once
 
 _CUDA_TYPES = {
@@ -115,15 +116,19 @@ def _outputs(name: str, unused_out: bool) -> list[str]:
 
 
 def _make(name: str, shared_memory: int, unused_out: bool, header: str, source: str):
-    return mx.fast.cuda_kernel(
-        name=f"tf_{name}" + ("_nm" if unused_out else ""),
+    kname, outputs = f"tf_{name}" + ("_nm" if unused_out else ""), _outputs(name, unused_out)
+    kernel = mx.fast.cuda_kernel(
+        name=kname,
         input_names=_KERNELS[name][0],
-        output_names=_outputs(name, unused_out),
+        output_names=outputs,
         source=source,
         header=header,
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
+    if not (_kcache.enabled() and mx.cuda.is_available()):   # else MLX compiles each instance in each process
+        return kernel
+    return _kcache.CachedKernel(kernel, kname, header, source, _KERNELS[name][0], outputs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,328 @@
+"""Compiled CUDA kernels kept on disk between processes (the CUDA face's start-up time).
+
+MLX compiles every ``mx.fast.cuda_kernel`` instance with NVRTC at its first launch, in every process,
+and never writes the result to its PTX cache: custom kernels pass ``use_disk_cache = false``
+(mlx/backend/cuda/custom_kernel.cpp). But MLX *reads* that cache for every module before compiling
+(``JitModule::JitModule`` in mlx/backend/cuda/jit_module.cpp, MLX 0.32). On the H200 a new process
+spent 25-35 s compiling our kernels before its first reply even with MLX's own kernels cached, and a
+first drafted reply 7-11 s more (session 48, ``bench/gpu_cold_start.py``).
+
+So before an instance's first launch, ``ensure`` works out the module MLX will look up, and where the
+cache lacks it, compiles that module itself and writes it there:
+
+- the text: what ``build_kernel`` makes of our header and body (``mlx_text``: MLX's default header,
+  the signature from the inputs' and outputs' dtypes, the template constants, the body);
+- the module name: ``custom_kernel_<name><template suffix>_<std::hash(text) in hex>``, the hash taken
+  by the same libstdc++ function MLX calls (``tensorfold._ext.std_hash``);
+- the compile: NVRTC (the library MLX itself loaded) on that text, with MLX's options
+  (``--device-as-default-execution-space``, ``--gpu-architecture=sm_XYa``), MLX's include paths,
+  and MLX's own embedded device headers (``utils.cuh``, ``complex.cuh``, ``config.h``, read from
+  ``libmlx.so``): the same inputs, so the same cubin MLX would have built;
+- the files: ``<module>.txt`` (the kernel's mangled name) first, then ``<module>.ptx`` (the cubin),
+  each written atomically, in MLX's cache directory (``MLX_PTX_CACHE_DIR``, else
+  ``<temp dir>/mlx/<version>/ptx``).
+
+MLX then loads the cubin instead of compiling. Anything that does not fit (no NVRTC found, a header
+not found, a compile error, an unwritable directory) leaves MLX to compile as before, with one
+warning: the cache only ever saves time. ``TENSORFOLD_KERNEL_CACHE=0`` turns it off.
+Tests: tests/test_kcache.py (the text and the files on the CPU; on CUDA, that MLX loads what this
+writes and that every kernel family gives the bits of MLX's own compile).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+
+# MLX's default header and namespace lines (custom_kernel.cpp, build_kernel)
+_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+_NAMESPACE = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+# dtype_to_cuda_type (the signature, `using` lines) and get_type_string (the name's suffix)
+_CUDA_TYPE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+              "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+              "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double",
+              "complex64": "mlx::core::cu::complex64_t"}
+_TYPE_STRING = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "float64": "double",
+                "complex64": "complex64_t", "bool": "bool", "int8": "int8_t", "int16": "int16_t",
+                "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t",
+                "uint32": "uint32_t", "uint64": "uint64_t"}
+# the device headers MLX's default header pulls in, by a line only each of them holds
+_HEADERS = {
+    "mlx/backend/cuda/device/utils.cuh": b"using Shape = cuda::std::array<int32_t, MAX_NDIM>;",
+    "mlx/backend/cuda/device/complex.cuh": b"using complex64_t = complex_t<float>;",
+    "mlx/backend/cuda/device/config.h": b"#define MAX_NDIM ",
+}
+
+stats = {"hits": 0, "compiled": 0, "failed": 0}
+_warned = []
+
+
+def enabled() -> bool:
+    return os.environ.get("TENSORFOLD_KERNEL_CACHE", "1") != "0"
+
+
+def _dtype_name(d) -> str:
+    return str(d).rsplit(".", 1)[-1]
+
+
+def kernel_name(name: str, template) -> str:
+    """MLX's name for one instance: custom_kernel_<name> and template_arguments_hash's suffix."""
+    s = "custom_kernel_" + name
+    for _, v in template:
+        if isinstance(v, bool):
+            s += "_t" if v else "_f"
+        elif isinstance(v, int):
+            s += f"_{v}"
+        else:
+            s += "_" + _TYPE_STRING[_dtype_name(v)]
+    return s
+
+
+def mlx_text(kname: str, header: str, source: str, input_names, inputs, output_names, output_dtypes,
+             template) -> str:
+    """The text MLX's build_kernel makes (custom_kernel.cpp, MLX 0.32). inputs: (dtype, ndim) per
+    input, in order; an input's shape / strides / ndim parameters follow it where the source names
+    them and the input has dimensions."""
+    t = _DEFAULT_HEADER + header + _NAMESPACE + "__global__ void " + kname + "(\n"
+    for n, (dt, ndim) in zip(input_names, inputs):
+        t += f"    const {_CUDA_TYPE[_dtype_name(dt)]}* {n},\n"
+        if ndim > 0:
+            if n + "_shape" in source:
+                t += f"    const __grid_constant__ Shape {n}_shape,\n"
+            if n + "_strides" in source:
+                t += f"    const __grid_constant__ Strides {n}_strides,\n"
+            if n + "_ndim" in source:
+                t += f"    const __grid_constant__ int {n}_ndim,\n"
+    for i, (n, dt) in enumerate(zip(output_names, output_dtypes)):
+        t += f"    {_CUDA_TYPE[_dtype_name(dt)]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n")
+    if template:
+        for k, v in template:
+            if isinstance(v, bool):
+                t += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
+            elif isinstance(v, int):
+                t += f"  constexpr int {k} = {v};\n"
+            else:
+                t += f"  using {k} = {_CUDA_TYPE[_dtype_name(v)]};\n"
+        t += "\n"
+    return t + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def std_hash(text: str) -> int:
+    from .. import _ext
+    return _ext.std_hash(text.encode())
+
+
+def module_name(kname: str, text: str) -> str:
+    return f"{kname}_{std_hash(text):x}"
+
+
+def mlx_cache_dir() -> Path:
+    """MLX's ptx_cache_dir(): MLX_PTX_CACHE_DIR, else std::filesystem::temp_directory_path() (TMPDIR,
+    TMP, TEMP, TEMPDIR, else /tmp) / mlx / <version> / ptx."""
+    d = os.environ.get("MLX_PTX_CACHE_DIR")
+    if d:
+        return Path(d).absolute()
+    tmp = next((os.environ[k] for k in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(k)), "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+
+
+def ptx_path(cache: Path, module: str) -> Path:
+    """get_ptx_path: names past 245 characters become directories of 245."""
+    n, p, off = 245, cache, 0
+    while len(module) - off > n:
+        p, off = p / module[off:off + n], off + n
+    return p / (module[off:] + ".ptx")
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def store(path: Path, full_name: str, mangled: str, cubin: bytes, text: str) -> None:
+    """The files MLX's read_cached_ptx reads: the names first (MLX reads them once the .ptx exists),
+    then the cubin; the text as MLX writes it for its own modules (.cu), for whoever reads the cache."""
+    _write(path.with_suffix(".txt"), f"{full_name}\t{mangled}\n".encode())
+    _write(path.with_suffix(".cu"), text.encode())
+    _write(path, cubin)
+
+
+def _mlx_dir() -> Path:
+    return Path(mx.__file__).parent
+
+
+@functools.lru_cache(maxsize=1)
+def device_headers() -> dict[str, bytes]:
+    """MLX's embedded device headers our texts include (MLX compiles with them in memory; the wheel
+    ships no .cuh files): each the one NUL-terminated string in libmlx.so holding its marker line."""
+    data = (_mlx_dir() / "lib" / "libmlx.so").read_bytes()
+    out = {}
+    for name, marker in _HEADERS.items():
+        hits = set()
+        for m in re.finditer(re.escape(marker), data):
+            s = data.rfind(b"\0", 0, m.start()) + 1
+            e = data.find(b"\0", m.start())
+            if b"#pragma once" in data[s:e]:
+                hits.add(data[s:e])
+        if len(hits) != 1:
+            raise RuntimeError(f"{len(hits)} candidates for {name} in libmlx.so")
+        out[name] = hits.pop()
+    return out
+
+
+def include_args(nvrtc_major: int) -> list[str]:
+    """MLX's include_path_args(): its bundled headers, CCCL, then the CUDA runtime headers (the
+    nvidia python package next to MLX, else CUDA_HOME / CUDA_PATH / /usr/local/cuda)."""
+    root = _mlx_dir()
+    args, inc = [], root / "include"
+    if inc.exists():
+        args.append(f"--include-path={inc}")
+    if not (inc / "cccl").exists():
+        raise RuntimeError(f"no CCCL headers at {inc / 'cccl'}")
+    args.append(f"--include-path={inc / 'cccl'}")
+    p = root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
+    if not p.exists():
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        p = Path(home) / "include"
+    args.append(f"--include-path={p}")
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc():
+    """The NVRTC library MLX loaded (libmlx.so links it)."""
+    path = None
+    with open("/proc/self/maps") as f:
+        for line in f:
+            p = line.split()[-1]
+            if os.path.basename(p).startswith("libnvrtc.so"):
+                path = p
+                break
+    lib = ctypes.CDLL(path or "libnvrtc.so")
+    vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+    lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(vp), cp, cp, ctypes.c_int, ctypes.POINTER(cp),
+                                       ctypes.POINTER(cp)]
+    lib.nvrtcAddNameExpression.argtypes = [vp, cp]
+    lib.nvrtcCompileProgram.argtypes = [vp, ctypes.c_int, ctypes.POINTER(cp)]
+    lib.nvrtcGetLoweredName.argtypes = [vp, cp, ctypes.POINTER(cp)]
+    lib.nvrtcGetCUBINSize.argtypes = [vp, ctypes.POINTER(sz)]
+    lib.nvrtcGetCUBIN.argtypes = [vp, ctypes.c_char_p]
+    lib.nvrtcGetProgramLogSize.argtypes = [vp, ctypes.POINTER(sz)]
+    lib.nvrtcGetProgramLog.argtypes = [vp, ctypes.c_char_p]
+    lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(vp)]
+    lib.nvrtcVersion.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    if (major.value, minor.value) < (11, 8):     # MLX compiles PTX there, not a cubin
+        raise RuntimeError(f"NVRTC {major.value}.{minor.value} (< 11.8)")
+    return lib, major.value
+
+
+def _check(lib, rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed ({rc})")
+
+
+def compile_cubin(module: str, text: str, full_name: str) -> tuple[bytes, str]:
+    """NVRTC as MLX's compile() calls it: (cubin, mangled name of full_name)."""
+    lib, major = _nvrtc()
+    info = mx.device_info()
+    cc = (int(info["compute_capability_major"]), int(info.get("compute_capability_minor", 0)))
+    opts = ["--device-as-default-execution-space",
+            f"--gpu-architecture=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"] + include_args(major)
+    hdrs = device_headers()
+    names = (ctypes.c_char_p * len(hdrs))(*[n.encode() for n in hdrs])
+    bodies = (ctypes.c_char_p * len(hdrs))(*hdrs.values())
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), (module + ".cu").encode(),
+                                       len(hdrs), bodies, names), "nvrtcCreateProgram")
+    try:
+        _check(lib, lib.nvrtcAddNameExpression(prog, full_name.encode()), "nvrtcAddNameExpression")
+        copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
+        if rc != 0:
+            n = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+            log = ctypes.create_string_buffer(n.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
+        mangled = ctypes.c_char_p()
+        _check(lib, lib.nvrtcGetLoweredName(prog, full_name.encode(), ctypes.byref(mangled)),
+               "nvrtcGetLoweredName")
+        n = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "nvrtcGetCUBINSize")
+        buf = ctypes.create_string_buffer(n.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        return buf.raw, mangled.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# test hook: where set, ensure records each module's text here (tests compare it with MLX's own)
+texts: dict | None = None
+
+
+def ensure(name: str, header: str, source: str, input_names, output_names, template, inputs,
+           output_dtypes) -> None:
+    """Make sure MLX's cache holds this instance's module (see the module's docstring). Never raises:
+    a failure leaves MLX to compile it, with one warning a process."""
+    try:
+        kname = kernel_name(name, template)
+        text = mlx_text(kname, header, source, input_names, inputs, output_names, output_dtypes, template)
+        module = module_name(kname, text)
+        if texts is not None:
+            texts[module] = text
+        path = ptx_path(mlx_cache_dir(), module)
+        if path.exists() and path.with_suffix(".txt").exists():
+            stats["hits"] += 1
+            return
+        full = "mlx::core::cu::" + kname
+        cubin, mangled = compile_cubin(module, text, full)
+        store(path, full, mangled, cubin, text)
+        stats["compiled"] += 1
+    except Exception as e:       # the cache only saves time: MLX compiles this instance itself
+        stats["failed"] += 1
+        if not _warned:
+            _warned.append(e)
+            warnings.warn(f"tensorfold: CUDA kernels compiled by MLX at each start, not cached "
+                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
+
+
+class CachedKernel:
+    """An mx.fast.cuda_kernel whose instances go through ``ensure`` at their first launch (the key:
+    template, inputs' dtypes and ranks, output dtypes; looked up at every call, a few µs in Python,
+    which the compiled decode step pays only while tracing)."""
+
+    __slots__ = ("kernel", "spec", "seen")
+
+    def __init__(self, kernel, name, header, source, input_names, output_names):
+        self.kernel, self.spec, self.seen = kernel, (name, header, source, input_names, output_names), set()
+
+    def __call__(self, **kw):
+        template = tuple(kw.get("template") or ())
+        try:
+            key = (template, tuple((a.dtype, a.ndim) for a in kw["inputs"]), tuple(kw["output_dtypes"]))
+        except (AttributeError, KeyError, TypeError):   # a Python scalar input (MLX converts it), or no inputs
+            key = None
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            name, header, source, input_names, output_names = self.spec
+            ensure(name, header, source, input_names, output_names, template, key[1], key[2])
+        return self.kernel(**kw)
