@@ -98,6 +98,7 @@ def test_cache_dir_and_long_names(monkeypatch, tmp_path):
 def test_ensure_writes_names_then_cubin_and_hits_after(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_kcache, "stats", {"hits": 0, "compiled": 0, "failed": 0})
+    monkeypatch.setattr(_kcache, "_off", [])
     order = []
     real_write = _kcache._write
     monkeypatch.setattr(_kcache, "_write", lambda p, d: (order.append(p.suffix), real_write(p, d)))
@@ -119,6 +120,7 @@ def test_ensure_writes_names_then_cubin_and_hits_after(monkeypatch, tmp_path):
 def test_a_failed_compile_warns_once_and_leaves_it_to_mlx(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_kcache, "_warned", [])
+    monkeypatch.setattr(_kcache, "_off", [])
     monkeypatch.setattr(_kcache, "stats", {"hits": 0, "compiled": 0, "failed": 0})
 
     def fail(*a):
@@ -130,6 +132,27 @@ def test_a_failed_compile_warns_once_and_leaves_it_to_mlx(monkeypatch, tmp_path)
         warnings.simplefilter("error")
         _kcache.ensure("tf_k", "", "b", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
     assert _kcache.stats["failed"] == 2 and not list(tmp_path.iterdir())
+
+
+def test_a_missing_environment_turns_the_cache_off_once(monkeypatch, tmp_path):
+    """No NVRTC, no headers, no writable directory: one warning, then no instance tries again (each
+    would otherwise be compiled twice, by the cache and by MLX)."""
+    for cause in ("unusable", "unwritable"):
+        monkeypatch.setattr(_kcache, "_warned", [])
+        monkeypatch.setattr(_kcache, "_off", [])
+        calls = []
+
+        def compile_(*a):
+            calls.append(a)
+            raise _kcache.Unusable("no NVRTC library")
+        monkeypatch.setattr(_kcache, "compile_cubin", compile_)
+        blocker = tmp_path / f"{cause}-file"
+        blocker.write_text("")
+        monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(blocker / "ptx" if cause == "unwritable" else tmp_path / cause))
+        with pytest.warns(RuntimeWarning, match="not cached"):
+            _kcache.ensure("tf_k", "", "a", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
+        _kcache.ensure("tf_k", "", "b", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
+        assert _kcache._off and len(calls) == (1 if cause == "unusable" else 0)
 
 
 def test_cached_kernel_ensures_each_instance_once(monkeypatch):

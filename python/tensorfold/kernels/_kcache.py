@@ -62,6 +62,11 @@ _HEADERS = {
 
 stats = {"hits": 0, "compiled": 0, "failed": 0}
 _warned = []
+_off = []       # set once the cache cannot work in this process (no NVRTC, headers, or a writable directory)
+
+
+class Unusable(RuntimeError):
+    """What the cache needs is missing here: off for the rest of the process."""
 
 
 def enabled() -> bool:
@@ -182,7 +187,7 @@ def device_headers() -> dict[str, bytes]:
             if b"#pragma once" in data[s:e]:
                 hits.add(data[s:e])
         if len(hits) != 1:
-            raise RuntimeError(f"{len(hits)} candidates for {name} in libmlx.so")
+            raise Unusable(f"{len(hits)} candidates for {name} in libmlx.so")
         out[name] = hits.pop()
     return out
 
@@ -195,7 +200,7 @@ def include_args(nvrtc_major: int) -> list[str]:
     if inc.exists():
         args.append(f"--include-path={inc}")
     if not (inc / "cccl").exists():
-        raise RuntimeError(f"no CCCL headers at {inc / 'cccl'}")
+        raise Unusable(f"no CCCL headers at {inc / 'cccl'}")
     args.append(f"--include-path={inc / 'cccl'}")
     p = root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
     if not p.exists():
@@ -215,7 +220,10 @@ def _nvrtc():
             if os.path.basename(p).startswith("libnvrtc.so"):
                 path = p
                 break
-    lib = ctypes.CDLL(path or "libnvrtc.so")
+    try:
+        lib = ctypes.CDLL(path or "libnvrtc.so")
+    except OSError as e:
+        raise Unusable(f"no NVRTC library ({e})") from None
     vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
     lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(vp), cp, cp, ctypes.c_int, ctypes.POINTER(cp),
                                        ctypes.POINTER(cp)]
@@ -231,7 +239,7 @@ def _nvrtc():
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     if (major.value, minor.value) < (11, 8):     # MLX compiles PTX there, not a cubin
-        raise RuntimeError(f"NVRTC {major.value}.{minor.value} (< 11.8)")
+        raise Unusable(f"NVRTC {major.value}.{minor.value} (< 11.8)")
     return lib, major.value
 
 
@@ -282,7 +290,11 @@ texts: dict | None = None
 def ensure(name: str, header: str, source: str, input_names, output_names, template, inputs,
            output_dtypes) -> None:
     """Make sure MLX's cache holds this instance's module (see the module's docstring). Never raises:
-    a failure leaves MLX to compile it, with one warning a process."""
+    a failure leaves MLX to compile it, with one warning a process; where the environment lacks what the
+    cache needs (Unusable, or a directory it cannot write), the cache is off for the rest of the process,
+    so that no instance is compiled twice."""
+    if _off:
+        return
     try:
         kname = kernel_name(name, template)
         text = mlx_text(kname, header, source, input_names, inputs, output_names, output_dtypes, template)
@@ -293,12 +305,20 @@ def ensure(name: str, header: str, source: str, input_names, output_names, templ
         if path.exists() and path.with_suffix(".txt").exists():
             stats["hits"] += 1
             return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Unusable(f"cannot write {path.parent} ({e})") from None
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise Unusable(f"cannot write {path.parent}")
         full = "mlx::core::cu::" + kname
         cubin, mangled = compile_cubin(module, text, full)
         store(path, full, mangled, cubin, text)
         stats["compiled"] += 1
     except Exception as e:       # the cache only saves time: MLX compiles this instance itself
         stats["failed"] += 1
+        if isinstance(e, (Unusable, OSError)):
+            _off.append(e)
         if not _warned:
             _warned.append(e)
             warnings.warn(f"tensorfold: CUDA kernels compiled by MLX at each start, not cached "
