@@ -1160,12 +1160,6 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
     for n in outputs:
         params.append(f"{_CUDA_TYPES[output_dtypes[n]]}* {n}")
     src += f"__global__ void custom_kernel_tf_{name}(" + ", ".join(params) + ") {\n"
-    for k, v in template.items():
-        if isinstance(v, bool):
-            src += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
-        elif isinstance(v, int):
-            src += f"  constexpr int {k} = {v};\n"
-        else:
-            src += f"  using {k} = {_CUDA_TYPES[v]};\n"
+    src += _kcache.template_lines(template.items())
     src += body + "}\n} // namespace mlx::core::cu\n"
     return src

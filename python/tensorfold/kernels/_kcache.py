@@ -35,11 +35,12 @@ import ctypes
 import functools
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
+
+from ._sources import atomic_write as _write
 
 # MLX's default header and namespace lines (custom_kernel.cpp, build_kernel)
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -108,15 +109,21 @@ def mlx_text(kname: str, header: str, source: str, input_names, inputs, output_n
     for i, (n, dt) in enumerate(zip(output_names, output_dtypes)):
         t += f"    {_CUDA_TYPE[_dtype_name(dt)]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n")
     if template:
-        for k, v in template:
-            if isinstance(v, bool):
-                t += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
-            elif isinstance(v, int):
-                t += f"  constexpr int {k} = {v};\n"
-            else:
-                t += f"  using {k} = {_CUDA_TYPE[_dtype_name(v)]};\n"
-        t += "\n"
+        t += template_lines(template) + "\n"
     return t + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def template_lines(template) -> str:
+    """build_kernel's compile-time constants: `constexpr int / bool` and `using` lines, in order."""
+    t = ""
+    for k, v in template:
+        if isinstance(v, bool):
+            t += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            t += f"  constexpr int {k} = {v};\n"
+        else:
+            t += f"  using {k} = {_CUDA_TYPE[_dtype_name(v)]};\n"
+    return t
 
 
 def std_hash(text: str) -> int:
@@ -144,21 +151,6 @@ def ptx_path(cache: Path, module: str) -> Path:
     while len(module) - off > n:
         p, off = p / module[off:off + n], off + n
     return p / (module[off:] + ".ptx")
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def store(path: Path, full_name: str, mangled: str, cubin: bytes, text: str) -> None:

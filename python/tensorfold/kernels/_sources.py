@@ -233,28 +233,33 @@ def body_file_text(name: str, header: str, body: str, inputs: list[str], outputs
     return text, call
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` in `path` by a temporary file in its directory and a rename: a reader (NVRTC, MLX, another
+    process) sees the old file or the whole new one."""
+    import tempfile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def written_once(text: str, stem: str) -> Path:
     """`text` in cache_dir() under a name that holds its hash (written atomically; an existing file is
     read back and written again unless it holds exactly `text`). OSError where it cannot be written."""
     import hashlib
-    import tempfile
-    d = cache_dir()
-    path = d / f"{stem}_{hashlib.sha256(text.encode()).hexdigest()[:16]}.cuh"
+    path = cache_dir() / f"{stem}_{hashlib.sha256(text.encode()).hexdigest()[:16]}.cuh"
     try:
         same = path.read_text() == text
     except (OSError, UnicodeDecodeError):
         same = False
     if not same:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(path, text.encode())
     return path.resolve()
