@@ -16,8 +16,9 @@ in the PTX cache.
 
 Session 48 measured it (MLX compiles our kernels in every process: init 25-35 s with MLX's own
 kernels cached) and added tensorfold/kernels/_kcache.py, which writes our compiled kernels into
-MLX's PTX cache. Now four children: the kernel cache off (TENSORFOLD_KERNEL_CACHE=0), an empty then
-a warm MLX cache; then on, an empty then a warm one (a new directory)."""
+MLX's PTX cache. Now five children: the kernel cache off (TENSORFOLD_KERNEL_CACHE=0), an empty then
+a warm MLX cache; then on, an empty then a warm one (a new directory); then on, a new MLX directory
+with TensorFold's own copies warm (TENSORFOLD_CACHE_DIR, a new directory for the run)."""
 import json
 import os
 import subprocess
@@ -63,11 +64,14 @@ def main():
         print(json.dumps(child(int(sys.argv[2]))), flush=True)
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
-    runs = []
+    runs, own = [], tempfile.mkdtemp(prefix="tf-cache-cold.")      # TensorFold's own cache, empty at first
     for kc in ("0", "1"):
         env = dict(os.environ, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
-                   TENSORFOLD_KERNEL_CACHE=kc)
+                   TENSORFOLD_KERNEL_CACHE=kc, TENSORFOLD_CACHE_DIR=own)
         runs += [(f"kernel cache {'on' if kc == '1' else 'off'}, {c}", env) for c in ("empty cache", "warm cache")]
+    # MLX's directory new (a reboot's /tmp, another process's MLX_PTX_CACHE_DIR): our kernels copied from ours
+    runs.append(("kernel cache on, MLX's cache empty, ours warm",
+                 dict(env, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."))))
     for run, env in runs:
         t = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)

@@ -95,46 +95,68 @@ def test_cache_dir_and_long_names(monkeypatch, tmp_path):
     assert _kcache.ptx_path(tmp_path, "b" * 500) == tmp_path / ("b" * 245) / ("b" * 245) / "bbbbbbbbbb.ptx"
 
 
-def test_ensure_writes_names_then_cubin_and_hits_after(monkeypatch, tmp_path):
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_kcache, "stats", {"hits": 0, "compiled": 0, "failed": 0})
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """Empty caches (MLX's directory: tmp_path / "mlx"; ours: tmp_path / "own"), counters, warnings; a
+    fixed target (no NVRTC on the CPU)."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mlx"))
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setattr(_kcache, "target", lambda: "sm_90a-nvrtc13.0")
+    monkeypatch.setattr(_kcache, "stats", {"hits": 0, "copied": 0, "compiled": 0, "failed": 0})
     monkeypatch.setattr(_kcache, "_off", [])
+    monkeypatch.setattr(_kcache, "_warned", [])
+    return tmp_path
+
+
+ARGS = ("tf_k", "", "out[0] = 1;", ["x"], ["out"], (("N", 3),), ((mx.float32, 1),), (mx.float32,))
+
+
+def test_ensure_writes_names_then_cubin_and_hits_after(fresh, monkeypatch):
     order = []
     real_write = _kcache._write
     monkeypatch.setattr(_kcache, "_write", lambda p, d: (order.append(p.suffix), real_write(p, d)))
     calls = []
     monkeypatch.setattr(_kcache, "compile_cubin",
                         lambda module, text, full: (calls.append(full), (b"\x7fELF-cubin", "_Z3fooPf"))[1])
-    args = ("tf_k", "", "out[0] = 1;", ["x"], ["out"], (("N", 3),), ((mx.float32, 1),), (mx.float32,))
-    _kcache.ensure(*args)
-    (ptx,) = tmp_path.glob("*.ptx")
+    _kcache.ensure(*ARGS)
+    (ptx,) = (fresh / "mlx").glob("*.ptx")
     assert ptx.name.startswith("custom_kernel_tf_k_3_") and ptx.read_bytes() == b"\x7fELF-cubin"
     assert ptx.with_suffix(".txt").read_text() == "mlx::core::cu::custom_kernel_tf_k_3\t_Z3fooPf\n"
-    assert order == [".txt", ".cu", ".ptx"]                    # MLX reads the names once the .ptx exists
+    assert order == [".txt", ".cu", ".ptx"] * 2          # MLX reads the names once the .ptx exists; then ours
     assert calls == ["mlx::core::cu::custom_kernel_tf_k_3"]
-    _kcache.ensure(*args)
-    assert _kcache.stats == {"hits": 1, "compiled": 1, "failed": 0} and len(calls) == 1
-    assert not list(tmp_path.glob("*.tmp"))
+    own = fresh / "own" / "cuda" / "cubin" / mx.__version__ / "sm_90a-nvrtc13.0" / ptx.name
+    assert own.read_bytes() == ptx.read_bytes() and own.with_suffix(".txt").read_text() == ptx.with_suffix(".txt").read_text()
+    _kcache.ensure(*ARGS)
+    assert _kcache.stats == {"hits": 1, "copied": 0, "compiled": 1, "failed": 0} and len(calls) == 1
+    # a new MLX directory (another process's, or /tmp cleaned): copied from ours, not compiled again
+    for f in (fresh / "mlx").iterdir():
+        f.unlink()
+    _kcache.ensure(*ARGS)
+    assert ptx.read_bytes() == b"\x7fELF-cubin" and ptx.with_suffix(".txt").read_text().endswith("\t_Z3fooPf\n")
+    assert _kcache.stats == {"hits": 1, "copied": 1, "compiled": 1, "failed": 0} and len(calls) == 1
+    # ours damaged (no names): compiled again
+    own.with_suffix(".txt").write_text("")
+    for f in (fresh / "mlx").iterdir():
+        f.unlink()
+    _kcache.ensure(*ARGS)
+    assert _kcache.stats["compiled"] == 2 and len(calls) == 2
+    assert not list(fresh.rglob("*.tmp"))
 
 
-def test_a_failed_compile_warns_once_and_leaves_it_to_mlx(monkeypatch, tmp_path):
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_kcache, "_warned", [])
-    monkeypatch.setattr(_kcache, "_off", [])
-    monkeypatch.setattr(_kcache, "stats", {"hits": 0, "compiled": 0, "failed": 0})
-
+def test_a_failed_compile_warns_once_and_leaves_it_to_mlx(fresh, monkeypatch):
     def fail(*a):
-        raise RuntimeError("no NVRTC here")
+        raise RuntimeError("NVRTC: error in the text")
     monkeypatch.setattr(_kcache, "compile_cubin", fail)
-    with pytest.warns(RuntimeWarning, match="not cached.*no NVRTC here"):
+    with pytest.warns(RuntimeWarning, match="not cached.*error in the text"):
         _kcache.ensure("tf_k", "", "a", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _kcache.ensure("tf_k", "", "b", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
-    assert _kcache.stats["failed"] == 2 and not list(tmp_path.iterdir())
+    assert _kcache.stats["failed"] == 2 and not _kcache._off            # another text may compile
+    assert not list((fresh / "mlx").iterdir())
 
 
-def test_a_missing_environment_turns_the_cache_off_once(monkeypatch, tmp_path):
+def test_a_missing_environment_turns_the_cache_off_once(fresh, monkeypatch):
     """No NVRTC, no headers, no writable directory: one warning, then no instance tries again (each
     would otherwise be compiled twice, by the cache and by MLX)."""
     for cause in ("unusable", "unwritable"):
@@ -146,9 +168,9 @@ def test_a_missing_environment_turns_the_cache_off_once(monkeypatch, tmp_path):
             calls.append(a)
             raise _kcache.Unusable("no NVRTC library")
         monkeypatch.setattr(_kcache, "compile_cubin", compile_)
-        blocker = tmp_path / f"{cause}-file"
+        blocker = fresh / f"{cause}-file"
         blocker.write_text("")
-        monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(blocker / "ptx" if cause == "unwritable" else tmp_path / cause))
+        monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(blocker / "ptx" if cause == "unwritable" else fresh / cause))
         with pytest.warns(RuntimeWarning, match="not cached"):
             _kcache.ensure("tf_k", "", "a", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
         _kcache.ensure("tf_k", "", "b", ["x"], ["out"], (), ((mx.float32, 1),), (mx.float32,))
@@ -225,8 +247,9 @@ def test_cuda_cache_texts_are_mlx_texts(monkeypatch, capfd):
 
 @cuda
 def test_cuda_cached_kernels_give_mlx_bits(tmp_path):
-    """Three processes: MLX compiling every kernel (cache off), the cache compiling them into an empty
-    directory, and the cache finding them there. The same bits in all three."""
+    """Four processes: MLX compiling every kernel (cache off); the cache compiling them into empty
+    directories; the cache finding them in MLX's directory; a new MLX directory, filled from ours. The
+    same bits in all four."""
     def run(tag, **env):
         out = tmp_path / f"{tag}.npz"
         r = subprocess.run([sys.executable, str(HERE / "kcache_cases.py"), str(out)],
@@ -234,13 +257,16 @@ def test_cuda_cached_kernels_give_mlx_bits(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         z = np.load(out)
         return {k: z[k] for k in z.files if k != "stats"}, json.loads(str(z["stats"]))
-    d = str(tmp_path / "ptx")
-    mlx_own, s0 = run("off", TENSORFOLD_KERNEL_CACHE="0", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx0"))
-    cold, s1 = run("cold", MLX_PTX_CACHE_DIR=d)
-    warm, s2 = run("warm", MLX_PTX_CACHE_DIR=d)
-    assert s0["compiled"] == 0 and s1["compiled"] > 0 and s1["failed"] == 0
-    assert s2 == {"hits": s1["compiled"], "compiled": 0, "failed": 0}
-    assert mlx_own.keys() == cold.keys() == warm.keys()
+    own = dict(TENSORFOLD_CACHE_DIR=str(tmp_path / "own"))
+    mlx_own, s0 = run("off", TENSORFOLD_KERNEL_CACHE="0", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx0"), **own)
+    cold, s1 = run("cold", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx1"), **own)
+    warm, s2 = run("warm", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx1"), **own)
+    copy, s3 = run("copy", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx2"), **own)
+    n = s1["compiled"]
+    assert s0["compiled"] == 0 and n > 0 and s1["failed"] == 0 and s1["copied"] == 0
+    assert s2 == {"hits": n, "copied": 0, "compiled": 0, "failed": 0}
+    assert s3 == {"hits": 0, "copied": n, "compiled": 0, "failed": 0}
+    assert mlx_own.keys() == cold.keys() == warm.keys() == copy.keys()
     for k in mlx_own:
-        assert np.array_equal(mlx_own[k], cold[k]), k
-        assert np.array_equal(mlx_own[k], warm[k]), k
+        for other in (cold, warm, copy):
+            assert np.array_equal(mlx_own[k], other[k]), k

@@ -22,7 +22,8 @@ cache lacks it, compiles that module itself and writes it there:
   each written atomically, in MLX's cache directory (``MLX_PTX_CACHE_DIR``, else
   ``<temp dir>/mlx/<version>/ptx``).
 
-MLX then loads the cubin instead of compiling. Anything that does not fit (no NVRTC found, a header
+Each compiled module is also kept in TensorFold's own cache directory (``own_dir``), from which a later
+process copies it into MLX's directory where that lacks it. MLX then loads the cubin instead of compiling. Anything that does not fit (no NVRTC found, a header
 not found, a compile error, an unwritable directory) leaves MLX to compile as before, with one
 warning: the cache only ever saves time. ``TENSORFOLD_KERNEL_CACHE=0`` turns it off.
 Tests: tests/test_kcache.py (the text and the files on the CPU; on CUDA, that MLX loads what this
@@ -41,6 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ._sources import atomic_write as _write
+from ._sources import cache_dir
 
 # MLX's default header and namespace lines (custom_kernel.cpp, build_kernel)
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -61,7 +63,7 @@ _HEADERS = {
     "mlx/backend/cuda/device/config.h": b"#define MAX_NDIM ",
 }
 
-stats = {"hits": 0, "compiled": 0, "failed": 0}
+stats = {"hits": 0, "copied": 0, "compiled": 0, "failed": 0}
 _warned = []
 _off = []       # set once the cache cannot work in this process (no NVRTC, headers, or a writable directory)
 
@@ -232,7 +234,29 @@ def _nvrtc():
     _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     if (major.value, minor.value) < (11, 8):     # MLX compiles PTX there, not a cubin
         raise Unusable(f"NVRTC {major.value}.{minor.value} (< 11.8)")
-    return lib, major.value
+    return lib, major.value, minor.value
+
+
+def _arch() -> str:
+    """MLX's --gpu-architecture for this device: sm_<major><minor>, "a" from compute capability 9."""
+    info = mx.device_info()
+    cc = (int(info["compute_capability_major"]), int(info.get("compute_capability_minor", 0)))
+    return f"sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"
+
+
+@functools.lru_cache(maxsize=1)
+def target() -> str:
+    """What a cubin was built for: the architecture and the NVRTC version (e.g. sm_90a-nvrtc13.0)."""
+    _, major, minor = _nvrtc()
+    return f"{_arch()}-nvrtc{major}.{minor}"
+
+
+def own_dir() -> Path:
+    """TensorFold's own copy of each module it compiled, under TENSORFOLD_CACHE_DIR (default
+    ~/.cache/tensorfold/cuda): it outlives the temp directory MLX's cache is in by default (a reboot, a
+    container's /tmp), serves processes that each have their own MLX_PTX_CACHE_DIR, and is keyed by MLX's
+    version, the architecture and NVRTC's version (MLX's directory by MLX's version only)."""
+    return cache_dir() / "cubin" / mx.__version__ / target()
 
 
 def _check(lib, rc: int, what: str) -> None:
@@ -242,11 +266,8 @@ def _check(lib, rc: int, what: str) -> None:
 
 def compile_cubin(module: str, text: str, full_name: str) -> tuple[bytes, str]:
     """NVRTC as MLX's compile() calls it: (cubin, mangled name of full_name)."""
-    lib, major = _nvrtc()
-    info = mx.device_info()
-    cc = (int(info["compute_capability_major"]), int(info.get("compute_capability_minor", 0)))
-    opts = ["--device-as-default-execution-space",
-            f"--gpu-architecture=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"] + include_args(major)
+    lib, major, _ = _nvrtc()
+    opts = ["--device-as-default-execution-space", f"--gpu-architecture={_arch()}"] + include_args(major)
     hdrs = device_headers()
     names = (ctypes.c_char_p * len(hdrs))(*[n.encode() for n in hdrs])
     bodies = (ctypes.c_char_p * len(hdrs))(*hdrs.values())
@@ -273,6 +294,16 @@ def compile_cubin(module: str, text: str, full_name: str) -> tuple[bytes, str]:
         return buf.raw, mangled.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _read(path: Path, full_name: str) -> tuple[bytes, str] | None:
+    """(cubin, mangled name) of a module store() wrote (its names file is written before its cubin)."""
+    try:
+        cubin = path.read_bytes()
+        name, _, mangled = path.with_suffix(".txt").read_text().rstrip("\n").partition("\t")
+    except OSError:
+        return None
+    return (cubin, mangled) if cubin and name == full_name and mangled else None
 
 
 # test hook: where set, ensure records each module's text here (tests compare it with MLX's own)
@@ -304,9 +335,19 @@ def ensure(name: str, header: str, source: str, input_names, output_names, templ
         if not os.access(path.parent, os.W_OK | os.X_OK):
             raise Unusable(f"cannot write {path.parent}")
         full = "mlx::core::cu::" + kname
+        own = ptx_path(own_dir(), module)
+        got = _read(own, full)
+        if got:                   # compiled by an earlier process: copied into MLX's directory
+            store(path, full, got[1], got[0], text)
+            stats["copied"] += 1
+            return
         cubin, mangled = compile_cubin(module, text, full)
         store(path, full, mangled, cubin, text)
         stats["compiled"] += 1
+        try:
+            store(own, full, mangled, cubin, text)
+        except OSError:           # our own copy is a convenience; MLX's directory has the module
+            pass
     except Exception as e:       # the cache only saves time: MLX compiles this instance itself
         stats["failed"] += 1
         if isinstance(e, (Unusable, OSError)):
