@@ -22,10 +22,11 @@ cache lacks it, compiles that module itself and writes it there:
   each written atomically, in MLX's cache directory (``MLX_PTX_CACHE_DIR``, else
   ``<temp dir>/mlx/<version>/ptx``).
 
-Each compiled module is also kept in TensorFold's own cache directory (``own_dir``), from which a later
-process copies it into MLX's directory where that lacks it. MLX then loads the cubin instead of compiling. Anything that does not fit (no NVRTC found, a header
-not found, a compile error, an unwritable directory) leaves MLX to compile as before, with one
-warning: the cache only ever saves time. ``TENSORFOLD_KERNEL_CACHE=0`` turns it off.
+MLX then loads the cubin instead of compiling. Each compiled module is also kept in TensorFold's own
+cache directory (``own_dir``), from which a later process copies it into MLX's directory where that
+lacks it. Anything that does not fit (no NVRTC found, a header not found, a compile error, an
+unwritable directory) leaves MLX to compile as before, with one warning: the cache only ever saves
+time. ``TENSORFOLD_KERNEL_CACHE=0`` turns it off.
 Tests: tests/test_kcache.py (the text and the files on the CPU; on CUDA, that MLX loads what this
 writes and that every kernel family gives the bits of MLX's own compile).
 """
