@@ -18,7 +18,9 @@ Session 48 measured it (MLX compiles our kernels in every process: init 25-35 s 
 kernels cached) and added tensorfold/kernels/_kcache.py, which writes our compiled kernels into
 MLX's PTX cache. Now five children: the kernel cache off (TENSORFOLD_KERNEL_CACHE=0), an empty then
 a warm MLX cache; then on, an empty then a warm one (a new directory); then on, a new MLX directory
-with TensorFold's own copies warm (TENSORFOLD_CACHE_DIR, a new directory for the run)."""
+with TensorFold's own copies warm (TENSORFOLD_CACHE_DIR, a new directory for the run); then both
+empty again with TENSORFOLD_KERNEL_COMPILE_THREADS=$COLD_THREADS (default 16): row_check's compiles side
+by side."""
 import json
 import os
 import subprocess
@@ -72,6 +74,12 @@ def main():
     # MLX's directory new (a reboot's /tmp, another process's MLX_PTX_CACHE_DIR): our kernels copied from ours
     runs.append(("kernel cache on, MLX's cache empty, ours warm",
                  dict(env, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."))))
+    # both empty again, row_check's compiles side by side (kernels.compiles_batched)
+    threads = os.environ.get("COLD_THREADS", "16")
+    runs.append((f"kernel cache on, both empty, {threads} compile threads",
+                 dict(env, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
+                      TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold."),
+                      TENSORFOLD_KERNEL_COMPILE_THREADS=threads)))
     for run, env in runs:
         t = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)

@@ -177,6 +177,44 @@ def test_a_missing_environment_turns_the_cache_off_once(fresh, monkeypatch):
         assert _kcache._off and len(calls) == (1 if cause == "unusable" else 0)
 
 
+def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
+    """Inside batched() a miss is queued; at the block's end the queue compiles on
+    TENSORFOLD_KERNEL_COMPILE_THREADS threads (compiles seen running at once), and the files are what
+    one-by-one compiles write. With one thread (the default) nothing waits."""
+    import threading
+    import time
+    busy, peak = [0], [0]
+    lock = threading.Lock()
+
+    def compile_(module, text, full):
+        with lock:
+            busy[0] += 1
+            peak[0] = max(peak[0], busy[0])
+        time.sleep(0.3)
+        with lock:
+            busy[0] -= 1
+        return b"cubin-" + full.encode(), "_Z" + full[-3:]
+    monkeypatch.setattr(_kcache, "compile_cubin", compile_)
+    monkeypatch.setattr(_kcache, "device_headers", lambda: {})
+    mlxdir = fresh / "mlx"
+    one = lambda i: _kcache.ensure("tf_k", "", f"out[0] = {i};", ["x"], ["out"], (("N", i),),  # noqa: E731
+                                   ((mx.float32, 1),), (mx.float32,))
+    monkeypatch.setenv("TENSORFOLD_KERNEL_COMPILE_THREADS", "4")
+    with _kcache.batched():
+        for i in range(4):
+            one(i)
+        one(0)                                       # the same instance again: queued once more, harmless
+        assert not list(mlxdir.glob("*.ptx")) and _kcache.stats["compiled"] == 0
+    assert len(list(mlxdir.glob("*.ptx"))) == 4 and _kcache.stats["compiled"] == 5 and peak[0] >= 2
+    for i in range(4):
+        (ptx,) = mlxdir.glob(f"custom_kernel_tf_k_{i}_*.ptx")
+        assert ptx.read_bytes() == f"cubin-mlx::core::cu::custom_kernel_tf_k_{i}".encode()
+    monkeypatch.setenv("TENSORFOLD_KERNEL_COMPILE_THREADS", "1")
+    with _kcache.batched():
+        one(7)
+        assert len(list(mlxdir.glob("*.ptx"))) == 5   # compiled right away
+
+
 def test_cached_kernel_ensures_each_instance_once(monkeypatch):
     seen, launched = [], []
     monkeypatch.setattr(_kcache, "ensure", lambda *a: seen.append(a))

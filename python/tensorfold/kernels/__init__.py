@@ -271,6 +271,8 @@ def row_check_ops() -> dict[str, Callable]:
 
 # Sparse (selected-key) attention, DeepSeek V3.2-style (kernels/sparse.py).
 from .sparse import select_topk, sparse_attention, use_sparse  # noqa: E402
+# the CUDA face's kernel compiles that a block of graph building needs, side by side at its end (_kcache)
+from ._kcache import batched as compiles_batched  # noqa: E402,F401
 
 
 def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):

@@ -33,10 +33,13 @@ writes and that every kernel family gives the bits of MLX's own compile).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -313,50 +316,111 @@ texts: dict | None = None
 
 def ensure(name: str, header: str, source: str, input_names, output_names, template, inputs,
            output_dtypes) -> None:
-    """Make sure MLX's cache holds this instance's module (see the module's docstring). Never raises:
-    a failure leaves MLX to compile it, with one warning a process; where the environment lacks what the
-    cache needs (Unusable, or a directory it cannot write), the cache is off for the rest of the process,
-    so that no instance is compiled twice."""
+    """Make sure MLX's cache holds this instance's module (see the module's docstring): a hit, a copy
+    from our own directory, or a compile (inside ``batched()``, one queued for the block's end). Never
+    raises: a failure leaves MLX to compile it, with one warning a process; where the environment lacks
+    what the cache needs (Unusable, or a directory it cannot write), the cache is off for the rest of the
+    process, so that no instance is compiled twice."""
     if _off:
         return
+    job = _guarded(_lookup, name, header, source, input_names, output_names, template, inputs, output_dtypes)
+    if job is None:
+        return
+    if _pending is not None:
+        _pending.append(job)
+    else:
+        _guarded(_build, *job)
+
+
+def _lookup(name, header, source, input_names, output_names, template, inputs, output_dtypes):
+    """None where MLX's directory has the module or it was copied there from ours; else the compile job."""
+    kname = kernel_name(name, template)
+    text = mlx_text(kname, header, source, input_names, inputs, output_names, output_dtypes, template)
+    module = module_name(kname, text)
+    if texts is not None:
+        texts[module] = text
+    path = ptx_path(mlx_cache_dir(), module)
+    if path.exists() and path.with_suffix(".txt").exists():
+        _count("hits")
+        return None
     try:
-        kname = kernel_name(name, template)
-        text = mlx_text(kname, header, source, input_names, inputs, output_names, output_dtypes, template)
-        module = module_name(kname, text)
-        if texts is not None:
-            texts[module] = text
-        path = ptx_path(mlx_cache_dir(), module)
-        if path.exists() and path.with_suffix(".txt").exists():
-            stats["hits"] += 1
-            return
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise Unusable(f"cannot write {path.parent} ({e})") from None
-        if not os.access(path.parent, os.W_OK | os.X_OK):
-            raise Unusable(f"cannot write {path.parent}")
-        full = "mlx::core::cu::" + kname
-        own = ptx_path(own_dir(), module)
-        got = _read(own, full)
-        if got:                   # compiled by an earlier process: copied into MLX's directory
-            store(path, full, got[1], got[0], text)
-            stats["copied"] += 1
-            return
-        cubin, mangled = compile_cubin(module, text, full)
-        store(path, full, mangled, cubin, text)
-        stats["compiled"] += 1
-        try:
-            store(own, full, mangled, cubin, text)
-        except OSError:           # our own copy is a convenience; MLX's directory has the module
-            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Unusable(f"cannot write {path.parent} ({e})") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise Unusable(f"cannot write {path.parent}")
+    full = "mlx::core::cu::" + kname
+    own = ptx_path(own_dir(), module)
+    got = _read(own, full)
+    if got:                       # compiled by an earlier process: copied into MLX's directory
+        store(path, full, got[1], got[0], text)
+        _count("copied")
+        return None
+    return module, text, full, path, own
+
+
+def _build(module, text, full, path, own) -> None:
+    cubin, mangled = compile_cubin(module, text, full)
+    store(path, full, mangled, cubin, text)
+    _count("compiled")
+    try:
+        store(own, full, mangled, cubin, text)
+    except OSError:               # our own copy is a convenience; MLX's directory has the module
+        pass
+
+
+def _guarded(f, *args):
+    try:
+        return f(*args)
     except Exception as e:       # the cache only saves time: MLX compiles this instance itself
-        stats["failed"] += 1
+        _count("failed")
         if isinstance(e, (Unusable, OSError)):
             _off.append(e)
         if not _warned:
             _warned.append(e)
             warnings.warn(f"tensorfold: CUDA kernels compiled by MLX at each start, not cached "
-                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
+                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=4)
+        return None
+
+
+_lock = threading.Lock()
+_pending: list | None = None      # inside batched(): the compiles queued for its end
+
+
+def _count(key: str) -> None:
+    with _lock:
+        stats[key] += 1
+
+
+def compile_threads() -> int:
+    """TENSORFOLD_KERNEL_COMPILE_THREADS (default 1: one compile after another, as session 48 ran on the
+    H200; more threads are prepared for the next device session, not yet run on a GPU)."""
+    try:
+        return max(1, int(os.environ.get("TENSORFOLD_KERNEL_COMPILE_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def batched():
+    """The compiles that the kernel calls made inside the block need, run together when it ends, on
+    compile_threads() threads (NVRTC releases the GIL), before the caller evaluates what it built. For a
+    block that builds a whole graph first, as row_check does: a first start on a machine compiles its
+    ~20 instances side by side instead of one after another. Where something inside evaluates early, MLX
+    compiles that kernel itself (the same code, only slower). One thread: the block changes nothing."""
+    global _pending
+    n = compile_threads()
+    if _pending is not None or n <= 1:
+        yield
+        return
+    _pending = []
+    try:
+        yield
+    finally:
+        jobs, _pending = _pending, None
+        if jobs and _guarded(device_headers) is not None:      # read once, before the threads
+            with concurrent.futures.ThreadPoolExecutor(min(n, len(jobs))) as pool:
+                list(pool.map(lambda job: _guarded(_build, *job), jobs))
 
 
 class CachedKernel:
