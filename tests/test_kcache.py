@@ -111,7 +111,9 @@ def fresh(monkeypatch, tmp_path):
 ARGS = ("tf_k", "", "out[0] = 1;", ["x"], ["out"], (("N", 3),), ((mx.float32, 1),), (mx.float32,))
 
 
-def test_ensure_writes_names_then_cubin_and_hits_after(fresh, monkeypatch):
+def test_ensure_writes_names_then_cubin_and_hits_after(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(_kcache, "_told", [])
+    caplog.set_level("INFO", logger="tensorfold")
     order = []
     real_write = _kcache._write
     monkeypatch.setattr(_kcache, "_write", lambda p, d: (order.append(p.suffix), real_write(p, d)))
@@ -124,6 +126,7 @@ def test_ensure_writes_names_then_cubin_and_hits_after(fresh, monkeypatch):
     assert ptx.with_suffix(".txt").read_text() == "mlx::core::cu::custom_kernel_tf_k_3\t_Z3fooPf\n"
     assert order == [".txt", ".cu", ".ptx"] * 2          # MLX reads the names once the .ptx exists; then ours
     assert calls == ["mlx::core::cu::custom_kernel_tf_k_3"]
+    assert [r.message for r in caplog.records if "compiling the CUDA kernels" in r.message]   # why a start is slow
     own = fresh / "own" / "cuda" / "cubin" / mx.__version__ / "sm_90a-nvrtc13.0" / ptx.name
     assert own.read_bytes() == ptx.read_bytes() and own.with_suffix(".txt").read_text() == ptx.with_suffix(".txt").read_text()
     _kcache.ensure(*ARGS)

@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import re
 import threading
@@ -67,7 +68,9 @@ _HEADERS = {
     "mlx/backend/cuda/device/config.h": b"#define MAX_NDIM ",
 }
 
+log = logging.getLogger("tensorfold")
 stats = {"hits": 0, "copied": 0, "compiled": 0, "failed": 0}
+_told = []      # the one log line a process: why its start takes minutes
 _warned = []
 _off = []       # set once the cache cannot work in this process (no NVRTC, headers, or a writable directory)
 
@@ -360,6 +363,10 @@ def _lookup(name, header, source, input_names, output_names, template, inputs, o
 
 
 def _build(module, text, full, path, own) -> None:
+    if not _told:
+        _told.append(True)
+        log.info("compiling the CUDA kernels with NVRTC (seconds each, a few minutes on a first start); "
+                 "kept in %s and %s for later starts", path.parent, own_dir())
     cubin, mangled = compile_cubin(module, text, full)
     store(path, full, mangled, cubin, text)
     _count("compiled")
