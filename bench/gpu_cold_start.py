@@ -19,8 +19,8 @@ kernels cached) and added tensorfold/kernels/_kcache.py, which writes our compil
 MLX's PTX cache. Now five children: the kernel cache off (TENSORFOLD_KERNEL_CACHE=0), an empty then
 a warm MLX cache; then on, an empty then a warm one (a new directory); then on, a new MLX directory
 with TensorFold's own copies warm (TENSORFOLD_CACHE_DIR, a new directory for the run); then both
-empty again with TENSORFOLD_KERNEL_COMPILE_THREADS=$COLD_THREADS (default 16): row_check's compiles side
-by side."""
+empty again with TENSORFOLD_KERNEL_COMPILE_THREADS=$COLD_THREADS (default: the package's, min(8,
+cores)): row_check's compiles side by side. The first four children compile one after another."""
 import json
 import os
 import subprocess
@@ -67,16 +67,17 @@ def main():
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     runs, own = [], tempfile.mkdtemp(prefix="tf-cache-cold.")      # TensorFold's own cache, empty at first
-    for kc in ("0", "1"):
+    for kc in ("0", "1"):        # one compile after another, as s48d measured
         env = dict(os.environ, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
-                   TENSORFOLD_KERNEL_CACHE=kc, TENSORFOLD_CACHE_DIR=own)
+                   TENSORFOLD_KERNEL_CACHE=kc, TENSORFOLD_CACHE_DIR=own, TENSORFOLD_KERNEL_COMPILE_THREADS="1")
         runs += [(f"kernel cache {'on' if kc == '1' else 'off'}, {c}", env) for c in ("empty cache", "warm cache")]
     # MLX's directory new (a reboot's /tmp, another process's MLX_PTX_CACHE_DIR): our kernels copied from ours
     runs.append(("kernel cache on, MLX's cache empty, ours warm",
                  dict(env, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."))))
-    # both empty again, row_check's compiles side by side (kernels.compiles_batched)
-    threads = os.environ.get("COLD_THREADS", "16")
-    runs.append((f"kernel cache on, both empty, {threads} compile threads",
+    # both empty again, row_check's compiles side by side (kernels.compiles_batched): COLD_THREADS, else the
+    # default (min(8, cores))
+    threads = os.environ.get("COLD_THREADS", "")
+    runs.append((f"kernel cache on, both empty, {threads or 'default'} compile threads",
                  dict(env, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
                       TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold."),
                       TENSORFOLD_KERNEL_COMPILE_THREADS=threads)))

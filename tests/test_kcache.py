@@ -212,6 +212,8 @@ def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
     for i in range(4):
         (ptx,) = mlxdir.glob(f"custom_kernel_tf_k_{i}_*.ptx")
         assert ptx.read_bytes() == f"cubin-mlx::core::cu::custom_kernel_tf_k_{i}".encode()
+    monkeypatch.delenv("TENSORFOLD_KERNEL_COMPILE_THREADS")
+    assert _kcache.compile_threads() == min(8, os.cpu_count())            # the default
     monkeypatch.setenv("TENSORFOLD_KERNEL_COMPILE_THREADS", "1")
     with _kcache.batched():
         one(7)

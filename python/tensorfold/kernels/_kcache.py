@@ -400,10 +400,12 @@ def _count(key: str) -> None:
 
 
 def compile_threads() -> int:
-    """TENSORFOLD_KERNEL_COMPILE_THREADS (default 1: one compile after another, as session 48 ran on the
-    H200; more threads are prepared for the next device session, not yet run on a GPU)."""
+    """TENSORFOLD_KERNEL_COMPILE_THREADS, default min(8, cores). NVRTC 13.0 compiled the decode step's 13
+    kernel instances on 2 and 8 threads into cubins byte-identical to one-after-another compiles (session
+    48, bench/kcache_nvrtc_probe.py, 2 CPU cores: 1.27x faster on 2 threads). Not yet timed on the H200's
+    16 cores; 1 compiles one after another, as session 48's H200 runs did."""
     try:
-        return max(1, int(os.environ.get("TENSORFOLD_KERNEL_COMPILE_THREADS", "1")))
+        return max(1, int(os.environ.get("TENSORFOLD_KERNEL_COMPILE_THREADS") or min(8, os.cpu_count() or 1)))
     except ValueError:
         return 1
 
