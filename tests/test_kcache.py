@@ -199,6 +199,7 @@ def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
         return b"cubin-" + full.encode(), "_Z" + full[-3:]
     monkeypatch.setattr(_kcache, "compile_cubin", compile_)
     monkeypatch.setattr(_kcache, "device_headers", lambda: {})
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)   # batched() does nothing off CUDA
     mlxdir = fresh / "mlx"
     one = lambda i: _kcache.ensure("tf_k", "", f"out[0] = {i};", ["x"], ["out"], (("N", i),),  # noqa: E731
                                    ((mx.float32, 1),), (mx.float32,))

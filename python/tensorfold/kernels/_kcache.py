@@ -419,7 +419,7 @@ def batched():
     compiles that kernel itself (the same code, only slower). One thread: the block changes nothing."""
     global _pending
     n = compile_threads()
-    if _pending is not None or n <= 1:
+    if _pending is not None or n <= 1 or not mx.cuda.is_available():
         yield
         return
     _pending = []

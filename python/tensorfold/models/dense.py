@@ -20,6 +20,7 @@ from functools import partial
 
 import mlx.core as mx
 
+from .. import kernels
 from .config import ModelConfig
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
@@ -317,7 +318,15 @@ class DenseModel:
                 logits: bool = True):
         """Run ids [1, L] at positions cache.offset.. and advance the cache by L.
 
-        Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None."""
+        Returns logits [L, vocab] (all rows) or [1, vocab] (last row only), or None. An exact forward
+        builds its graph inside kernels.compiles_batched(): on the CUDA face, the kernel instances it is
+        the first to need compile side by side before anything evaluates them (kernels/_kcache.py)."""
+        if not exact:
+            return self._forward(ids, cache, exact=False, all_logits=all_logits, logits=logits)
+        with kernels.compiles_batched():
+            return self._forward(ids, cache, exact=True, all_logits=all_logits, logits=logits)
+
+    def _forward(self, ids, cache, *, exact: bool, all_logits: bool, logits: bool):
         L = ids.shape[1]
         cache.reserve(cache.offset + L)
         if exact and logits and all_logits and self.uses_compiled_step():
