@@ -207,9 +207,9 @@ def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
     with _kcache.batched():
         for i in range(4):
             one(i)
-        one(0)                                       # the same instance again: queued once more, harmless
+        one(0)                                       # the same module again (another kernel object): once
         assert not list(mlxdir.glob("*.ptx")) and _kcache.stats["compiled"] == 0
-    assert len(list(mlxdir.glob("*.ptx"))) == 4 and _kcache.stats["compiled"] == 5 and peak[0] >= 2
+    assert len(list(mlxdir.glob("*.ptx"))) == 4 and _kcache.stats["compiled"] == 4 and peak[0] >= 2
     for i in range(4):
         (ptx,) = mlxdir.glob(f"custom_kernel_tf_k_{i}_*.ptx")
         assert ptx.read_bytes() == f"cubin-mlx::core::cu::custom_kernel_tf_k_{i}".encode()

@@ -426,7 +426,7 @@ def batched():
     try:
         yield
     finally:
-        jobs, _pending = _pending, None
+        jobs, _pending = list({job[0]: job for job in _pending}.values()), None    # one job a module
         if jobs and _guarded(device_headers) is not None:      # read once, before the threads
             with concurrent.futures.ThreadPoolExecutor(min(n, len(jobs))) as pool:
                 list(pool.map(lambda job: _guarded(_build, *job), jobs))
