@@ -93,3 +93,53 @@ def with_capacity(a: mx.array, valid: int, cap: int, fill=np.nan) -> mx.array:
     B, H, _, D = a.shape
     pad = mx.full((B, H, cap - valid, D), fill, dtype=a.dtype)
     return mx.concatenate([a[:, :, :valid], pad], axis=2)
+
+
+def make_quantized(rng, N, Kd, group_size, bits_, dtype):
+    w = rand(rng, (N, Kd), mx.float32, 0.05)
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits_)
+    return wq, s.astype(dtype), b.astype(dtype)
+
+
+def decode_kernel_cases(rng, st) -> list:
+    """Every decode kernel family once or a few times, as calls on stream st: 4- and 8-bit GEMMs
+    (tensor-core and cp.async faces, 1 / 8 / 16 rows), dense GEMMs, attention (tensor-core and
+    CUDA-core partials, the merge), the fused q/k norm + RoPE, routed experts, sparse attention. For
+    tests that compare two ways of building the same kernels (test_kernels.py's text modes,
+    kcache_cases.py's kernel cache)."""
+    from tensorfold import kernels as K
+    cases = []
+    for N, Kd, gs, b in ((4096, 4096, 64, 4), (12288, 4096, 64, 4), (4096, 12288, 64, 4),
+                         (1152, 384, 64, 8), (72, 256, 32, 4)):
+        wq, s, bb = make_quantized(rng, N, Kd, gs, b, mx.bfloat16)
+        x = rand(rng, (16, Kd), mx.bfloat16)
+        for M in (1, 8, 16):
+            cases.append(lambda wq=wq, s=s, bb=bb, x=x[:M], gs=gs, b=b:
+                         K.row_quantized_matmul(x, wq, s, bb, gs, b, stream=st))
+    for N, Kd in ((4096, 4096), (72, 256)):
+        w, x = rand(rng, (N, Kd), mx.bfloat16, 0.05), rand(rng, (16, Kd), mx.bfloat16)
+        for M in (1, 16):
+            cases.append(lambda w=w, x=x[:M]: K.row_matmul(x, w, stream=st))
+    for Hq, Hkv, D, dtype in ((32, 8, 128, mx.bfloat16), (8, 2, 80, mx.float16), (8, 2, 64, mx.float32)):
+        cap = 5000
+        k, v = rand(rng, (1, Hkv, cap, D), dtype), rand(rng, (1, Hkv, cap, D), dtype)
+        for M, off in ((1, 4095), (8, 1000), (16, cap - 16)):
+            q = rand(rng, (1, Hq, M, D), dtype)
+            cases.append(lambda q=q, k=k, v=v, off=off, D=D: K.row_attention(q, k, v, off, D ** -0.5, stream=st))
+    qkv = rand(rng, (1, 16, 12 * 128), mx.bfloat16, 2.0)
+    qn, kn = rand(rng, (128,), mx.bfloat16), rand(rng, (128,), mx.bfloat16)
+    inv = mx.array([10000.0 ** (-i / 128) for i in range(0, 128, 2)], dtype=mx.float32)
+    cases.append(lambda qkv=qkv, qn=qn, kn=kn, inv=inv: mx.concatenate(
+        [t.reshape(-1) for t in K.fused_qk_norm_rope(qkv, 8, 2, qn, kn, 1e-6, inv, 1.0, 1000)]))
+    E, N, Kd = 8, 256, 512
+    wq, s, bb = make_quantized(rng, E * N, Kd, 64, 4, mx.bfloat16)
+    wq, s, bb = wq.reshape(E, N, -1), s.reshape(E, N, -1), bb.reshape(E, N, -1)
+    x, ind = rand(rng, (16, Kd), mx.bfloat16), mx.array(np.arange(48).reshape(16, 3) % E, dtype=mx.int32)
+    cases.append(lambda x=x, wq=wq, s=s, bb=bb, ind=ind: K.row_expert_matmul(x, wq, s, bb, ind, 64, 4, stream=st))
+    Hq, Hkv, D, cap = 8, 2, 128, 600
+    q, k, v = (rand(rng, (1, Hq, 4, D), mx.bfloat16), rand(rng, (1, Hkv, cap, D), mx.bfloat16),
+               rand(rng, (1, Hkv, cap, D), mx.bfloat16))
+    sel = np.stack([np.sort(np.random.default_rng(i).choice(500 + i + 1, 64, replace=False)) for i in range(4)])
+    ind = mx.array(sel[None].astype(np.int32))
+    cases.append(lambda q=q, k=k, v=v, ind=ind: K.sparse_attention(q, k, v, ind, 500, D ** -0.5, stream=st))
+    return cases

@@ -16,14 +16,6 @@ import mlx.core as mx
 from . import _kcache
 from ._sources import body_file_text, cache_dir, cuda_text_mode, kernel_text, written_once
 
-_CUDA_TYPES = {
-    mx.float32: "float",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.uint32: "uint32_t",
-    mx.int32: "int32_t",
-}
-
 GEMM_ROWS_PER_BLOCK = 16
 GEMM_COLS_PER_BLOCK = 16
 GEMM_THREADS = 256
@@ -1154,11 +1146,11 @@ def standalone_source(name: str, template: dict, input_dtypes: dict, output_dtyp
     src = prelude + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
     params = []
     for n in inputs:
-        params.append(f"const {_CUDA_TYPES[input_dtypes[n]]}* {n}")
+        params.append(f"const {_kcache.cuda_type(input_dtypes[n])}* {n}")
         if f"{n}_shape" in body:
             params.append(f"const __grid_constant__ Shape {n}_shape")
     for n in outputs:
-        params.append(f"{_CUDA_TYPES[output_dtypes[n]]}* {n}")
+        params.append(f"{_kcache.cuda_type(output_dtypes[n])}* {n}")
     src += f"__global__ void custom_kernel_tf_{name}(" + ", ".join(params) + ") {\n"
     src += _kcache.template_lines(template.items())
     src += body + "}\n} // namespace mlx::core::cu\n"

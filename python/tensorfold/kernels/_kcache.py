@@ -87,6 +87,11 @@ def _dtype_name(d) -> str:
     return str(d).rsplit(".", 1)[-1]
 
 
+def cuda_type(d) -> str:
+    """MLX's dtype_to_cuda_type: the C++ type a kernel's text names for an MLX dtype."""
+    return _CUDA_TYPE[_dtype_name(d)]
+
+
 def kernel_name(name: str, template) -> str:
     """MLX's name for one instance: custom_kernel_<name> and template_arguments_hash's suffix."""
     s = "custom_kernel_" + name
@@ -107,7 +112,7 @@ def mlx_text(kname: str, header: str, source: str, input_names, inputs, output_n
     them and the input has dimensions."""
     t = _DEFAULT_HEADER + header + _NAMESPACE + "__global__ void " + kname + "(\n"
     for n, (dt, ndim) in zip(input_names, inputs):
-        t += f"    const {_CUDA_TYPE[_dtype_name(dt)]}* {n},\n"
+        t += f"    const {cuda_type(dt)}* {n},\n"
         if ndim > 0:
             if n + "_shape" in source:
                 t += f"    const __grid_constant__ Shape {n}_shape,\n"
@@ -116,7 +121,7 @@ def mlx_text(kname: str, header: str, source: str, input_names, inputs, output_n
             if n + "_ndim" in source:
                 t += f"    const __grid_constant__ int {n}_ndim,\n"
     for i, (n, dt) in enumerate(zip(output_names, output_dtypes)):
-        t += f"    {_CUDA_TYPE[_dtype_name(dt)]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n")
+        t += f"    {cuda_type(dt)}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n")
     if template:
         t += template_lines(template) + "\n"
     return t + source + "\n}\n\n} // namespace mlx::core::cu\n"
@@ -131,7 +136,7 @@ def template_lines(template) -> str:
         elif isinstance(v, int):
             t += f"  constexpr int {k} = {v};\n"
         else:
-            t += f"  using {k} = {_CUDA_TYPE[_dtype_name(v)]};\n"
+            t += f"  using {k} = {cuda_type(v)};\n"
     return t
 
 
@@ -418,8 +423,8 @@ def batched():
     ~20 instances side by side instead of one after another. Where something inside evaluates early, MLX
     compiles that kernel itself (the same code, only slower). One thread: the block changes nothing."""
     global _pending
-    n = compile_threads()
-    if _pending is not None or n <= 1 or not mx.cuda.is_available():
+    # every exact forward enters this (models/dense.py): the cheap checks first, the environment last
+    if _pending is not None or not mx.cuda.is_available() or not enabled() or (n := compile_threads()) <= 1:
         yield
         return
     _pending = []
