@@ -20,7 +20,13 @@ MLX's PTX cache. Now five children: the kernel cache off (TENSORFOLD_KERNEL_CACH
 a warm MLX cache; then on, an empty then a warm one (a new directory); then on, a new MLX directory
 with TensorFold's own copies warm (TENSORFOLD_CACHE_DIR, a new directory for the run); then both
 empty again with TENSORFOLD_KERNEL_COMPILE_THREADS=$COLD_THREADS (default: the package's, min(8,
-cores)): row_check's compiles side by side. The first four children compile one after another."""
+cores)): row_check's compiles side by side. The first four children compile one after another.
+
+Session 49: those side-by-side compiles on threads gained nothing on the H200 (NVRTC serializes compiles
+within a process); they now run in worker processes (tensorfold/kernels/_nvrtc.py). COLD_SET=threads
+times just that: one child with both caches empty fills an MLX directory; then children whose MLX
+directory is a copy of it without our modules (MLX's own kernels warm, ours to compile), one for each
+of COLD_THREADS_LIST (default 1,8: one after another in the process, then eight worker processes)."""
 import json
 import os
 import subprocess
@@ -66,6 +72,8 @@ def main():
         print(json.dumps(child(int(sys.argv[2]))), flush=True)
         return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
+    if os.environ.get("COLD_SET") == "threads":
+        return threads_set(n)
     runs, own = [], tempfile.mkdtemp(prefix="tf-cache-cold.")      # TensorFold's own cache, empty at first
     for kc in ("0", "1"):        # one compile after another, as s48d measured
         env = dict(os.environ, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
@@ -82,18 +90,36 @@ def main():
                       TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold."),
                       TENSORFOLD_KERNEL_COMPILE_THREADS=threads)))
     for run, env in runs:
-        t = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t
-        if r.returncode != 0:
-            print(f"{run}: child failed (rc {r.returncode})\n{r.stderr[-2000:]}")
-            sys.exit(1)
-        o = json.loads(r.stdout.strip().splitlines()[-1])
-        print(f"{run} ({o['device']}): process {wall:.1f} s; init {o['init']:.1f} s; serial {o['serial']:.2f} s, "
-              f"again {o['serial_again']:.2f} s; drafted {o['drafted']:.2f} s, again {o['drafted_again']:.2f} s; "
-              f"{o['tokens']} tokens, same reply {o['same_reply']}, row_exact {o['row_exact']}; "
-              f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}; "
-              f"kernel cache {o['kcache']}", flush=True)
+        spawn(run, env, n)
+
+
+def threads_set(n: int) -> None:
+    import shutil
+    base = dict(os.environ, TENSORFOLD_KERNEL_CACHE="1")
+    filled = tempfile.mkdtemp(prefix="mlx-ptx-cold.")
+    spawn("both empty, 1 compile thread", dict(base, MLX_PTX_CACHE_DIR=filled, TENSORFOLD_KERNEL_COMPILE_THREADS="1",
+                                               TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold.")), n)
+    for threads in os.environ.get("COLD_THREADS_LIST", "1,8").split(","):
+        d = tempfile.mkdtemp(prefix="mlx-ptx-cold.")
+        shutil.copytree(filled, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns("custom_kernel_*"))
+        spawn(f"MLX's own kernels warm, ours empty, {threads} compile threads",
+              dict(base, MLX_PTX_CACHE_DIR=d, TENSORFOLD_KERNEL_COMPILE_THREADS=threads,
+                   TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold.")), n)
+
+
+def spawn(run: str, env: dict, n: int) -> None:
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        print(f"{run}: child failed (rc {r.returncode})\n{r.stderr[-2000:]}")
+        sys.exit(1)
+    o = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"{run} ({o['device']}): process {wall:.1f} s; init {o['init']:.1f} s; serial {o['serial']:.2f} s, "
+          f"again {o['serial_again']:.2f} s; drafted {o['drafted']:.2f} s, again {o['drafted_again']:.2f} s; "
+          f"{o['tokens']} tokens, same reply {o['same_reply']}, row_exact {o['row_exact']}; "
+          f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}; "
+          f"kernel cache {o['kcache']}", flush=True)
 
 
 if __name__ == "__main__":

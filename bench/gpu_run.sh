@@ -1327,6 +1327,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s48d)     # session 48: a new process's wait for its first replies, the kernel cache off and on (gpu_cold_start.py)
     timeout ${LIMIT:-540} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_kcache.txt"
     ;;
+  s49a)     # session 49: the kernel cache's batched compiles in worker processes (tensorfold/kernels/_nvrtc.py) on
+            # CUDA -- test_kcache.py (its fifth process compiles side by side: the cubins byte-identical to one
+            # after another, the same bits), then how long our kernels' compiles take, 1 thread against 8 workers
+    timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kcache.py 2>&1 \
+        | tee "$out/test_kcache.log" | tail -25
+    COLD_SET=threads timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_workers.txt"
+    ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
     rm -f "$out"/ids.part.*; split -n r/${PROCS:-6} "$IDS" "$out/ids.part."

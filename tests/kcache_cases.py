@@ -3,10 +3,14 @@ keeps each module it loaded or compiled for the life of the process). The cases 
 kernel_helpers.decode_kernel_cases on fixed inputs, the same in every process.
 
     python tests/kcache_cases.py OUT.npz     # the outputs' bits, and _kcache.stats as "stats"
+
+With KCACHE_BATCHED=1 every case's graph is built inside _kcache.batched() before any is evaluated, so the
+cache's misses compile side by side in worker processes (as an exact forward's do).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import mlx.core as mx
@@ -21,7 +25,12 @@ def cases():
 
 def main(path: str) -> None:
     from tensorfold.kernels import _kcache
-    res = {f"c{i}": bits(f()) for i, f in enumerate(cases())}
+    if os.environ.get("KCACHE_BATCHED") == "1":
+        with _kcache.batched():
+            outs = [f() for f in cases()]
+        res = {f"c{i}": bits(o) for i, o in enumerate(outs)}
+    else:
+        res = {f"c{i}": bits(f()) for i, f in enumerate(cases())}
     np.savez(path, stats=np.array(json.dumps(_kcache.stats)), **res)
 
 

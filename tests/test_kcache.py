@@ -181,9 +181,9 @@ def test_a_missing_environment_turns_the_cache_off_once(fresh, monkeypatch):
 
 
 def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
-    """Inside batched() a miss is queued; at the block's end the queue compiles on
-    TENSORFOLD_KERNEL_COMPILE_THREADS threads (compiles seen running at once), and the files are what
-    one-by-one compiles write. With one thread (the default) nothing waits."""
+    """Inside batched() a miss is queued; at the block's end the queue compiles in worker processes,
+    TENSORFOLD_KERNEL_COMPILE_THREADS at once (compiles seen running at once), and the files are what
+    one-by-one compiles write. With one thread nothing waits, and it compiles in this process."""
     import threading
     import time
     busy, peak = [0], [0]
@@ -197,8 +197,12 @@ def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
         with lock:
             busy[0] -= 1
         return b"cubin-" + full.encode(), "_Z" + full[-3:]
-    monkeypatch.setattr(_kcache, "compile_cubin", compile_)
+    def in_process(*a):
+        raise AssertionError("a batch of compiles ran in this process")
+    monkeypatch.setattr(_kcache, "compile_in_worker", compile_)
+    monkeypatch.setattr(_kcache, "compile_cubin", in_process)
     monkeypatch.setattr(_kcache, "device_headers", lambda: {})
+    monkeypatch.setattr(_kcache, "_options", lambda: [])
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)   # batched() does nothing off CUDA
     mlxdir = fresh / "mlx"
     one = lambda i: _kcache.ensure("tf_k", "", f"out[0] = {i};", ["x"], ["out"], (("N", i),),  # noqa: E731
@@ -216,9 +220,28 @@ def test_batched_compiles_at_the_end_side_by_side(fresh, monkeypatch):
     monkeypatch.delenv("TENSORFOLD_KERNEL_COMPILE_THREADS")
     assert _kcache.compile_threads() == min(8, os.cpu_count())            # the default
     monkeypatch.setenv("TENSORFOLD_KERNEL_COMPILE_THREADS", "1")
+    monkeypatch.setattr(_kcache, "compile_cubin", compile_)
+    monkeypatch.setattr(_kcache, "compile_in_worker", in_process)
     with _kcache.batched():
         one(7)
         assert len(list(mlxdir.glob("*.ptx"))) == 5   # compiled right away
+
+
+def test_worker_process_without_nvrtc_falls_back_to_this_process(monkeypatch):
+    """The worker (kernels/_nvrtc.py, run as a script with only the standard library) reads its request
+    from stdin; where it cannot load NVRTC it exits 3 and the same compile runs in this process."""
+    from tensorfold.kernels import _nvrtc
+    import pickle
+    req = {"libs": ["/nonexistent/libnvrtc.so.99"], "opts": [], "headers": {"a.h": b"x"},
+           "jobs": [("m", "text", "f")]}
+    r = subprocess.run([sys.executable, "-I", "-S", _nvrtc.__file__], input=pickle.dumps(req),
+                       capture_output=True, timeout=60)
+    assert r.returncode == 3 and b"cannot load NVRTC" in r.stderr, r.stderr
+    monkeypatch.setattr(_kcache, "_nvrtc_libs", lambda: ["/nonexistent/libnvrtc.so.99"])
+    monkeypatch.setattr(_kcache, "_options", lambda: [])
+    monkeypatch.setattr(_kcache, "device_headers", lambda: {})
+    monkeypatch.setattr(_kcache, "compile_cubin", lambda module, text, full: (b"here:" + text.encode(), "_Z1f"))
+    assert _kcache.compile_in_worker("m", "text", "f") == (b"here:text", "_Z1f")
 
 
 def test_cached_kernel_ensures_each_instance_once(monkeypatch):
@@ -291,9 +314,10 @@ def test_cuda_cache_texts_are_mlx_texts(monkeypatch, capfd):
 
 @cuda
 def test_cuda_cached_kernels_give_mlx_bits(tmp_path):
-    """Four processes: MLX compiling every kernel (cache off); the cache compiling them into empty
-    directories; the cache finding them in MLX's directory; a new MLX directory, filled from ours. The
-    same bits in all four."""
+    """Five processes: MLX compiling every kernel (cache off); the cache compiling them into empty
+    directories, one after another; the cache finding them in MLX's directory; a new MLX directory, filled
+    from ours; and the cache compiling them side by side in worker processes (batched()) into empty
+    directories, cubins byte-identical to the one-after-another compiles. The same bits in all five."""
     def run(tag, **env):
         out = tmp_path / f"{tag}.npz"
         r = subprocess.run([sys.executable, str(HERE / "kcache_cases.py"), str(out)],
@@ -306,11 +330,16 @@ def test_cuda_cached_kernels_give_mlx_bits(tmp_path):
     cold, s1 = run("cold", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx1"), **own)
     warm, s2 = run("warm", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx1"), **own)
     copy, s3 = run("copy", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx2"), **own)
+    side, s4 = run("batched", MLX_PTX_CACHE_DIR=str(tmp_path / "ptx3"), TENSORFOLD_CACHE_DIR=str(tmp_path / "own3"),
+                   KCACHE_BATCHED="1", TENSORFOLD_KERNEL_COMPILE_THREADS="8")
     n = s1["compiled"]
     assert s0["compiled"] == 0 and n > 0 and s1["failed"] == 0 and s1["copied"] == 0
     assert s2 == {"hits": n, "copied": 0, "compiled": 0, "failed": 0}
     assert s3 == {"hits": 0, "copied": n, "compiled": 0, "failed": 0}
-    assert mlx_own.keys() == cold.keys() == warm.keys() == copy.keys()
+    assert s4 == {"hits": 0, "copied": 0, "compiled": n, "failed": 0}
+    one_by_one = {p.name: p.read_bytes() for p in (tmp_path / "ptx1").rglob("*.ptx")}
+    assert len(one_by_one) == n and one_by_one == {p.name: p.read_bytes() for p in (tmp_path / "ptx3").rglob("*.ptx")}
+    assert mlx_own.keys() == cold.keys() == warm.keys() == copy.keys() == side.keys()
     for k in mlx_own:
-        for other in (cold, warm, copy):
+        for other in (cold, warm, copy, side):
             assert np.array_equal(mlx_own[k], other[k]), k

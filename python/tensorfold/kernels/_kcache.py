@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import logging
 import os
+import pickle
 import re
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 
+from . import _nvrtc as _nvrtc_mod
 from ._sources import atomic_write as _write
 from ._sources import cache_dir
 
@@ -216,37 +219,34 @@ def include_args(nvrtc_major: int) -> list[str]:
     return args
 
 
+def _nvrtc_libs() -> list[str]:
+    """The NVRTC libraries MLX loaded (libmlx.so links NVRTC; it loads its builtins library at the first
+    compile), from /proc/self/maps: libnvrtc first, then the others (what a worker process preloads)."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.split()[-1]
+                if os.path.basename(p).startswith("libnvrtc") and p not in paths:
+                    paths.append(p)
+    except OSError:
+        pass
+    main = [p for p in paths if os.path.basename(p).startswith("libnvrtc.so")]
+    return main[:1] + [p for p in paths if p not in main]
+
+
 @functools.lru_cache(maxsize=1)
 def _nvrtc():
-    """The NVRTC library MLX loaded (libmlx.so links it)."""
-    path = None
-    with open("/proc/self/maps") as f:
-        for line in f:
-            p = line.split()[-1]
-            if os.path.basename(p).startswith("libnvrtc.so"):
-                path = p
-                break
+    """(library, major, minor) of the NVRTC MLX loaded."""
+    libs = _nvrtc_libs()
     try:
-        lib = ctypes.CDLL(path or "libnvrtc.so")
+        lib = _nvrtc_mod.load(libs[0] if libs and os.path.basename(libs[0]).startswith("libnvrtc.so") else None)
     except OSError as e:
         raise Unusable(f"no NVRTC library ({e})") from None
-    vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
-    lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(vp), cp, cp, ctypes.c_int, ctypes.POINTER(cp),
-                                       ctypes.POINTER(cp)]
-    lib.nvrtcAddNameExpression.argtypes = [vp, cp]
-    lib.nvrtcCompileProgram.argtypes = [vp, ctypes.c_int, ctypes.POINTER(cp)]
-    lib.nvrtcGetLoweredName.argtypes = [vp, cp, ctypes.POINTER(cp)]
-    lib.nvrtcGetCUBINSize.argtypes = [vp, ctypes.POINTER(sz)]
-    lib.nvrtcGetCUBIN.argtypes = [vp, ctypes.c_char_p]
-    lib.nvrtcGetProgramLogSize.argtypes = [vp, ctypes.POINTER(sz)]
-    lib.nvrtcGetProgramLog.argtypes = [vp, ctypes.c_char_p]
-    lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(vp)]
-    lib.nvrtcVersion.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    if (major.value, minor.value) < (11, 8):     # MLX compiles PTX there, not a cubin
-        raise Unusable(f"NVRTC {major.value}.{minor.value} (< 11.8)")
-    return lib, major.value, minor.value
+    major, minor = _nvrtc_mod.version(lib)
+    if (major, minor) < (11, 8):     # MLX compiles PTX there, not a cubin
+        raise Unusable(f"NVRTC {major}.{minor} (< 11.8)")
+    return lib, major, minor
 
 
 def _arch() -> str:
@@ -271,41 +271,33 @@ def own_dir() -> Path:
     return cache_dir() / "cubin" / mx.__version__ / target()
 
 
-def _check(lib, rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what} failed ({rc})")
+def _options() -> list[str]:
+    """MLX's NVRTC options: --device-as-default-execution-space, the architecture, its include paths."""
+    return ["--device-as-default-execution-space", f"--gpu-architecture={_arch()}"] + include_args(_nvrtc()[1])
 
 
 def compile_cubin(module: str, text: str, full_name: str) -> tuple[bytes, str]:
-    """NVRTC as MLX's compile() calls it: (cubin, mangled name of full_name)."""
-    lib, major, _ = _nvrtc()
-    opts = ["--device-as-default-execution-space", f"--gpu-architecture={_arch()}"] + include_args(major)
-    hdrs = device_headers()
-    names = (ctypes.c_char_p * len(hdrs))(*[n.encode() for n in hdrs])
-    bodies = (ctypes.c_char_p * len(hdrs))(*hdrs.values())
-    prog = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), (module + ".cu").encode(),
-                                       len(hdrs), bodies, names), "nvrtcCreateProgram")
+    """NVRTC as MLX's compile() calls it, in this process: (cubin, mangled name of full_name)."""
+    return _nvrtc_mod.compile_cubin(_nvrtc()[0], _options(), device_headers(), module, text, full_name)
+
+
+def compile_in_worker(module: str, text: str, full_name: str) -> tuple[bytes, str]:
+    """The same compile in a worker process (_nvrtc.py run as a script): NVRTC serializes compiles within
+    a process, so batched() runs its queue side by side this way."""
+    req = {"libs": _nvrtc_libs(), "opts": _options(), "headers": device_headers(),
+           "jobs": [(module, text, full_name)]}
     try:
-        _check(lib, lib.nvrtcAddNameExpression(prog, full_name.encode()), "nvrtcAddNameExpression")
-        copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
-        if rc != 0:
-            n = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-            log = ctypes.create_string_buffer(n.value + 1)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
-        mangled = ctypes.c_char_p()
-        _check(lib, lib.nvrtcGetLoweredName(prog, full_name.encode(), ctypes.byref(mangled)),
-               "nvrtcGetLoweredName")
-        n = ctypes.c_size_t()
-        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "nvrtcGetCUBINSize")
-        buf = ctypes.create_string_buffer(n.value)
-        _check(lib, lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
-        return buf.raw, mangled.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        r = subprocess.run([sys.executable, "-I", "-S", _nvrtc_mod.__file__], input=pickle.dumps(req),
+                           capture_output=True, timeout=600)
+        got = pickle.loads(r.stdout)[0] if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, pickle.UnpicklingError, EOFError, IndexError) as e:
+        log.debug("NVRTC worker process failed (%s); compiling in this process", e)
+        got = None
+    if got is None:                  # the worker could not run: the same compile here
+        return compile_cubin(module, text, full_name)
+    if got[0] == "error":
+        raise RuntimeError(got[1])
+    return got
 
 
 def _read(path: Path, full_name: str) -> tuple[bytes, str] | None:
@@ -367,12 +359,12 @@ def _lookup(name, header, source, input_names, output_names, template, inputs, o
     return module, text, full, path, own
 
 
-def _build(module, text, full, path, own) -> None:
+def _build(module, text, full, path, own, in_worker: bool = False) -> None:
     if not _told:
         _told.append(True)
         log.info("compiling the CUDA kernels with NVRTC (seconds each, a few minutes on a first start); "
                  "kept in %s and %s for later starts", path.parent, own_dir())
-    cubin, mangled = compile_cubin(module, text, full)
+    cubin, mangled = (compile_in_worker if in_worker else compile_cubin)(module, text, full)
     store(path, full, mangled, cubin, text)
     _count("compiled")
     try:
@@ -405,10 +397,10 @@ def _count(key: str) -> None:
 
 
 def compile_threads() -> int:
-    """TENSORFOLD_KERNEL_COMPILE_THREADS, default min(8, cores). NVRTC 13.0 compiled the decode step's 13
-    kernel instances on 2 and 8 threads into cubins byte-identical to one-after-another compiles (session
-    48, bench/kcache_nvrtc_probe.py, 2 CPU cores: 1.27x faster on 2 threads). Not yet timed on the H200's
-    16 cores; 1 compiles one after another, as session 48's H200 runs did."""
+    """TENSORFOLD_KERNEL_COMPILE_THREADS, default min(8, cores): how many compiles batched() runs at once,
+    each in a worker process (NVRTC within one process serializes them; see _nvrtc.py). Worker processes
+    give the cubins of compiles in this process byte for byte (tests/test_kcache.py; NVRTC 13.0 on the CPU
+    host, bench/kcache_nvrtc_probe.py). 1: one after another in this process."""
     try:
         return max(1, int(os.environ.get("TENSORFOLD_KERNEL_COMPILE_THREADS") or min(8, os.cpu_count() or 1)))
     except ValueError:
@@ -417,8 +409,8 @@ def compile_threads() -> int:
 
 @contextlib.contextmanager
 def batched():
-    """The compiles that the kernel calls made inside the block need, run together when it ends, on
-    compile_threads() threads (NVRTC releases the GIL), before the caller evaluates what it built. For a
+    """The compiles that the kernel calls made inside the block need, run together when it ends, up to
+    compile_threads() at once in worker processes, before the caller evaluates what it built. For a
     block that builds a whole graph first, as row_check does: a first start on a machine compiles its
     ~20 instances side by side instead of one after another. Where something inside evaluates early, MLX
     compiles that kernel itself (the same code, only slower). One thread: the block changes nothing."""
@@ -432,9 +424,12 @@ def batched():
         yield
     finally:
         jobs, _pending = list({job[0]: job for job in _pending}.values()), None    # one job a module
-        if jobs and _guarded(device_headers) is not None:      # read once, before the threads
+        if len(jobs) == 1:
+            _guarded(_build, *jobs[0])
+        elif jobs and _guarded(_options) is not None and _guarded(device_headers) is not None:
+            # each thread waits on its worker process (the GIL released)
             with concurrent.futures.ThreadPoolExecutor(min(n, len(jobs))) as pool:
-                list(pool.map(lambda job: _guarded(_build, *job), jobs))
+                list(pool.map(lambda job: _guarded(_build, *job, True), jobs))
 
 
 class CachedKernel:
