@@ -283,18 +283,21 @@ def compile_cubin(module: str, text: str, full_name: str) -> tuple[bytes, str]:
 
 def compile_in_worker(module: str, text: str, full_name: str) -> tuple[bytes, str]:
     """The same compile in a worker process (_nvrtc.py run as a script): NVRTC serializes compiles within
-    a process, so batched() runs its queue side by side this way."""
+    a process, so batched() runs its queue side by side this way. Where no worker can start or load NVRTC,
+    the compile runs in this process; any other failure is the compile's (MLX then compiles it itself)."""
     req = {"libs": _nvrtc_libs(), "opts": _options(), "headers": device_headers(),
            "jobs": [(module, text, full_name)]}
     try:
         r = subprocess.run([sys.executable, "-I", "-S", _nvrtc_mod.__file__], input=pickle.dumps(req),
-                           capture_output=True, timeout=600)
-        got = pickle.loads(r.stdout)[0] if r.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, pickle.UnpicklingError, EOFError, IndexError) as e:
-        log.debug("NVRTC worker process failed (%s); compiling in this process", e)
-        got = None
-    if got is None:                  # the worker could not run: the same compile here
+                           capture_output=True, timeout=300)
+    except OSError as e:             # no interpreter to start
+        r = None
+        log.debug("no NVRTC worker process (%s); compiling in this process", e)
+    if r is None or r.returncode == 3:
         return compile_cubin(module, text, full_name)
+    if r.returncode != 0:
+        raise RuntimeError(f"NVRTC worker exited {r.returncode}: {r.stderr.decode(errors='replace')[-500:]}")
+    got = pickle.loads(r.stdout)[0]
     if got[0] == "error":
         raise RuntimeError(got[1])
     return got
