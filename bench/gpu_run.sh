@@ -1360,7 +1360,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       # lock) and reads it by file size, so a process can load a module another one is still writing (a
       # candidate cause of s44b's lone failure, not confirmed; jit_module.cpp, write_cached_ptx). Our own kernels
       # still reach every process compiled once: kernels/_kcache.py copies them from TENSORFOLD_CACHE_DIR (session
-      # 48; the copy path not yet run on a GPU when this was written). -v: a process its
+      # 48; the copy path ran on the H200 in session 49). -v: a process its
       # limit cuts still names every id it ran (s45a's were worked out from the CPU's collection order)
       (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout ${LIMIT:-420} python3 -m pytest -v -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1
        echo "rc $? ($(wc -l < "$f") ids; rc 124: cut by LIMIT)" >> "$f.log") &

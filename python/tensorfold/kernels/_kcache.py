@@ -402,8 +402,10 @@ def _count(key: str) -> None:
 def compile_threads() -> int:
     """TENSORFOLD_KERNEL_COMPILE_THREADS, default min(8, cores): how many compiles batched() runs at once,
     each in a worker process (NVRTC within one process serializes them; see _nvrtc.py). Worker processes
-    give the cubins of compiles in this process byte for byte (tests/test_kcache.py; NVRTC 13.0 on the CPU
-    host, bench/kcache_nvrtc_probe.py). 1: one after another in this process."""
+    give the cubins of compiles in this process byte for byte (tests/test_kcache.py; on the H200 32 modules,
+    and NVRTC 13.0 on the CPU host, bench/kcache_nvrtc_probe.py). H200, session 49: a new process whose
+    kernels were not cached waited 11.1 s with 8 workers, 55.4 s with 1. 1: one after another in this
+    process."""
     try:
         return max(1, int(os.environ.get("TENSORFOLD_KERNEL_COMPILE_THREADS") or min(8, os.cpu_count() or 1)))
     except ValueError:
