@@ -257,6 +257,37 @@ def test_cached_kernel_ensures_each_instance_once(monkeypatch):
                                             ((("N", 2),), ((mx.float16, 2),))]
 
 
+def test_serve_keeps_mlx_ptx_cache_in_a_lasting_directory(fresh, monkeypatch):
+    """tensorfold serve, before any GPU work: MLX_PTX_CACHE_DIR, where unset, becomes a directory under
+    TENSORFOLD_CACHE_DIR keyed by MLX's version and the GPU target (MLX's own default is cleaned by reboots
+    and is not keyed by the GPU). Never where the user set it, off CUDA, or with the kernel cache off."""
+    from tensorfold import cli
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/mine")
+    assert _kcache.lasting_mlx_dir() is None and os.environ["MLX_PTX_CACHE_DIR"] == "/mine"
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")          # restored after the test (set above first)
+    monkeypatch.setenv("TENSORFOLD_KERNEL_CACHE", "0")
+    assert _kcache.lasting_mlx_dir() is None and "MLX_PTX_CACHE_DIR" not in os.environ
+    monkeypatch.delenv("TENSORFOLD_KERNEL_CACHE")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert _kcache.lasting_mlx_dir() is None and "MLX_PTX_CACHE_DIR" not in os.environ
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    d = _kcache.lasting_mlx_dir()
+    assert d == fresh / "own" / "cuda" / "mlx-ptx" / mx.__version__ / "sm_90a-nvrtc13.0" and d.is_dir()
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(d) and _kcache.mlx_cache_dir() == d   # ours follow it
+    # the CLI sets it first, before the model (and anything on the GPU)
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    order = []
+    monkeypatch.setattr(_kcache, "lasting_mlx_dir", lambda: order.append("ptx"))
+
+    def model(m):
+        order.append("model")
+        raise cli.CliError("stop here")
+    monkeypatch.setattr(cli, "resolve_model", model)
+    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)     # leaves the logger to the other tests
+    assert cli.main(["serve", "--port", "0"]) == 2 and order == ["ptx", "model"]
+
+
 # ---------------------------------------------------------------- CUDA
 
 LOADS = r'''

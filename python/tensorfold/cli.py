@@ -181,6 +181,10 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(a) -> int:
     _check_serve_args(a)
     _setup_logging(a.log_level)
+    from .kernels import _kcache
+    ptx = _kcache.lasting_mlx_dir()          # before anything runs on the GPU (MLX reads it once)
+    if ptx is not None:
+        log.info("compiled CUDA kernels kept in %s (MLX_PTX_CACHE_DIR)", ptx)
     path, embedded = resolve_model(a.model)
     if embedded:
         log.info("no MODEL given: serving the embedded default model %s (%s) from %s",

@@ -271,6 +271,30 @@ def own_dir() -> Path:
     return cache_dir() / "cubin" / mx.__version__ / target()
 
 
+def lasting_mlx_dir() -> Path | None:
+    """For a server process, before anything runs on the GPU: where MLX_PTX_CACHE_DIR is unset, point it at
+    TENSORFOLD_CACHE_DIR/cuda/mlx-ptx/<MLX version>/<architecture>-nvrtc<version> (default under
+    ~/.cache/tensorfold) and return that directory. MLX's default, <temp dir>/mlx/<version>/ptx, is cleaned
+    by reboots, and on the H200 a first start spends ~65 s compiling MLX's own JIT kernels (which MLX writes
+    there) besides ours; this directory lasts, and is keyed by the GPU architecture as MLX's is not (a home
+    directory shared by machines with different GPUs). MLX reads the variable once, at its first JIT
+    compile (ptx_cache_dir() in mlx/backend/cuda/jit_module.cpp), so this must run before any GPU work:
+    `tensorfold serve` calls it first thing. None (nothing changed) off CUDA, with the kernel cache off,
+    with MLX_PTX_CACHE_DIR already set, or where the directory cannot be made."""
+    if os.environ.get("MLX_PTX_CACHE_DIR") or not enabled() or not mx.cuda.is_available():
+        return None
+    try:
+        d = cache_dir() / "mlx-ptx" / mx.__version__ / target()
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            return None
+    except (Unusable, OSError, RuntimeError) as e:
+        log.debug("MLX's PTX cache left at its default (%s)", e)
+        return None
+    os.environ["MLX_PTX_CACHE_DIR"] = str(d)
+    return d
+
+
 def _options() -> list[str]:
     """MLX's NVRTC options: --device-as-default-execution-space, the architecture, its include paths."""
     return ["--device-as-default-execution-space", f"--gpu-architecture={_arch()}"] + include_args(_nvrtc()[1])
