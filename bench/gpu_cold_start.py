@@ -26,7 +26,9 @@ Session 49: those side-by-side compiles on threads gained nothing on the H200 (N
 within a process); they now run in worker processes (tensorfold/kernels/_nvrtc.py). COLD_SET=threads
 times just that: one child with both caches empty fills an MLX directory; then children whose MLX
 directory is a copy of it without our modules (MLX's own kernels warm, ours to compile), one for each
-of COLD_THREADS_LIST (default 1,8: one after another in the process, then eight worker processes)."""
+of COLD_THREADS_LIST (default 1,8: one after another in the process, then eight worker processes).
+COLD_SET=lasting: two children with MLX_PTX_CACHE_DIR unset that call _kcache.lasting_mlx_dir() first, as
+`tensorfold serve` does: MLX's own modules must land in that directory, and the second child start warm."""
 import json
 import os
 import subprocess
@@ -38,6 +40,10 @@ from pathlib import Path
 
 def child(n: int) -> dict:
     import mlx.core as mx
+    lasting = None
+    if os.environ.get("COLD_LASTING") == "1":     # what `tensorfold serve` does first
+        from tensorfold.kernels import _kcache
+        lasting = _kcache.lasting_mlx_dir()
 
     import tensorfold
     from tensorfold.engine import Engine, SamplingParams
@@ -61,6 +67,9 @@ def child(n: int) -> dict:
     except Exception as e:          # no CUDA face here (the CPU dry run)
         out["our_instances"] = f"n/a ({type(e).__name__})"
     d = os.environ.get("MLX_PTX_CACHE_DIR", "")
+    if lasting is not None:
+        out["lasting"] = str(lasting)
+        out["mlx_own_modules"] = sum(1 for p in lasting.rglob("*.ptx") if not p.name.startswith("custom_kernel_"))
     out["ptx_files"] = sum(len(f) for _, _, f in os.walk(d)) if d else "n/a"
     from tensorfold.kernels import _kcache
     out["kcache"] = dict(_kcache.stats, on=_kcache.enabled())
@@ -74,6 +83,12 @@ def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     if os.environ.get("COLD_SET") == "threads":
         return threads_set(n)
+    if os.environ.get("COLD_SET") == "lasting":     # session 49: serve's MLX_PTX_CACHE_DIR, two children
+        env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+        env.update(COLD_LASTING="1", TENSORFOLD_CACHE_DIR=tempfile.mkdtemp(prefix="tf-cache-cold."))
+        for run in ("lasting directory, empty", "lasting directory, warm"):
+            spawn(run, env, n)
+        return
     runs, own = [], tempfile.mkdtemp(prefix="tf-cache-cold.")      # TensorFold's own cache, empty at first
     for kc in ("0", "1"):        # one compile after another, as s48d measured
         env = dict(os.environ, MLX_PTX_CACHE_DIR=tempfile.mkdtemp(prefix="mlx-ptx-cold."),
@@ -119,7 +134,8 @@ def spawn(run: str, env: dict, n: int) -> None:
           f"again {o['serial_again']:.2f} s; drafted {o['drafted']:.2f} s, again {o['drafted_again']:.2f} s; "
           f"{o['tokens']} tokens, same reply {o['same_reply']}, row_exact {o['row_exact']}; "
           f"our kernel instances {o['our_instances']}; PTX cache files {o['ptx_files']}; "
-          f"kernel cache {o['kcache']}", flush=True)
+          f"kernel cache {o['kcache']}" + (f"; MLX_PTX_CACHE_DIR {o['lasting']}, MLX's own modules there "
+                                           f"{o['mlx_own_modules']}" if "lasting" in o else ""), flush=True)
 
 
 if __name__ == "__main__":

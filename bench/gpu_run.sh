@@ -1334,6 +1334,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         | tee "$out/test_kcache.log" | tail -25
     COLD_SET=threads timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_workers.txt"
     ;;
+  s49b)     # next: the fixed test_kcache.py bits test (its fifth process in worker processes), then serve's lasting
+            # MLX_PTX_CACHE_DIR (kernels/_kcache.lasting_mlx_dir): MLX's own modules land there, a second start is warm
+    timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kcache.py 2>&1 \
+        | tee "$out/test_kcache.log" | tail -25
+    COLD_SET=lasting timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_lasting.txt"
+    ;;
   ids)      # the pytest ids listed in IDS dealt to PROCS processes, one pytest each (a failure's report kept whatever
             # the limit cuts), each process its own MLX PTX cache; LIMIT seconds in all
     rm -f "$out"/ids.part.*; split -n r/${PROCS:-6} "$IDS" "$out/ids.part."
