@@ -1,11 +1,11 @@
-"""The kernel cache's compiles without a GPU: NVRTC on threads against one after another (session 48).
+"""The kernel cache's compiles without a GPU: side by side against one after another (sessions 48-49).
 
 NVRTC needs no GPU. Given an MLX CUDA wheel's package directory (its include/ with CCCL and its
 lib/libmlx.so, whose embedded device headers the cache reads) and an NVRTC library, this builds the
 decode step's kernel texts exactly as the CUDA face would launch them (the launches go to a stub: nothing
-runs), compiles every instance through kernels/_kcache.py one after another, then again on THREADS threads
-through compiles_batched(), each into empty directories, and checks that both give the same cubins byte for
-byte. It answers whether NVRTC compiles side by side safely and identically before the H200 times it.
+runs), compiles every instance through kernels/_kcache.py one after another, then again THREADS at once
+through compiles_batched() (in worker processes since session 49; on threads in session 48), each into
+empty directories, and checks that both give the same cubins byte for byte. It answers whether NVRTC compiles side by side safely and identically before the H200 times it.
 
     python bench/kcache_nvrtc_probe.py MLX_CUDA_PKG_DIR LIBNVRTC [THREADS] [ARCH]
 
@@ -83,7 +83,7 @@ def main():
     tn, sn, cn = run(threads)
     same = c1.keys() == cn.keys() and all(c1[k] == cn[k] for k in c1)
     print(f"NVRTC {_kcache.target()}: {s1['compiled']} instances; one after another {t1:.1f} s, "
-          f"{threads} threads {tn:.1f} s ({t1 / tn:.2f}x); stats {s1} / {sn}; "
+          f"{threads} at once {tn:.1f} s ({t1 / tn:.2f}x); stats {s1} / {sn}; "
           f"cubins byte-identical: {same} ({sum(len(v) for v in c1.values()) / 1e6:.1f} MB)")
     sys.exit(0 if same and s1["failed"] == 0 and sn["failed"] == 0 else 1)
 

@@ -233,12 +233,12 @@ def test_worker_process_without_nvrtc_falls_back_to_this_process(monkeypatch):
     from stdin; where it cannot load NVRTC it exits 3 and the same compile runs in this process."""
     from tensorfold.kernels import _nvrtc
     import pickle
-    req = {"libs": ["/nonexistent/libnvrtc.so.99"], "opts": [], "headers": {"a.h": b"x"},
+    req = {"lib": "/nonexistent/libnvrtc.so.99", "preload": [], "opts": [], "headers": {"a.h": b"x"},
            "jobs": [("m", "text", "f")]}
     r = subprocess.run([sys.executable, "-I", "-S", _nvrtc.__file__], input=pickle.dumps(req),
                        capture_output=True, timeout=60)
     assert r.returncode == 3 and b"cannot load NVRTC" in r.stderr, r.stderr
-    monkeypatch.setattr(_kcache, "_nvrtc_libs", lambda: ["/nonexistent/libnvrtc.so.99"])
+    monkeypatch.setattr(_kcache, "_nvrtc_libs", lambda: ("/nonexistent/libnvrtc.so.99", []))
     monkeypatch.setattr(_kcache, "_options", lambda: [])
     monkeypatch.setattr(_kcache, "device_headers", lambda: {})
     monkeypatch.setattr(_kcache, "compile_cubin", lambda module, text, full: (b"here:" + text.encode(), "_Z1f"))

@@ -219,9 +219,9 @@ def include_args(nvrtc_major: int) -> list[str]:
     return args
 
 
-def _nvrtc_libs() -> list[str]:
-    """The NVRTC libraries MLX loaded (libmlx.so links NVRTC; it loads its builtins library at the first
-    compile), from /proc/self/maps: libnvrtc first, then the others (what a worker process preloads)."""
+def _nvrtc_libs() -> tuple[str | None, list[str]]:
+    """(libnvrtc, the other NVRTC libraries) that MLX loaded (libmlx.so links NVRTC; NVRTC loads its
+    builtins library at the first compile), from /proc/self/maps; a worker process preloads the others."""
     paths = []
     try:
         with open("/proc/self/maps") as f:
@@ -231,16 +231,15 @@ def _nvrtc_libs() -> list[str]:
                     paths.append(p)
     except OSError:
         pass
-    main = [p for p in paths if os.path.basename(p).startswith("libnvrtc.so")]
-    return main[:1] + [p for p in paths if p not in main]
+    main = next((p for p in paths if os.path.basename(p).startswith("libnvrtc.so")), None)
+    return main, [p for p in paths if p != main]
 
 
 @functools.lru_cache(maxsize=1)
 def _nvrtc():
     """(library, major, minor) of the NVRTC MLX loaded."""
-    libs = _nvrtc_libs()
     try:
-        lib = _nvrtc_mod.load(libs[0] if libs and os.path.basename(libs[0]).startswith("libnvrtc.so") else None)
+        lib = _nvrtc_mod.load(_nvrtc_libs()[0])
     except OSError as e:
         raise Unusable(f"no NVRTC library ({e})") from None
     major, minor = _nvrtc_mod.version(lib)
@@ -309,7 +308,8 @@ def compile_in_worker(module: str, text: str, full_name: str) -> tuple[bytes, st
     """The same compile in a worker process (_nvrtc.py run as a script): NVRTC serializes compiles within
     a process, so batched() runs its queue side by side this way. Where no worker can start or load NVRTC,
     the compile runs in this process; any other failure is the compile's (MLX then compiles it itself)."""
-    req = {"libs": _nvrtc_libs(), "opts": _options(), "headers": device_headers(),
+    lib, preload = _nvrtc_libs()
+    req = {"lib": lib, "preload": preload, "opts": _options(), "headers": device_headers(),
            "jobs": [(module, text, full_name)]}
     try:
         r = subprocess.run([sys.executable, "-I", "-S", _nvrtc_mod.__file__], input=pickle.dumps(req),

@@ -8,8 +8,8 @@ Separate processes share no NVRTC state, so ``_kcache.batched`` deals its queued
 processes running this file as a script. It imports nothing but the standard library (no MLX, no CUDA
 context): a worker starts in tens of milliseconds, and is fed by a pickle on stdin:
 
-    {"libs": [libnvrtc path, its builtins' path, ...], "opts": [...], "headers": {name: bytes},
-     "jobs": [(module, text, full_name), ...]}
+    {"lib": libnvrtc's path (None: by its soname), "preload": [its builtins' path, ...], "opts": [...],
+     "headers": {name: bytes}, "jobs": [(module, text, full_name), ...]}
 
 and answers with a pickle on stdout: one (cubin, mangled name) or ("error", message) a job, in order;
 exit status 3 where it cannot load NVRTC.
@@ -93,9 +93,8 @@ def compile_cubin(lib, opts: list[str], headers: dict[str, bytes], module: str, 
 
 def main() -> None:
     req = pickle.load(sys.stdin.buffer)
-    libs = req["libs"]
     try:
-        lib = load(libs[0] if libs else None, libs[1:])
+        lib = load(req["lib"], req["preload"])
     except (OSError, AttributeError) as e:     # the parent compiles in its own process instead
         print(f"tensorfold NVRTC worker: cannot load NVRTC ({e})", file=sys.stderr)
         sys.exit(3)
