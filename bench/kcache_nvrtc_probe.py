@@ -5,7 +5,8 @@ lib/libmlx.so, whose embedded device headers the cache reads) and an NVRTC libra
 decode step's kernel texts exactly as the CUDA face would launch them (the launches go to a stub: nothing
 runs), compiles every instance through kernels/_kcache.py one after another, then again THREADS at once
 through compiles_batched() (in worker processes since session 49; on threads in session 48), each into
-empty directories, and checks that both give the same cubins byte for byte. It answers whether NVRTC compiles side by side safely and identically before the H200 times it.
+empty directories, and checks that both give the same cubins byte for byte. It answers whether NVRTC
+compiles side by side safely and identically before the H200 times it.
 
     python bench/kcache_nvrtc_probe.py MLX_CUDA_PKG_DIR LIBNVRTC [THREADS] [ARCH]
 
