@@ -300,3 +300,30 @@ def test_snapshots_are_written_in_the_background(tmp_path):
     # MLX itself reads our files
     loaded = mx.load(str(store.entries[0].path))
     assert mx.array_equal(loaded["k.0"], kv[0][0]).item()
+
+
+def test_cancel_during_prefill_stops_at_the_next_chunk_and_keeps_its_grid_point(model_path):
+    """A client that leaves during a long prompt's prefill: the engine stops before the next grid
+    chunk (finish_reason "cancelled", no token), keeps the snapshot of the last grid point it
+    reached, and the same request sent again resumes there and gives a fresh engine's reply."""
+    import threading
+    mode = PrefillMode(grid=GRID)
+    msgs = [{"role": "user", "content": _words(120, 5)}]
+    eng = Engine(model_path, prefill_mode=mode, drafts=False)
+    n = len(eng.prompt_ids(msgs))
+    assert n > 4 * GRID
+    cancel, seen = threading.Event(), []
+
+    def progress(done, total):
+        seen.append(done)
+        if done >= 2 * GRID:
+            cancel.set()
+
+    events = list(eng.generate(messages=msgs, max_tokens=8, sampling=P, cancel=cancel, progress=progress))
+    assert seen == [GRID, 2 * GRID]
+    assert [(e.token_ids, e.finish_reason) for e in events] == [([], "cancelled")]
+    assert events[0].stats.finish_reason == "cancelled" and events[0].stats.completion_tokens == 0
+    text, ids, st = eng.generate_text(messages=msgs, max_tokens=8, sampling=P)
+    assert st.cached_tokens == 2 * GRID
+    assert (text, ids) == Engine(model_path, prefill_mode=mode, drafts=False).generate_text(
+        messages=msgs, max_tokens=8, sampling=P)[:2]

@@ -75,7 +75,8 @@ def test_prompt_seed_is_a_hash_of_the_prompt():
 
 def _reference_keep(logits, p):
     """Brute force: full sort by (value desc, id asc), then the same rules."""
-    x = logits.astype(np.float64) / p.temperature
+    x = logits.astype(np.float64)
+    x = (x - x.max()) / p.temperature
     ids = np.arange(len(x))
     keep = np.ones(len(x), bool)
     if p.top_k:
@@ -128,3 +129,24 @@ def test_unfiltered_rows_take_the_same_tokens_as_the_gathered_form():
                            top_p=float(rng.choice([1.0, 0.8])), top_k=int(rng.choice([0, 5])))
         seed, pos = int(rng.integers(0, 2**62)), int(rng.integers(0, 10**6))
         assert sample(x, seed, pos, p) == gathered(x, seed, pos, p)
+
+
+def test_tiny_temperatures_sample_the_best_ids():
+    """logit / T overflowed for a tiny positive T (1e-310 is a valid request): the best ids went
+    to +inf and were dropped as non-finite, so a near-greedy request sampled noise or, with every
+    id gone, raised. Scaled from the row's maximum, only the maxima survive."""
+    rng = np.random.default_rng(3)
+    for T in (1e-3, 1e-30, 1e-200, 1e-310, 5e-324):
+        for trial in range(20):
+            x = (rng.standard_normal(500) * 4).astype(np.float32)
+            x[rng.integers(0, 500, size=20)] = -np.inf
+            best = int(np.argmax(x))
+            for top_p, top_k, min_p in ((1.0, 0, 0.0), (0.9, 40, 0.05)):
+                p = SamplingParams(temperature=T, top_p=top_p, top_k=top_k, min_p=min_p)
+                assert sample(x, trial, 7, p) == best, (T, trial)
+            tied = x.copy()
+            tied[best + 1 if best < 499 else best - 1] = x[best]
+            pair = sorted((best, best + 1 if best < 499 else best - 1))
+            assert sample(tied, trial, 7, SamplingParams(temperature=T)) in pair
+    huge = np.array([3e38, -3e38, 1.0, 3e38], dtype=np.float32)       # float32's range, T < 1
+    assert sample(huge, 0, 0, SamplingParams(temperature=1e-300)) in (0, 3)

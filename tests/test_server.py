@@ -319,7 +319,21 @@ BAD = [
     ("huge max_tokens", "/v1/chat/completions", _msg(max_tokens=10**9), 400, "max_tokens", None),
     ("max_tokens wrong type", "/v1/chat/completions", _msg(max_tokens="ten"), 400, "max_tokens", None),
     ("n > 1", "/v1/chat/completions", _msg(n=2), 400, "n", None),
+    ("json nested too deeply", "/v1/chat/completions", '{"messages": ' + "[" * 5000 + "]" * 5000 + "}", 400,
+     None, "invalid_json"),
+    ("function role", "/v1/chat/completions", _msg(messages=[{"role": "function", "content": "x"}]), 400,
+     "messages[0].role", None),
+    ("assistant without content or tool calls", "/v1/chat/completions",
+     _msg(messages=[*USER, {"role": "assistant", "content": None}, *USER]), 400, "messages[1].content", None),
     ("negative temperature", "/v1/chat/completions", _msg(temperature=-0.5), 400, "temperature", None),
+    ("temperature past a float", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+     '"temperature": 1' + "0" * 400 + "}", 400, "temperature", "invalid_value"),
+    ("min_p past a float", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+     '"min_p": 1' + "0" * 400 + "}", 400, "min_p", "invalid_value"),
+    ("include_usage wrong type", "/v1/chat/completions", _msg(stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage", None),
+    ("enable_thinking wrong type", "/v1/chat/completions", _msg(chat_template_kwargs={"enable_thinking": 1}),
+     400, "chat_template_kwargs.enable_thinking", None),
     ("temperature wrong type", "/v1/chat/completions", _msg(temperature="hot"), 400, "temperature", None),
     ("top_p out of range", "/v1/chat/completions", _msg(top_p=1.5), 400, "top_p", None),
     ("stop wrong type", "/v1/chat/completions", _msg(stop=[1, 2]), 400, "stop", None),
@@ -575,3 +589,30 @@ def test_server_defaults_and_name(ckpt):
         assert r.model == "my-alias" and r.usage.completion_tokens <= 3
         # the directory name is accepted too; no key needed on a server without one
         assert s.post("/v1/chat/completions", _msg(), key=None).status_code == 200
+
+
+def test_request_body_limit_and_small_routes():
+    """A body past the limit is a 413 before it is read (by its Content-Length) or while it is read
+    (sent in chunks), never tokenized on the engine's thread; HEAD /health, /v1/models/ and a
+    malformed Authorization header get their own answers."""
+    eng = ScriptedEngine(["ok"])
+    with scripted_server(eng, api_key=KEY, max_body=4096) as s:
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]})
+        _check_error(s.post("/v1/chat/completions", big), 413, code="request_too_large")
+
+        def chunks():
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000].encode()
+        r = httpx.post(s.base + "/v1/chat/completions", content=chunks(),
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        _check_error(r, 413, code="request_too_large")
+        assert eng.started == []
+        assert chat_text(s.chat(max_tokens=1)) == "ok"          # under the limit, and still serving
+        assert httpx.head(s.base + "/health").status_code == 200
+        r = httpx.get(s.base + "/v1/models/", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["object"] == "list"
+        e = _check_error(httpx.get(s.base + "/v1/models", headers={"Authorization": KEY}), 401,
+                         code="invalid_api_key")
+        assert "Bearer" in e["message"]
+    from tensorfold.server.app import max_body_default
+    assert max_body_default(4096) == 16 << 20 and max_body_default(1 << 20) == 256 << 20

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--name", "--alias", dest="name", default=None,
                    help="model name reported by /v1/models and accepted in requests (default: the "
                         "model directory's name)")
+    g.add_argument("--max-request-mib", type=float, default=None, metavar="MIB",
+                   help="largest request body accepted, in MiB; larger ones get a 413 before they are "
+                        "read (default: 16, or 256 bytes a context token where that is more)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level")
     g = s.add_argument_group("model")
@@ -164,6 +167,8 @@ def _check_serve_args(a) -> None:
         raise CliError(f"--top-k must be >= 0, got {a.top_k}")
     if a.min_p is not None and not 0 <= a.min_p <= 1:
         raise CliError(f"--min-p must be in [0, 1], got {a.min_p}")
+    if a.max_request_mib is not None and not a.max_request_mib > 0:
+        raise CliError(f"--max-request-mib must be positive, got {a.max_request_mib}")
     if a.prompt_cache_gib < 0:
         raise CliError(f"--prompt-cache-gib must be >= 0, got {a.prompt_cache_gib}")
     if a.drafter is not None and not Path(a.drafter).expanduser().is_dir():
@@ -218,7 +223,8 @@ def cmd_serve(a) -> int:
     api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY") or None
     defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     max_tokens=a.max_tokens, thinking=a.thinking)
-    app = create_app(worker, model_name=a.name, api_key=api_key, defaults=defaults)
+    app = create_app(worker, model_name=a.name, api_key=api_key, defaults=defaults,
+                     max_body=None if a.max_request_mib is None else max(1, int(a.max_request_mib * 2**20)))
     log.info("model %s: context %d tokens, drafting %s, prompt snapshots on disk: %s; OpenAI API at "
              "http://%s:%d/v1%s", app.state.model_name, eng.context_length,
              "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off", kwargs["snapshot_dir"] or "off",

@@ -25,7 +25,7 @@ from ..models import load_model
 from .. import kernels
 from ..models.loader import mlx_cuda_qmm_overreads
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .prefill import PrefillMode, prefill, reserve_rows
+from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
 from .sampling import greedy_device, prompt_seed, sample
@@ -160,9 +160,10 @@ class Engine:
             except OSError as e:
                 log.warning("could not write a snapshot to %s: %s", self.disk.dir, e)
 
-    def _prefill(self, ids: list[int], progress=None, pin_at: int = 0, room: int = 0):
+    def _prefill(self, ids: list[int], progress=None, pin_at: int = 0, room: int = 0, cancel=None):
         """room: the tokens the reply may add (its rows are reserved with the prompt's, up to
-        prefill.REPLY_ROWS)."""
+        prefill.REPLY_ROWS). A prefill cancelled between chunks still keeps its last grid point's
+        snapshot (the same KV a whole run would have saved there), then raises PrefillCancelled."""
         cache = self.model.new_cache()
         rows = reserve_rows(len(ids), room)
         kv, g = self._lookup(np.asarray(ids, dtype=np.int64), len(ids) - 1)
@@ -176,9 +177,15 @@ class Engine:
             if p == pin_at and p > cached:
                 self._save(ids, cache, p, pinned=True)   # the conversation's system block
 
-        logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress, reserve=rows)
+        try:
+            logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress, reserve=rows,
+                             cancel=cancel)
+        except PrefillCancelled:
+            logits = None
         if points and points[-1] > cached and points[-1] != pin_at:
             self._save(ids, cache, points[-1], pinned=False)   # the prompt's last grid point
+        if logits is None:
+            raise PrefillCancelled
         return cache, logits, cached
 
     def system_prefix_len(self, messages, ids, enable_thinking=None, tools=None) -> int:
@@ -244,8 +251,15 @@ class Engine:
         if messages is not None:
             think = self.thinking if enable_thinking is None else enable_thinking
             pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
-        cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at,
-                                                           room=max_tokens + self.draft_width)
+        try:
+            cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at,
+                                                               room=max_tokens + self.draft_width,
+                                                               cancel=cancel)
+        except PrefillCancelled:
+            stats.prefill_s = time.perf_counter() - t0
+            stats.finish_reason = "cancelled"
+            yield GenerationEvent(text="", token_ids=[], finish_reason="cancelled", stats=stats)
+            return
         stats.prefill_s = time.perf_counter() - t0
 
         if proposers is None:

@@ -65,20 +65,29 @@ def reserve_rows(n_prompt: int, room: int = 0) -> int:
     return n_prompt + max(0, min(room, REPLY_ROWS))
 
 
+class PrefillCancelled(Exception):
+    """`cancel` was set between two chunks; the cache holds the chunks done (whole grid chunks)."""
+
+
 def prefill(model, cache, ids: list[int], mode: PrefillMode,
             on_grid_point: Callable[[int], None] | None = None,
-            progress: Callable[[int, int], None] | None = None, reserve: int | None = None):
+            progress: Callable[[int, int], None] | None = None, reserve: int | None = None,
+            cancel=None):
     """Prefill ids[cache.offset:] on the grid; returns the last row's logits [vocab].
 
     Chunks [s, e) cut at multiples of the grid cover ids[:-1]; the last token then runs alone
     through the row-exact ops and the LM head. Both are functions of the prompt alone, fresh or
-    resumed. reserve: KV rows to make room for first (default reserve_rows(len(ids)))."""
+    resumed. reserve: KV rows to make room for first (default reserve_rows(len(ids))).
+    cancel: a threading.Event checked before each chunk and before the last token; when set,
+    PrefillCancelled is raised (a chunk under way runs to its end: it is one MLX evaluation)."""
     exact = mode.ops == "kernels"
     # the whole prompt's KV rows at once: growing chunk by chunk re-copies every row already
     # written at each chunk (O(n^2) for a long prompt). No result depends on the capacity
     # (KVCache; tested fresh, resumed, grown, reserved far past the prompt).
     cache.reserve(reserve_rows(len(ids)) if reserve is None else reserve)
     for s, e in grid_chunks(cache.offset, len(ids) - 1, mode.grid):
+        if cancel is not None and cancel.is_set():
+            raise PrefillCancelled
         model.forward(mx.array([ids[s:e]]), cache, exact=exact, logits=False)
         mx.eval(cache.arrays())
         if e % mode.grid == 0 and on_grid_point is not None:
@@ -92,6 +101,8 @@ def prefill(model, cache, ids: list[int], mode: PrefillMode,
     # sdpa picks cuDNN or its vector kernel for one query row from the K/V buffers' state
     # (evaluated or not, buffer size), not their values, so a resumed prompt's last token got
     # other bits than the fresh one (measured on the H200: bench/gpu_diag_prefill.py).
+    if cancel is not None and cancel.is_set():
+        raise PrefillCancelled
     logits = model.forward(mx.array([ids[-1:]]), cache, exact=True, all_logits=True)
     mx.eval(cache.arrays() + [logits])
     if progress is not None:

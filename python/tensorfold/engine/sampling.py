@@ -54,9 +54,16 @@ def _top(x: np.ndarray, m: int) -> np.ndarray:
 
 
 def filtered_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature-scaled float64 logits with filtered-out ids at -inf."""
-    x = logits.astype(np.float64) / p.temperature
-    x = np.where(np.isfinite(x), x, -np.inf)
+    """Temperature-scaled float64 logits with filtered-out ids at -inf.
+
+    Scaled as (logit - max) / T, the largest at 0: with a tiny positive T (1e-310 is valid JSON)
+    logit / T overflowed, the best ids became +inf and then left the candidates. Non-finite
+    logits are out."""
+    x = logits.astype(np.float64)
+    finite = np.isfinite(x)
+    top = np.max(x[finite]) if finite.any() else 0.0
+    with np.errstate(over="ignore"):
+        x = np.where(finite, (x - top) / p.temperature, -np.inf)
     if p.top_k and 0 < p.top_k < x.shape[0]:
         kth = _top(x, p.top_k)[: p.top_k]
         y = np.full_like(x, -np.inf)

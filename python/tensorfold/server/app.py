@@ -26,14 +26,22 @@ _HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404
                422: "invalid_value"}
 
 
+def max_body_default(context_length: int) -> int:
+    """The largest request body read: 16 MiB, or 256 bytes a context token where that is more. A
+    prompt that fills the context as text or as token ids is far smaller; a larger body is refused
+    (413) before it is read, not tokenized on the engine's thread first."""
+    return max(16 << 20, 256 * int(context_length))
+
+
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               defaults: dict | None = None, aliases=()) -> FastAPI:
+               defaults: dict | None = None, aliases=(), max_body: int | None = None) -> FastAPI:
     """Build the app around `engine`: an Engine, an `EngineWorker`, or a zero-argument factory that builds
     the Engine (it then runs on the worker thread, which MLX needs: its streams belong to one thread).
 
     defaults: server-wide request defaults - temperature/top_p/top_k/min_p (override the engine's
     generation_defaults), max_tokens (used when a request gives none) and thinking (enable_thinking used
-    when a request gives none). The app stops the worker on shutdown."""
+    when a request gives none). max_body: the largest request body in bytes (default
+    max_body_default(context)). The app stops the worker on shutdown."""
     worker = engine if isinstance(engine, EngineWorker) else EngineWorker(engine)
     eng = worker.wait_ready()
     name = model_name or eng.model_name
@@ -42,6 +50,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     opts = dict(getattr(eng, "generation_defaults", None) or {})
     opts.update({k: v for k, v in (defaults or {}).items() if v is not None})
     tags = getattr(getattr(eng, "tokenizer", None), "think_tags", None)
+    limit = max_body or max_body_default(ctx)
     created = int(time.time())
 
     @asynccontextmanager
@@ -86,8 +95,30 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise RequestError("Incorrect API key provided." if given else "Missing API key.",
-                               code="invalid_api_key", status=401)
+            if given:
+                msg = "Incorrect API key provided."
+            elif auth:
+                msg = "Malformed Authorization header: expected 'Bearer <key>'."
+            else:
+                msg = "Missing API key: send 'Authorization: Bearer <key>'."
+            raise RequestError(msg, code="invalid_api_key", status=401)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 past `limit` bytes: by its Content-Length before reading,
+        or while reading one sent in chunks."""
+        def too_large():
+            return RequestError(f"Request body is larger than this server's limit of {limit} bytes.",
+                                code="request_too_large", status=413)
+        n = request.headers.get("content-length")
+        if n is not None and n.strip().isdigit() and int(n) > limit:
+            raise too_large()
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large()
+            parts.append(chunk)
+        return b"".join(parts)
 
     def check_model(model) -> None:
         if isinstance(model, str) and model and model not in accepted:
@@ -107,7 +138,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             pass
 
     # -- endpoints ---------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": name, "context_length": ctx,
                 "busy": worker.current is not None, **worker.stats}
@@ -120,6 +151,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request):
         check_key(request)
+        if not model:                           # /v1/models/
+            return {"object": "list", "data": [_model_card()]}
         check_model(model)
         return _model_card()
 
@@ -137,7 +170,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     async def handle(request: Request, kind: str):
         check_key(request)
-        data = parse_json(await request.body())
+        data = parse_json(await read_body(request))
         check_model(data.get("model"))
         req = parse_request(data, kind, context_length=ctx)
         kwargs = dict(max_tokens=req.max_tokens or int(opts.get("max_tokens") or ctx),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..engine.types import SamplingParams
 from ..errors import RequestError
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+ROLES = ("system", "developer", "user", "assistant", "tool")    # the chat template's (tokenizer.VALID_ROLES)
 
 
 @dataclass
@@ -32,6 +32,8 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("Request body is not valid JSON: nested too deeply.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError("Request body must be a JSON object.", code="invalid_json")
     return data
@@ -50,13 +52,19 @@ def _number(d: dict, key: str, *, lo: float | None = None, hi: float | None = No
     v = d.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(key, f"expected a number, got {json.dumps(v)[:40]}.")
+    try:
+        v = float(v)                            # an integer too large for a float raises here
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise _bad(key, "expected a finite number.")
     if lo is not None and (v < lo or (lo_open and v == lo)):
         raise _bad(key, f"must be {'>' if lo_open else '>='} {lo}, got {v}.")
     if hi is not None and v > hi:
         raise _bad(key, f"must be <= {hi}, got {v}.")
-    return float(v)
+    return v
 
 
 def _int(d: dict, key: str) -> int | None:
@@ -70,12 +78,13 @@ def _int(d: dict, key: str) -> int | None:
     return v
 
 
-def _bool(d: dict, key: str, default):
+def _bool(d: dict, key: str, default, param: str | None = None):
+    """param: the name errors give (a nested field's full path)."""
     v = d.get(key)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(key, f"expected a boolean, got {json.dumps(v)[:40]}.")
+        raise _bad(param or key, f"expected a boolean, got {json.dumps(v)[:40]}.")
     return v
 
 
@@ -99,7 +108,7 @@ def _messages(v) -> list:
             raise _bad(f"{p}.role", f"unknown role {role!r} (expected one of {', '.join(ROLES)}).")
         c = m.get("content")
         if c is None:
-            if role != "assistant":             # an assistant turn may carry only tool_calls
+            if role != "assistant" or not m.get("tool_calls"):  # an assistant turn may carry only tool_calls
                 raise _bad(f"{p}.content", "missing.")
         elif isinstance(c, list):
             for j, part in enumerate(c):
@@ -238,12 +247,12 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     if so is not None:
         if not isinstance(so, dict):
             raise _bad("stream_options", "expected an object.")
-        r.include_usage = _bool(so, "include_usage", False)
+        r.include_usage = _bool(so, "include_usage", False, "stream_options.include_usage")
     ctk = data.get("chat_template_kwargs")
     if ctk is not None:
         if not isinstance(ctk, dict):
             raise _bad("chat_template_kwargs", "expected an object.")
-        r.enable_thinking = _bool(ctk, "enable_thinking", None)
+        r.enable_thinking = _bool(ctk, "enable_thinking", None, "chat_template_kwargs.enable_thinking")
     r.draft = _bool(data, "draft", True)
     return r
 
