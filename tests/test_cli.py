@@ -59,6 +59,63 @@ def test_unsupported_checkpoint_is_one_error_line_exit_2(tmp_path):
     assert "mamba9" in _one_line_error(run("info", str(tmp_path)))
 
 
+def test_serve_refuses_bad_flags_before_loading(tmp_path):
+    """Each a one-line error, exit 2, before the model loads: non-finite numbers (--temperature nan
+    made every request a 500), an empty --api-key (it turned a $TENSORFOLD_API_KEY off), an empty
+    --host (it listened on every interface), a --snapshot-dir that is a file, a port in use."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    for args, env, want in [
+            (["--temperature", "nan"], None, "--temperature must be a finite number"),
+            (["--top-p", "nan"], None, "--top-p must be a finite number"),
+            (["--prompt-cache-gib", "inf"], None, "--prompt-cache-gib must be a finite number"),
+            (["--max-request-mib", "0"], None, "--max-request-mib must be positive"),
+            (["--api-key", ""], {"TENSORFOLD_API_KEY": "secret"}, "--api-key must not be empty"),
+            (["--host", ""], None, "--host must not be empty"),
+            (["--snapshot-dir", str(f)], None, "is not a directory"),
+            (["--host", "999.1.1.1"], None, "cannot listen on 999.1.1.1")]:
+        assert want in _one_line_error(run("serve", *args, env=env)), args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        line = _one_line_error(run("serve", "--port", str(port)))
+        assert f"cannot listen on 127.0.0.1:{port}" in line and time.monotonic() - t0 < 30
+
+
+def _serve_error(r):
+    """serve's one error line (after its INFO lines), exit 2, no traceback."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
+
+
+def test_malformed_checkpoint_files_are_one_line_errors(tmp_path):
+    """config.json values of the wrong type, a corrupt tokenizer.json: one line from `info` and
+    `serve`, never a traceback."""
+    from tensorfold.cli import embedded_model_path
+    import json
+    import shutil
+    src = embedded_model_path()
+    cases = {"rope": lambda c: c.update(rope_scaling="linear"),
+             "heads": lambda c: c.update(num_key_value_heads="2"),
+             "maxpos": lambda c: c.update(max_position_embeddings=None, rope_theta="x")}
+    for name, edit in cases.items():
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+        _one_line_error(run("info", str(d)))
+        _serve_error(run("serve", str(d), "--port", "0"))
+    d = tmp_path / "tok"
+    shutil.copytree(src, d)
+    (d / "tokenizer.json").write_text('{"model": 1}')
+    assert "tokenizer" in _serve_error(run("serve", str(d), "--port", "0"))
+
+
 def test_info():
     r = run("info")
     assert r.returncode == 0 and "qwen3" in r.stdout and "4-bit" in r.stdout, r.stderr

@@ -106,6 +106,17 @@ def _copy(src, dst):
     ("missing-tensor", "missing tensor"),
     ("bad-json", "not valid JSON"),
     ("missing-shard", "is missing"),
+    ("model-type-list", "unsupported model_type"),
+    ("kv-heads-string", "'num_key_value_heads' must be a positive integer"),
+    ("head-dim-string", "'head_dim' must be a positive integer"),
+    ("max-position-zero", "'max_position_embeddings' must be a positive integer"),
+    ("rope-theta-null-string", "'rope_theta' must be a positive number"),
+    ("rope-scaling-string", "'rope_scaling' must be an object"),
+    ("linear-rope-no-factor", "needs 'factor'"),
+    ("tie-string", "'tie_word_embeddings' must be true or false"),
+    ("dtype-list", "unsupported dtype"),
+    ("index-map-list", "'weight_map' must map"),
+    ("stray-bias", "o_proj.bias is not used"),
 ])
 def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, message):
     src = checkpoints["qwen3_hf_sharded" if breakage == "missing-shard" else "qwen3_hf_bf16"]
@@ -132,6 +143,30 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         (d / "config.json").write_text("{not json")
     elif breakage == "missing-shard":
         sorted(d.glob("model-*.safetensors"))[-1].unlink()
+    elif breakage == "model-type-list":
+        cfg["model_type"] = ["qwen3"]
+    elif breakage == "kv-heads-string":
+        cfg["num_key_value_heads"] = "2"
+    elif breakage == "head-dim-string":
+        cfg["head_dim"] = "16"
+    elif breakage == "max-position-zero":
+        cfg["max_position_embeddings"] = 0
+    elif breakage == "rope-theta-null-string":
+        cfg["rope_theta"] = "fast"
+    elif breakage == "rope-scaling-string":
+        cfg["rope_scaling"] = "linear"
+    elif breakage == "linear-rope-no-factor":
+        cfg["rope_scaling"] = {"type": "linear"}
+    elif breakage == "tie-string":
+        cfg["tie_word_embeddings"] = "false"
+    elif breakage == "dtype-list":
+        cfg["torch_dtype"] = ["bfloat16"]
+    elif breakage == "index-map-list":
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    elif breakage == "stray-bias":      # a bias the config does not declare: never dropped silently
+        w = mx.load(str(d / "model.safetensors"))
+        w["model.layers.0.self_attn.o_proj.bias"] = mx.ones((cfg["hidden_size"],), mx.bfloat16)
+        mx.save_safetensors(str(d / "model.safetensors"), w)
     if breakage not in ("no-config", "bad-json"):
         (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
@@ -208,3 +243,129 @@ def test_mlx_cuda_qmm_overreads_names_the_short_k_modules(tmp_path):
            "quantization": {"group_size": 64, "bits": 4}}
     v32 = ModelConfig.from_dict(raw, tmp_path)
     assert mlx_cuda_qmm_overreads(v32) == [f"model.layers.{i}.self_attn.embed_q" for i in range(61)]
+
+
+def _with(src, dst, edit_cfg=None, edit_weights=None):
+    """A copy of checkpoint `src` with its config.json and / or its (single-file) weights edited."""
+    d = _copy(src, dst)
+    if edit_cfg is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        edit_cfg(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if edit_weights is not None:
+        f = d / "model.safetensors"
+        w = dict(mx.load(str(f)))
+        edit_weights(w)
+        mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+    return d
+
+
+def _equal_mlx_lm(path, n=29):
+    import mlx_lm
+    ours = load_model(path)
+    ref, _ = mlx_lm.load(str(path))
+    x = mx.array([_prompt(ours.cfg.vocab_size, n, seed=n)])
+    last = ours.forward(x, ours.new_cache(), exact=False)
+    assert mx.array_equal(last, mlx_lm_last_row_logits(ref, x)).item()
+    rows = ours.forward(x, ours.new_cache(), exact=False, all_logits=True)
+    if mx.default_device().type == mx.cpu:
+        assert mx.array_equal(rows, ref(x)[0]).item()
+    return ours, rows
+
+
+@pytest.mark.parametrize("src", ["llama_hf_llama3_rope", "qwen3_mlx_4bit"])
+def test_llama_attention_and_mlp_biases_equal_mlx_lm(checkpoints, tmp_path, src):
+    """llama's attention_bias covers q, k, v and o; its mlp_bias gate, up and down (mlx-lm's
+    llama). An o_proj bias used to be dropped silently (logits off by up to 7 against mlx-lm).
+    The row-exact decode path carries the biases too."""
+    rng = np.random.default_rng(4)
+
+    def cfg(c):
+        c.update(model_type="llama", attention_bias=True, mlp_bias=True)
+        c.pop("head_dim", None) if c.get("head_dim") == c["hidden_size"] // c["num_attention_heads"] else None
+
+    def weights(w):
+        for name in [k[: -len(".weight")] for k in w if k.endswith("_proj.weight")]:
+            rows = w[f"{name}.scales"].shape[0] if f"{name}.scales" in w else w[f"{name}.weight"].shape[0]
+            dt = w[f"{name}.scales"].dtype if f"{name}.scales" in w else w[f"{name}.weight"].dtype
+            w[f"{name}.bias"] = mx.array(rng.normal(size=rows).astype(np.float32) * 0.5).astype(dt)
+        for k in [k for k in w if "q_norm" in k or "k_norm" in k]:
+            del w[k]                                          # qwen3's, not llama's
+
+    d = _with(checkpoints[src], tmp_path / "biased", cfg, weights)
+    ours, rows = _equal_mlx_lm(d)
+    assert ours.layers[0].o.bias is not None and ours.layers[0].down.bias is not None
+    ids = _prompt(ours.cfg.vocab_size, 29, seed=29)
+    c = ours.new_cache()
+    ours.forward(mx.array([ids[:20]]), c, exact=False, logits=False)
+    b = ours.forward(mx.array([ids[20:]]), c, exact=True, all_logits=True).astype(mx.float32)
+    a = rows[20:].astype(mx.float32)
+    assert mx.abs(a - b).max().item() / mx.abs(a).max().item() < 0.05
+    # without the biases the logits are far off: the test would catch them dropped
+    bare = _with(checkpoints[src], tmp_path / "bare", cfg, lambda w: [w.pop(k) for k in
+                 [k for k in w if "q_norm" in k or "k_norm" in k]])
+    json_ = json.loads((bare / "config.json").read_text())
+    json_.update(attention_bias=False, mlp_bias=False)
+    (bare / "config.json").write_text(json.dumps(json_))
+    x = mx.array([ids])
+    far = load_model(bare).forward(x, load_model(bare).new_cache(), exact=False, all_logits=True)
+    assert mx.abs(far.astype(mx.float32) - rows.astype(mx.float32)).max().item() > 0.1
+
+
+@pytest.mark.parametrize("src", ["llama_hf_llama3_rope", "qwen2_mlx_4bit_tied"])
+def test_tie_word_embeddings_absent_follows_the_weights(checkpoints, tmp_path, src):
+    """Where config.json does not say, the head is tied exactly when there is no lm_head.weight:
+    mlx-lm ties those (its llama / qwen2 default), and a checkpoint that has an lm_head uses it."""
+    def no_key(c):
+        c.pop("tie_word_embeddings", None)
+
+    def no_head(w):
+        for k in [k for k in w if k.startswith("lm_head.")]:
+            del w[k]
+    tied = _with(checkpoints[src], tmp_path / "tied", no_key, no_head)
+    ours, _ = _equal_mlx_lm(tied)
+    assert ours.cfg.tie_embeddings and ours.lm_head is ours.embed
+    if src == "llama_hf_llama3_rope":          # has an lm_head: kept, untied
+        kept = _with(checkpoints[src], tmp_path / "kept", no_key)
+        m = load_model(kept)
+        assert not m.cfg.tie_embeddings and m.lm_head is not m.embed
+
+
+def test_mixed_recipe_null_group_sizes_load_as_mlx_lm_does(checkpoints, tmp_path):
+    """mlx-lm's mixed recipes (convert --quant-predicate mixed_3_6) write each layer's entry as
+    {"group_size": null, "bits": b, "mode": "affine"}: null is MLX affine's default group, 64."""
+    def cfg(c):
+        for key in ("quantization", "quantization_config"):
+            q = c.get(key)
+            if isinstance(q, dict):
+                for v in q.values():
+                    if isinstance(v, dict) and v.get("group_size") == 64:
+                        v.update(group_size=None, mode="affine")
+    d = _with(checkpoints["qwen3_mlx_mixed"], tmp_path / "nulls", cfg)
+    q = json.loads((d / "config.json").read_text())["quantization"]
+    assert q["model.layers.0.mlp.down_proj"]["group_size"] is None
+    ours, _ = _equal_mlx_lm(d)
+    assert ours.cfg.quant_for("model.layers.0.mlp.down_proj") == (64, 8)
+    bad = _with(checkpoints["qwen3_mlx_mixed"], tmp_path / "mx", lambda c: c["quantization"][
+        "model.layers.0.mlp.down_proj"].update(mode="mxfp4"))
+    with pytest.raises(CheckpointError, match="mode 'mxfp4' for model.layers.0.mlp.down_proj"):
+        load_model(bad)
+
+
+def test_info_leaves_modules_nn_quantize_skips_unquantized(tmp_path):
+    """mlx-lm's convert quantizes a module only where its input width is a multiple of the group
+    size (nn.quantize's rule) and writes no entry for the others: `info` reports them as float."""
+    from tensorfold.models.config import ModelConfig
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 1, "intermediate_size": 256, "vocab_size": 512,
+        "tie_word_embeddings": False, "quantization": {"group_size": 128, "bits": 4}}))
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.quant_for("model.layers.0.self_attn.q_proj") is None          # K = 64
+    assert cfg.quant_for("model.layers.0.mlp.down_proj") == (128, 4)         # K = 256
+    rows = dict((line[:30].strip(), line[30:].strip())
+                for line in describe(d).splitlines())
+    assert rows["weights: attention"] == "bfloat16"
+    assert rows["weights: mlp"] == "4-bit/g128, bfloat16"                     # down; gate / up

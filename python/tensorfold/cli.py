@@ -153,8 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
 # -- commands --------------------------------------------------------------------------------------
 
 def _check_serve_args(a) -> None:
+    import math
+    for flag in ("temperature", "top_p", "min_p", "prompt_cache_gib", "max_request_mib"):
+        v = getattr(a, flag)
+        if v is not None and not math.isfinite(v):
+            raise CliError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port must be between 0 and 65535, got {a.port}")
+    if not a.host.strip():
+        raise CliError("--host must not be empty (use 0.0.0.0 to listen on every interface)")
+    if a.api_key is not None and not a.api_key.strip():
+        raise CliError("--api-key must not be empty (leave it out to serve without a key)")
     if a.context is not None and a.context < 1:
         raise CliError(f"--context must be positive, got {a.context}")
     if a.max_tokens is not None and a.max_tokens < 1:
@@ -173,6 +182,29 @@ def _check_serve_args(a) -> None:
         raise CliError(f"--prompt-cache-gib must be >= 0, got {a.prompt_cache_gib}")
     if a.drafter is not None and not Path(a.drafter).expanduser().is_dir():
         raise CliError(f"no such drafter directory: {a.drafter}")
+    snap = a.snapshot_dir
+    if snap is not None and snap.lower() != "none" and Path(snap).expanduser().exists() \
+            and not Path(snap).expanduser().is_dir():
+        raise CliError(f"--snapshot-dir {snap} exists and is not a directory")
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind the address once before the model loads (minutes for a large one), so that a port in
+    use or an address this host does not have is a one-line error at once."""
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e}") from None
+    fam, typ, proto, _, addr = infos[0]
+    with socket.socket(fam, typ, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _setup_logging(level: str) -> None:
@@ -185,6 +217,7 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(a) -> int:
     _check_serve_args(a)
+    _check_listen(a.host, a.port)
     _setup_logging(a.log_level)
     from .kernels import _kcache
     ptx = _kcache.lasting_mlx_dir()          # before anything runs on the GPU (MLX reads it once)
@@ -218,8 +251,13 @@ def cmd_serve(a) -> int:
     worker = EngineWorker(build)
     try:
         eng = worker.wait_ready()
-    except (OSError, ValueError) as e:
-        raise CliError(f"cannot load {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - one line, whatever the checkpoint did
+        worker.stop()       # join the thread first: exiting under it can abort inside MLX
+        from .errors import TensorFoldError
+        if isinstance(e, TensorFoldError):
+            raise
+        what = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+        raise CliError(f"cannot load {path}: {what}") from None
     api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY") or None
     defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     max_tokens=a.max_tokens, thinking=a.thinking)
@@ -238,8 +276,15 @@ def cmd_serve(a) -> int:
 
 def cmd_info(a) -> int:
     path, _ = resolve_model(a.path)
+    from .errors import TensorFoldError
     from .models.info import describe
-    print(describe(path))
+    try:
+        text = describe(path)
+    except TensorFoldError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line, whatever config.json holds
+        raise CliError(f"cannot describe {path}: {type(e).__name__}: {e}") from None
+    print(text)
     return 0
 
 

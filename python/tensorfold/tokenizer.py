@@ -189,7 +189,10 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        tok = _HFTokenizer.from_file(str(tj))
+        try:
+            tok = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise ValueError(f"{tj}: cannot read the tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
         tcfg = _read_json(path / "tokenizer_config.json")
         gcfg = _read_json(path / "generation_config.json")
         mcfg = _read_json(path / "config.json")

@@ -87,7 +87,9 @@ class Engine:
         if f.is_file():
             try:
                 g = json.loads(f.read_text())
-            except ValueError:
+            except (OSError, ValueError):
+                g = {}
+            if not isinstance(g, dict):
                 g = {}
             for k in ("temperature", "top_p", "top_k", "min_p"):
                 if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool):

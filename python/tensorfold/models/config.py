@@ -17,6 +17,37 @@ SUPPORTED_GROUPS = {32, 64, 128}
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def _quant_entry(e: dict) -> tuple:
+    """(group_size, bits) of a quantization entry; null or absent values are MLX affine's defaults
+    (64, 4), as nn.quantize reads them (mlx-lm's mixed recipes write "group_size": null)."""
+    gs, bits = e.get("group_size"), e.get("bits")
+    return (64 if gs is None else gs), (4 if bits is None else bits)
+
+
+def checkpoint_has(path: Path, name: str) -> bool:
+    """Whether the checkpoint at `path` stores tensor `name`: from the index's weight_map, else from
+    the safetensors headers (8-byte length + JSON; no tensor data read). False where unreadable."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            wmap = json.loads(index.read_text()).get("weight_map")
+            return isinstance(wmap, dict) and name in wmap
+        for f in sorted(path.glob("*.safetensors")):
+            if not f.is_file():
+                continue
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 0 < n < 1 << 28:
+                    continue
+                header = json.loads(fh.read(n))
+            if isinstance(header, dict) and name in header:
+                return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return False
+
+
 @dataclass
 class ModelConfig:
     path: Path
@@ -33,11 +64,12 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position: int
     tie_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool               # q/k/v (and, for llama, o) projections carry a bias
     qk_norm: bool
     dtype: str
     quantization: dict | None          # {"group_size", "bits", <module path>: {...} | False}
     raw: dict = field(repr=False, default_factory=dict)
+    mlp_bias: bool = False             # llama's mlp_bias: gate/up/down carry a bias
     # MoE (qwen3_moe); num_experts == 0 for dense families
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -97,7 +129,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, path: Path) -> "ModelConfig":
         mt = raw.get("model_type")
-        if mt not in FAMILIES:
+        if not isinstance(mt, str) or mt not in FAMILIES:
             raise CheckpointError(
                 f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
 
@@ -109,15 +141,45 @@ class ModelConfig:
                 raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
             return v
 
+        def opt_int(key, default):
+            """A positive integer where given (null or absent: the default)."""
+            v = raw.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
+            return v
+
+        def opt_num(key, default, d=raw):
+            """A finite positive number where given (null or absent: the default)."""
+            v = d.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                raise CheckpointError(f"config.json: {key!r} must be a positive number, got {v!r}")
+            return float(v)
+
+        def opt_bool(key, default):
+            v = raw.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise CheckpointError(f"config.json: {key!r} must be true or false, got {v!r}")
+            return v
+
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
+        kv_heads = opt_int("num_key_value_heads", heads)
         if heads % kv_heads:
             raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        head_dim = raw.get("head_dim") or hidden // heads
+        head_dim = opt_int("head_dim", hidden // heads)
         rope_params = raw.get("rope_parameters") or {}
-        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if not isinstance(rope_params, dict):
+            raise CheckpointError(f"config.json: 'rope_parameters' must be an object, got {rope_params!r}")
+        rope_theta = opt_num("rope_theta", opt_num("rope_theta", 10000.0, rope_params))
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
         if rope_scaling and mt in DSA_FAMILIES:
             rope_scaling = cls._dsa_rope_scaling(rope_scaling)
         elif rope_scaling:
@@ -126,8 +188,14 @@ class ModelConfig:
                 raise CheckpointError(f"unsupported rope_scaling type {rtype!r}")
             if rtype == "default":
                 rope_scaling = None
+            else:
+                if opt_num("factor", None, rope_scaling) is None:
+                    raise CheckpointError(f"config.json: rope_scaling of type {rtype!r} needs 'factor'")
+                if rtype == "llama3":
+                    for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                        opt_num(k, None, rope_scaling)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"unsupported dtype {dtype!r}")
         quant = raw.get("quantization")
         if quant is not None:
@@ -141,12 +209,24 @@ class ModelConfig:
             path=path, family=family, hidden_size=hidden, num_layers=need("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling, max_position=int(raw.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", family != "llama" and False)),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            rms_norm_eps=opt_num("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+            rope_scaling=rope_scaling, max_position=opt_int("max_position_embeddings", 4096),
+            tie_embeddings=cls._tied(raw.get("tie_word_embeddings"), path),
+            attention_bias=family == "qwen2" or opt_bool("attention_bias", False),
+            mlp_bias=family == "llama" and opt_bool("mlp_bias", False),
             qk_norm=family in ("qwen3", "qwen3_moe"), dtype=dtype, quantization=quant, raw=raw,
             **moe)
+
+    @staticmethod
+    def _tied(v, path: Path) -> bool:
+        """tie_word_embeddings: as given (a boolean); where config.json does not say, tied exactly
+        when the checkpoint has no lm_head.weight (mlx-lm's llama / qwen2 default is tied, Hugging
+        Face's llama default untied: each agrees with the weights it would load)."""
+        if v is None:
+            return not checkpoint_has(path, "lm_head.weight")
+        if not isinstance(v, bool):
+            raise CheckpointError(f"config.json: 'tie_word_embeddings' must be true or false, got {v!r}")
+        return v
 
     @staticmethod
     def _moe_fields(raw: dict, need, hidden: int) -> dict:
@@ -245,19 +325,23 @@ class ModelConfig:
     def _check_quant(q):
         if not isinstance(q, dict):
             raise CheckpointError("config.json: 'quantization' must be an object")
-        mode = q.get("mode", "affine")
-        if mode != "affine":
-            raise CheckpointError(f"unsupported quantization mode {mode!r} (only MLX affine)")
         entries = [("default", q)] + [(k, v) for k, v in q.items() if isinstance(v, dict)]
         for name, e in entries:
-            bits, gs = e.get("bits"), e.get("group_size")
+            mode = e.get("mode") or "affine"
+            if mode != "affine":
+                raise CheckpointError(f"unsupported quantization mode {mode!r} for {name} (only MLX affine)")
+            gs, bits = _quant_entry(e)
             if bits not in SUPPORTED_BITS:
                 raise CheckpointError(f"unsupported quantization bits {bits!r} for {name}")
             if gs not in SUPPORTED_GROUPS:
                 raise CheckpointError(f"unsupported quantization group_size {gs!r} for {name}")
 
     def quant_for(self, module: str):
-        """(group_size, bits) for a module path like 'model.layers.0.mlp.down_proj', or None."""
+        """(group_size, bits) for a module path like 'model.layers.0.mlp.down_proj', or None.
+
+        A module without an entry of its own is quantized with the top-level settings where MLX's
+        nn.quantize would have quantized it (mlx-lm's convert): its input width a multiple of the
+        group size. The loader goes by the tensors (a module with scales is quantized)."""
         q = self.quantization
         if not q:
             return None
@@ -267,8 +351,20 @@ class ModelConfig:
         if own is False:
             return None
         if isinstance(own, dict):
-            return own["group_size"], own["bits"]
-        return q["group_size"], q["bits"]
+            gs, bits = _quant_entry(own)
+            return gs, bits
+        gs, bits = _quant_entry(q)
+        in_dim = self._in_dims().get(module)
+        if in_dim is not None and in_dim % gs:
+            return None
+        return gs, bits
+
+    def _in_dims(self) -> dict[str, int]:
+        d = self.__dict__.get("_in_dims_cache")
+        if d is None:
+            d = {name: shape[-1] for name, shape in self._matrices().items()}
+            self.__dict__["_in_dims_cache"] = d
+        return d
 
     # ---- module inventory (shapes as stored before quantization) -------------------------
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -371,6 +467,11 @@ class ModelConfig:
             return n
         if self.attention_bias:
             n += self.num_layers * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            if self.family == "llama":      # o_proj too
+                n += self.num_layers * self.hidden_size
+        if self.mlp_bias:
+            n += sum(2 * self.intermediate_size + self.hidden_size
+                     for i in range(self.num_layers) if not self.moe_layer(i))
         if self.qk_norm:
             n += self.num_layers * 2 * self.head_dim
         return n

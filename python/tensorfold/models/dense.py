@@ -95,12 +95,14 @@ class Layer:
         self.q = take_linear(cfg, w, f"{p}.self_attn.q_proj", bias=bias)
         self.k = take_linear(cfg, w, f"{p}.self_attn.k_proj", bias=bias)
         self.v = take_linear(cfg, w, f"{p}.self_attn.v_proj", bias=bias)
-        self.o = take_linear(cfg, w, f"{p}.self_attn.o_proj")
+        # llama's attention_bias covers o_proj too (mlx-lm's llama); qwen2's o_proj has none
+        self.o = take_linear(cfg, w, f"{p}.self_attn.o_proj", bias=bias and cfg.family == "llama")
         self.gate = self.up = self.down = None     # dense_mlp=False: a family's own MLP (moe.py)
         if dense_mlp:
-            self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj")
-            self.up = take_linear(cfg, w, f"{p}.mlp.up_proj")
-            self.down = take_linear(cfg, w, f"{p}.mlp.down_proj")
+            mb = cfg.mlp_bias
+            self.gate = take_linear(cfg, w, f"{p}.mlp.gate_proj", bias=mb)
+            self.up = take_linear(cfg, w, f"{p}.mlp.up_proj", bias=mb)
+            self.down = take_linear(cfg, w, f"{p}.mlp.down_proj", bias=mb)
         # decode: q/k/v in one row-exact launch, gate/up in one (q, k, v, gate, up become row
         # views of the fused weights; prefill runs MLX's ops on those views, bits unchanged)
         self.qkv = fuse_linears(w, [f"{p}.self_attn.{n}_proj" for n in "qkv"], [self.q, self.k, self.v])

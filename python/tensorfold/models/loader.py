@@ -16,11 +16,14 @@ def weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             wmap = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
         files = sorted({path / f for f in wmap.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
+    else:   # mlx-lm's pattern (an adapter or a stray copy next to the weights is not merged in)
+        files = sorted(f for f in path.glob("model*.safetensors") if f.is_file()) or \
+            sorted(f for f in path.glob("*.safetensors") if f.is_file())
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
     for f in files:
@@ -93,9 +96,12 @@ def take_linear(cfg: ModelConfig, weights: dict, name: str, *, bias: bool = Fals
     w = weights.get(f"{name}.weight")
     if w is None:
         raise CheckpointError(f"{cfg.path}: missing tensor {name}.weight")
-    b = weights.get(f"{name}.bias") if bias else None
+    b = weights.get(f"{name}.bias")
     if bias and b is None:
         raise CheckpointError(f"{cfg.path}: missing tensor {name}.bias")
+    if b is not None and not bias:    # never dropped silently: the outputs would be wrong
+        raise CheckpointError(f"{cfg.path}: {name}.bias is not used by this family's config "
+                              f"({cfg.family}: attention_bias {cfg.attention_bias}, mlp_bias {cfg.mlp_bias})")
     if b is not None and tuple(b.shape) != (out_dim,):
         raise CheckpointError(f"{cfg.path}: {name}.bias has shape {tuple(b.shape)}, expected {(out_dim,)}")
     scales = weights.get(f"{name}.scales")
@@ -118,7 +124,15 @@ def take_linear(cfg: ModelConfig, weights: dict, name: str, *, bias: bool = Fals
         raise CheckpointError(
             f"{cfg.path}: {name} does not match {bits}-bit group-{gs} quantization of a "
             f"{out_dim}x{in_dim} weight (weight {tuple(w.shape)} {w.dtype}, scales {tuple(scales.shape)})")
+    check_scales(cfg, name, scales, biases)
     return Linear(w, scales, biases, bias=b, group_size=gs, bits=bits, shape=(out_dim, in_dim))
+
+
+def check_scales(cfg: ModelConfig, name: str, scales, biases) -> None:
+    """Quantization scales and biases: one float dtype (what MLX's ops and ours read)."""
+    if scales.dtype not in (mx.bfloat16, mx.float16, mx.float32) or biases.dtype != scales.dtype:
+        raise CheckpointError(f"{cfg.path}: {name} has scales {scales.dtype} and biases {biases.dtype}; "
+                              "expected one of bfloat16, float16, float32 for both")
 
 
 def fuse_linears(weights: dict, names: list[str], lins: list[Linear]) -> Linear | None:

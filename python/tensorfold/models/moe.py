@@ -33,7 +33,7 @@ from ..errors import CheckpointError
 from .bounded import BoundedPrefill
 from .config import ModelConfig
 from .dense import DenseModel, Layer, swiglu
-from .loader import Linear, take_linear
+from .loader import Linear, check_scales, take_linear
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -159,6 +159,7 @@ def take_experts(cfg: ModelConfig, w: dict, layer: int, proj: str) -> Experts:
             f"{cfg.path}: {name} does not match {bits}-bit group-{gs} quantization of {E} experts "
             f"{out_dim}x{in_dim} (weight {tuple(weight.shape)} {weight.dtype}, scales "
             f"{tuple(scales.shape) if scales is not None else None})")
+    check_scales(cfg, name, scales, biases)
     return Experts(weight, scales, biases, group_size=gs, bits=bits, shape=(E, out_dim, in_dim))
 
 
