@@ -191,9 +191,16 @@ def _corrupt(f, how):
         f.write_bytes(bytes(data[:8]) + new + bytes(data[8 + n:]))
     elif how == "garbage":
         f.write_bytes(b"not a safetensors file")
+    elif how in ("shape", "offsets"):   # one bit: ',' (0x2C) -> '.' (0x2E) in a list of the header
+        n = int.from_bytes(data[:8], "little")
+        head = bytes(data[8: 8 + n])
+        at = head.index(b'"shape":[1,' if how == "shape" else b'"data_offsets":[0,') + len(
+            b'"shape":[1' if how == "shape" else b'"data_offsets":[0')
+        data[8 + at] ^= 0x02
+        f.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip", "format", "key", "garbage"])
+@pytest.mark.parametrize("how", ["truncate", "flip", "format", "key", "garbage", "shape", "offsets"])
 def test_corrupted_snapshot_is_ignored_and_answer_unchanged(model_path, tmp_path, how, caplog):
     snap = tmp_path / "snaps"
     msgs = _prime(model_path, snap)
@@ -327,3 +334,132 @@ def test_cancel_during_prefill_stops_at_the_next_chunk_and_keeps_its_grid_point(
     assert st.cached_tokens == 2 * GRID
     assert (text, ids) == Engine(model_path, prefill_mode=mode, drafts=False).generate_text(
         messages=msgs, max_tokens=8, sampling=P)[:2]
+
+
+
+def test_snapshot_header_bit_flips_are_ignored(tmp_path):
+    """Every 5th bit of a snapshot's header flipped, one at a time: the store either ignores the
+    file or reads back exactly the tensors written (a flip in a field nothing reads). Before, some
+    flips raised TypeError / IndexError out of the scan or the read (a server that would not start,
+    or a 500 on every request sharing the prefix)."""
+    from tensorfold.cache.disk import read_tensors
+    good = tmp_path / "good"
+    kv = [(mx.array(np.random.default_rng(i).normal(size=(1, 2, 32, 8)).astype(np.float32)),
+           mx.array(np.random.default_rng(i + 9).normal(size=(1, 2, 32, 8)).astype(np.float32)))
+          for i in range(2)]
+    f = DiskStore(good).save("k" * 32, list(range(32)), kv)
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    want = [np.array(a) for pair in kv for a in pair]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    g = bad / f.name
+    kept = 0
+    for bit in range(0, 8 * n, 5):
+        flipped = bytearray(data)
+        flipped[8 + bit // 8] ^= 1 << (bit % 8)
+        g.write_bytes(bytes(flipped))
+        store = DiskStore(bad)
+        for e in store.entries:
+            try:
+                got = read_tensors(e)
+            except ValueError:
+                continue
+            assert [a for pair in got for a in pair[:2]] and all(
+                np.array_equal(a, b) for a, b in zip([a for pair in got for a in pair[:2]], want))
+            kept += 1
+    assert 0 < kept < 8 * n // 5
+
+
+def test_same_shapes_other_weights_do_not_share_snapshots(tmp_path):
+    """Two checkpoints of one config whose weights differ only in the middle of a file (a
+    fine-tune of one layer): the keys differ, so the second never resumes from the first's
+    snapshots. The key used to hash each file's header and first and last 64 KiB only."""
+    import shutil
+    from tensorfold.cli import embedded_model_path
+    a = tmp_path / "a"
+    shutil.copytree(embedded_model_path(), a)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    w = b / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    mid = len(data) // 2
+    data[mid: mid + 64] = bytes(x ^ 0x01 for x in data[mid: mid + 64])
+    w.write_bytes(bytes(data))
+    snap = tmp_path / "snaps"
+    mode = PrefillMode(grid=GRID, ops="kernels")
+    msgs = [{"role": "user", "content": _words(40, 2)}]
+    ea = Engine(a, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    ea.generate_text(messages=msgs, max_tokens=2, sampling=P)
+    ea.disk.flush()
+    eb = Engine(b, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    assert eb.cache_key != ea.cache_key
+    assert eb.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens == 0
+    # the same weights again: the hash comes from the memo, and the snapshot is found
+    again = Engine(a, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    assert again.cache_key == ea.cache_key
+    assert again.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens > 0
+
+
+def test_disk_store_failures_lose_nothing_saved(tmp_path, monkeypatch, caplog):
+    """A store opened on the same directory leaves a live process's temporary file alone (it
+    used to delete the first server's write under way); a failed write leaves no partial file;
+    the background writer survives any error and writes the next snapshot."""
+    import os
+    from tensorfold.cache import disk as disk_mod
+    d = tmp_path / "snaps"
+    d.mkdir()
+    live = d / f".tmp-{os.getpid()}-1-x.safetensors"
+    dead = d / ".tmp-999999999-1-y.safetensors"
+    live.write_bytes(b"in progress")
+    dead.write_bytes(b"left by a dead process")
+    store = DiskStore(d)
+    assert live.exists() and not dead.exists()
+    live.unlink()
+    kv = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
+
+    def full(_fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(disk_mod.os, "fsync", full)
+    with pytest.raises(OSError):
+        store.save("k" * 32, list(range(16)), kv)
+    assert list(d.iterdir()) == []
+    monkeypatch.undo()
+    real, calls = DiskStore._write, []
+
+    def once(self, *a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a file changed under the writer")
+        return real(self, *a)
+    monkeypatch.setattr(DiskStore, "_write", once)
+    store.save_async("k" * 32, list(range(16)), kv)
+    store.save_async("k" * 32, list(range(32)), [(mx.ones((1, 1, 32, 8)), mx.ones((1, 1, 32, 8)))])
+    store.flush(timeout=30)
+    assert len(calls) == 2 and [len(e.tokens) for e in store.entries] == [32]
+    assert "could not write a snapshot" in caplog.text
+
+
+def test_unusable_snapshot_dir_and_tiny_memory_budget(model_path, tmp_path, caplog):
+    """A snapshot directory that cannot be made: the engine serves with memory snapshots and one
+    warning (it refused to start). A memory budget smaller than one snapshot: a request still
+    resumes from the disk snapshot (it used to read and drop it, and lose the memory hit too), and
+    the warm-up keeps nothing past the budget."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=f / "snaps", drafts=False)
+    assert eng.disk is None and "unusable" in caplog.text
+    assert eng.generate_text(messages=[{"role": "user", "content": "hi"}], max_tokens=2, sampling=P)[1]
+    snap = tmp_path / "snaps"
+    system = {"role": "system", "content": _words(60, 1)}
+    msgs = [system, {"role": "user", "content": _words(40, 3)}]
+    _prime(model_path, snap, msgs=msgs)
+    tiny = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False,
+                  prompt_cache_gib=1e-9)
+    tiny.warm_up_async().join(timeout=60)
+    assert tiny._warm == {}
+    text, ids, st = tiny.generate_text(messages=msgs, max_tokens=6, sampling=P)
+    assert st.cached_tokens > 0 and len(tiny.snapshots) == 0
+    fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        messages=msgs, max_tokens=6, sampling=P)
+    assert (text, ids) == fresh[:2]

@@ -160,6 +160,11 @@ def test_chat_stream_equals_non_stream(srv):
     assert usage.choices == [] and usage.usage.completion_tokens == full.usage.completion_tokens
     assert usage.usage.prompt_tokens == full.usage.prompt_tokens
     assert usage.model_extra["tensorfold"]["token_hash"] == full.model_extra["tensorfold"]["token_hash"]
+    raw = srv.post("/v1/chat/completions", {"messages": USER, "max_tokens": 4, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+    events = [json.loads(e[len("data: "):]) for e in raw.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert all("usage" in e for e in events) and [e["usage"] is None for e in events][:-1] == \
+        [True] * (len(events) - 1) and events[-1]["usage"]["completion_tokens"] > 0   # as OpenAI streams
     # without include_usage: no usage chunk
     chunks = list(srv.chat(max_tokens=16, stream=True))
     assert all(ch.usage is None for ch in chunks) and chunks[-1].choices[0].finish_reason

@@ -63,12 +63,41 @@ def _checksum(arrays: list[np.ndarray]) -> str:
     return h.hexdigest()
 
 
+def _check_layout(header, tokens: int) -> int:
+    """Validate a snapshot header's tensors (a flipped bit in the JSON must be an error here, not a
+    TypeError later): k.0, v.0, ... k.{L-1}, v.{L-1}, each a known dtype, a shape of non-negative
+    integers whose sequence axis (-2) holds `tokens`, and data offsets that hold exactly that shape,
+    laid end to end from 0. Returns L; raises ValueError."""
+    if not isinstance(header, dict):
+        raise ValueError("header is not an object")
+    names = [k for k in header if k != "__metadata__"]
+    L = len(names) // 2
+    if not L or sorted(names) != sorted(f"{c}.{i}" for i in range(L) for c in "kv"):
+        raise ValueError("tensor names are not k.0, v.0, ... k.L-1, v.L-1")
+    end = 0
+    for i in range(L):
+        for name in (f"k.{i}", f"v.{i}"):
+            info = header[name]
+            if not isinstance(info, dict) or info.get("dtype") not in _NP:
+                raise ValueError(f"{name}: bad dtype")
+            shape, offs = info.get("shape"), info.get("data_offsets")
+            if not (isinstance(shape, list) and len(shape) >= 2 and
+                    all(type(d) is int and d >= 0 for d in shape) and shape[-2] == tokens):
+                raise ValueError(f"{name}: bad shape {shape!r}")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                    and offs[0] == end and offs[1] - offs[0] ==
+                    int(np.prod(shape)) * np.dtype(_NP[info["dtype"]]).itemsize):
+                raise ValueError(f"{name}: bad data offsets {offs!r}")
+            end = offs[1]
+    return L
+
+
 def read_tensors(entry: DiskEntry) -> list[tuple[np.ndarray, np.ndarray, str]]:
     """Read and verify a snapshot's tensors with numpy (no MLX: safe off the engine thread).
     Returns [(k, v, dtype tag)] per layer; raises ValueError when the file is not intact."""
     header, base = _read_header(entry.path)
     size = entry.path.stat().st_size
-    layers = sorted({int(k.split(".")[1]) for k in header if k.startswith("k.")})
+    layers = range(_check_layout(header, len(entry.tokens)))
     out, flat = [], []
     with open(entry.path, "rb") as fh:
         data = fh.read()
@@ -101,6 +130,16 @@ def to_mlx(tensors) -> list[tuple[mx.array, mx.array]]:
     return kv
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:         # exists, another user's
+        return True
+    return True
+
+
 class DiskStore:
     def __init__(self, directory, max_bytes: int = 8 << 30):
         self.dir = Path(directory).expanduser()
@@ -118,8 +157,13 @@ class DiskStore:
         entries = []
         for f in self.dir.iterdir():
             if f.name.startswith(".tmp-"):
+                # an interrupted write is never reused; one a live process (this one included:
+                # two engines may share a directory) is writing is left to it
+                pid = f.name.split("-")[1]
+                if pid.isdigit() and _pid_alive(int(pid)):
+                    continue
                 try:
-                    f.unlink()        # an interrupted write: never reused
+                    f.unlink()
                 except OSError:
                     pass
                 continue
@@ -127,8 +171,8 @@ class DiskStore:
                 continue
             try:
                 entries.append(self._entry(f))
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("ignoring snapshot %s: %s", f.name, e)
+            except Exception as e:  # noqa: BLE001 - a damaged header is ignored, whatever it holds
+                log.warning("ignoring snapshot %s: %s: %s", f.name, type(e).__name__, e)
         with self._lock:
             self.entries = sorted(entries, key=lambda e: e.created)
 
@@ -142,8 +186,9 @@ class DiskStore:
             raise ValueError("token count mismatch")
         if hashlib.sha256(toks.astype(np.int32).tobytes()).hexdigest() != meta["token_hash"]:
             raise ValueError("token hash mismatch")
+        L = _check_layout(header, len(toks))
         size = f.stat().st_size
-        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        end = header[f"v.{L - 1}"]["data_offsets"][1]
         if base + end != size:
             raise ValueError(f"size {size} != expected {base + end} (truncated?)")
         return DiskEntry(f, meta["key"], toks, size, float(meta["created"]), meta.get("pinned") == "1",
@@ -178,12 +223,14 @@ class DiskStore:
         """Copy the arrays out of MLX here, write the file in the background writer."""
         job = self._job(key, tokens, kv, pinned)
         with self._lock:
-            if self._writer is None:
+            if self._writer is None or not self._writer.is_alive():
                 self._queue = queue.Queue()
                 self._writer = threading.Thread(target=self._drain, name="tensorfold-snapshot-writer",
                                                 daemon=True)
                 self._writer.start()
-                atexit.register(self.flush)
+                if not getattr(self, "_atexit", False):
+                    atexit.register(self.flush)
+                    self._atexit = True
             self._pending += 1
         self._queue.put(job)
 
@@ -192,8 +239,8 @@ class DiskStore:
             job = self._queue.get()
             try:
                 self._write(*job)
-            except OSError as e:
-                log.warning("could not write a snapshot to %s: %s", self.dir, e)
+            except Exception as e:  # noqa: BLE001 - the writer lives on; the next snapshot is written
+                log.warning("could not write a snapshot to %s: %s: %s", self.dir, type(e).__name__, e)
             finally:
                 with self._lock:
                     self._pending -= 1
@@ -220,14 +267,18 @@ class DiskStore:
         name = f"{key[:12]}-{th[:16]}-{len(toks)}.safetensors"
         final = self.dir / name
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
-        with open(tmp, "wb") as fh:
-            fh.write(struct.pack("<Q", len(head)))
-            fh.write(head)
-            for a in flat:
-                fh.write(np.ascontiguousarray(a).tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(struct.pack("<Q", len(head)))
+                fh.write(head)
+                for a in flat:
+                    fh.write(np.ascontiguousarray(a).tobytes())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)     # a full disk keeps no partial file
+            raise
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)

@@ -56,9 +56,18 @@ class Engine:
         self.thinking = thinking
         self.mode = prefill_mode
         self.draft_width = draft_width
-        self.cache_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)
         self.snapshots = SnapshotStore(int(prompt_cache_gib * 2**30))
-        self.disk = DiskStore(snapshot_dir, int(snapshot_gib * 2**30)) if snapshot_dir else None
+        self.disk = None
+        if snapshot_dir:
+            try:
+                self.disk = DiskStore(snapshot_dir, int(snapshot_gib * 2**30))
+            except OSError as e:    # a directory that cannot be made or listed: serve without it
+                log.warning("snapshot directory %s is unusable (%s): prompt-cache snapshots stay in "
+                            "memory only", snapshot_dir, e)
+        # snapshots on disk are keyed by the weights' whole bytes (another checkpoint of the same
+        # shapes must not resume from them); in memory only, a sample of them is enough
+        self.cache_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key,
+                                   whole=self.disk is not None)
         self._warm: dict = {}          # disk path -> tensors read by the warm-up thread
         self._warm_thread = None
         self.generation_defaults = self._read_generation_defaults()
@@ -139,16 +148,16 @@ class Engine:
                     break
                 try:
                     tensors = self._warm.pop(d.path, None) or read_tensors(d)
-                except (OSError, ValueError, KeyError) as e:
-                    log.warning("ignoring snapshot %s: %s", d.path.name, e)
+                    kv = to_mlx(tensors)
+                    if len(kv) != self.model.cfg.num_layers:
+                        raise ValueError(f"{len(kv)} layers, the model has {self.model.cfg.num_layers}")
+                except Exception as e:  # noqa: BLE001 - a damaged file is ignored, whatever it holds
+                    log.warning("ignoring snapshot %s: %s: %s", d.path.name, type(e).__name__, e)
                     self.disk.drop(d)
                     continue
-                entry = self.snapshots.add(self.cache_key, d.tokens, to_mlx(tensors), pinned=d.pinned,
-                                           source="disk")
-                if entry is None:
-                    continue
-                g = gd
-                break
+                added = self.snapshots.add(self.cache_key, d.tokens, kv, pinned=d.pinned, source="disk")
+                # too large for the memory budget: this request still resumes from it
+                return [(k[..., :gd, :], v[..., :gd, :]) for k, v in (added.kv if added else kv)], gd
         if entry is None or g == 0:
             return None, 0
         return [(k[..., :g, :], v[..., :g, :]) for k, v in entry.kv], g
@@ -170,7 +179,11 @@ class Engine:
         rows = reserve_rows(len(ids), room)
         kv, g = self._lookup(np.asarray(ids, dtype=np.int64), len(ids) - 1)
         if g:
-            cache.restore(kv, g, rows)
+            try:
+                cache.restore(kv, g, rows)
+            except (ValueError, RuntimeError) as e:    # a snapshot of other shapes: start fresh
+                log.warning("could not restore a prompt-cache snapshot (%s); prefilling from the start", e)
+                cache = self.model.new_cache()
         cached = cache.offset
         points = []
 
@@ -213,12 +226,14 @@ class Engine:
             return None
 
         def work():
-            for d in self.disk.candidates(self.cache_key):
-                if d.pinned and d.path not in self._warm:
+            budget = self.snapshots.max_bytes       # the newest first, as many as memory would keep
+            for d in sorted(self.disk.candidates(self.cache_key), key=lambda d: -d.created):
+                if d.pinned and d.path not in self._warm and d.nbytes <= budget:
                     try:
                         self._warm[d.path] = read_tensors(d)
-                    except (OSError, ValueError, KeyError) as e:
-                        log.warning("ignoring snapshot %s: %s", d.path.name, e)
+                        budget -= d.nbytes
+                    except Exception as e:  # noqa: BLE001 - a damaged file is ignored
+                        log.warning("ignoring snapshot %s: %s: %s", d.path.name, type(e).__name__, e)
                         self.disk.drop(d)
 
         self._warm_thread = threading.Thread(target=work, name="tensorfold-warmup", daemon=True)

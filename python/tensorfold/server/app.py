@@ -194,7 +194,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if first[0] in ("gone", "end"):
             watcher.cancel()
             return Response(status_code=499)    # the client left before anything was generated
-        reply = ReplyBuilder(kind, name)
+        reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage)
         splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
         if req.stream:
             return StreamingResponse(stream(job, first, reply, splitter, req.include_usage, watcher),

@@ -34,9 +34,12 @@ def tensorfold_block(stats: GenerationStats | None) -> dict:
 class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, *, usage_field: bool = False):
+        """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
+        streams it; the usage chunk at the end has the counts)."""
         self.kind = kind
         self.model = model
+        self.usage_field = usage_field
         self.id = new_id(kind)
         self.created = int(time.time())
 
@@ -72,6 +75,8 @@ class ReplyBuilder:
             choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
             out = self._head("text_completion")
         out["choices"] = [choice]
+        if self.usage_field:
+            out["usage"] = None
         if stats is not None:
             out["tensorfold"] = tensorfold_block(stats)
         return out
