@@ -312,3 +312,32 @@ def test_max_tokens_and_context_limit(checkpoints):
     with pytest.raises(RequestError) as e:
         eng.generate_text(prompt=list(range(3, 43)), max_tokens=5)
     assert e.value.code == "context_length_exceeded"
+
+
+def test_accepted_counts_only_drafts_that_reach_the_reply(tinycode_path):
+    """A proposer that always guesses the serial reply: every draft is accepted, and a stop string
+    ends the reply inside a verify round. `accepted` counts the drafts in the reply (it counted the
+    whole round's, past the stop: more accepted tokens than the reply had after its first)."""
+    from tensorfold.engine.proposers import Proposer
+    eng = Engine(tinycode_path)
+    code = "def dumps(obj, *, skipkeys=False, ensure_ascii=True, check_circular=True):\n    return obj\n"
+    msgs = [{"role": "user", "content": "Echo this code:\n" + code}]
+    greedy = SamplingParams(temperature=0)
+    _, serial, _ = eng.generate_text(messages=msgs, max_tokens=60, sampling=greedy, draft=False)
+
+    class Oracle(Proposer):
+        def __init__(self, n_prompt):
+            super().__init__()
+            self.n_prompt, self.width = n_prompt, 8
+
+        def propose(self, tokens, k):
+            return serial[len(tokens) - self.n_prompt:][:k]
+
+    n_prompt = len(eng.prompt_ids(msgs))
+    for stop in (["ensure_ascii"], ["check_circular"], ["True"]):
+        text, ids, st = eng.generate_text(messages=msgs, max_tokens=60, sampling=greedy, stop=stop,
+                                          proposers=[Oracle(n_prompt)])
+        want = eng.generate_text(messages=msgs, max_tokens=60, sampling=greedy, stop=stop, draft=False)
+        assert (text, ids) == want[:2] and st.finish_reason == "stop" and st.drafted > 0
+        # the first token is the prefill's; every round but the last adds one token of its own
+        assert st.accepted <= st.completion_tokens - 1 - (st.verify_rounds - 1), (stop, st)

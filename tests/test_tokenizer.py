@@ -329,3 +329,106 @@ def test_tinycode_tokenizer_config_fallback(tinycode_path, tmp_path):
     t = Tokenizer.from_dir(tmp_path)
     assert t.eos_ids == frozenset({0, 2})
     assert t.encode("<|im_start|>") == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# SentencePiece-style tokenizers (Llama 2 / Mistral): byte fallback, metaspace, a BOS post-processor
+
+
+def _spm_dir(path):
+    """A small Llama-2-style tokenizer directory: BPE with byte fallback (<0x00>..<0xFF> at ids
+    3..258), '▁' for spaces, a decoder that strips the first leading space, <s> added by the
+    post-processor, add_bos_token in tokenizer_config.json."""
+    from tokenizers import Tokenizer as HF, decoders, models, normalizers, processors, trainers
+    from tensorfold.testing import _TRAIN_TEXT
+    tok = HF(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(_TRAIN_TEXT.splitlines(keepends=True) * 3, trainer=trainers.BpeTrainer(
+        vocab_size=600, min_frequency=2, special_tokens=specials, show_progress=False))
+    j = json.loads(tok.to_str())
+    j["added_tokens"] = [a for a in j["added_tokens"] if a["content"] in specials[:3]]  # bytes: plain vocab
+    tok = HF.from_str(json.dumps(j))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tok.to_str())
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "pad_token": "<unk>", "chat_template": "{% for m in messages %}{{ bos_token }}[{{ m.role }}] "
+         "{{ m.content }}{% endfor %}[{{ pad_token }}|{{ unk_token }}]"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    return Tokenizer.from_dir(_spm_dir(tmp_path_factory.mktemp("spm")))
+
+
+def test_completion_prompts_get_the_post_processors_bos(spm, tok):
+    """A completions prompt is encoded as transformers' tokenizer(text) and mlx-lm's server encode
+    it: <s> first for a Llama-style tokenizer (it was missing), once even where the text starts
+    with it; nothing added for the Qwen-style test tokenizer."""
+    ids = spm.encode_prompt("The quick brown")
+    assert ids[0] == 1 and ids[1:] == spm.encode("The quick brown")
+    assert spm.encode_prompt("<s>The quick brown") == ids
+    assert tok.encode_prompt("def f():") == tok.encode("def f():")
+
+
+def test_completion_detokenizer_keeps_the_first_tokens_space(spm):
+    """Continuing "The quick brown" with '▁fox': the streamed completion is ' fox ...' (prompt +
+    completion == decode(prompt + reply)); without the prompt as context the decoder stripped
+    the space ('brownfox')."""
+    prompt = spm.encode_prompt("The quick brown")
+    reply = spm.encode("fox jumps over it")
+    assert spm.id_to_token(reply[0]).startswith("▁")
+    d = IncrementalDetokenizer(spm, context=prompt[-4:])
+    text = "".join(d.add(i) for i in reply) + d.flush()
+    assert text == " fox jumps over it" == spm.decode(prompt + reply)[len(spm.decode(prompt)):]
+    assert d.generated_ids == reply and d.text == text
+    # chat keeps no context: the reply's first space is dropped, as mlx-lm does
+    assert "".join(_stream(spm, reply)) == "fox jumps over it"
+
+
+def test_byte_fallback_stream_equals_the_full_decode(spm):
+    """The tokenizers library decodes an invalid run of byte tokens as one U+FFFD a byte, so an
+    earlier byte of the run changes when a later one arrives ([<0x78>, <0xDE>, ▁]: 'x' was
+    streamed, the decode is two U+FFFD). The stream now holds a run until it ends."""
+    x, de = spm.token_to_id("<0x78>"), spm.token_to_id("<0xDE>")
+    space = spm.encode(" a")[0]
+    assert spm.is_byte_token(x) and not spm.is_byte_token(space)
+    assert "".join(_stream(spm, [x, de, space])) == spm.decode([x, de, space])
+    rng = random.Random(3)
+    V = spm.vocab_size
+    for _ in range(400):
+        ids = [rng.randrange(V) if rng.random() < 0.4 else rng.randrange(3, 259)
+               for _ in range(rng.randrange(1, 40))]
+        assert "".join(_stream(spm, ids)) == spm.decode(ids), ids
+
+
+QWEN3_LIKE = ("{%- for message in messages %}{%- if message.content is string %}{%- set content = "
+              "message.content %}{%- else %}{%- set content = '' %}{%- endif %}<|im_start|>{{ message.role }}\n"
+              "{{ content }}{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+              "{{ tc.function.arguments | tojson }}{%- endfor %}{%- endif %}<|im_end|>\n{%- endfor %}"
+              "{%- generation %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+              "{%- endgeneration %}")
+
+
+def test_messages_reach_the_template_as_mlx_lm_hands_them(tmp_path):
+    """Text parts joined into a string (Qwen3's template renders list content as '': the question
+    vanished), tool-call arguments sent as a JSON string parsed (a template's tojson encoded them
+    twice), a developer message rendered as system where the template has no developer role,
+    `{% generation %}` blocks (transformers' training-mask tag) rendered, pad / unk tokens given."""
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "q", template=QWEN3_LIKE))
+    parts = [{"role": "developer", "content": "be brief"},
+             {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]},
+             {"role": "assistant", "content": None,
+              "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "content": "4"}]
+    text = t.apply_chat_template(parts)
+    assert text == ('<|im_start|>system\nbe brief<|im_end|><|im_start|>user\nWhat is 2+2?<|im_end|>'
+                    '<|im_start|>assistant\n{"city": "Paris"}<|im_end|><|im_start|>tool\n4<|im_end|>'
+                    '<|im_start|>assistant')
+    spm_t = Tokenizer.from_dir(_spm_dir(tmp_path / "s"))
+    assert spm_t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user] hi[<unk>|<unk>]"

@@ -120,8 +120,52 @@ def validate_messages(messages: Any) -> list[dict]:
                 f"messages[{i}].content must be a string or a list of text parts, "
                 f"got {type(content).__name__}"
             )
-        out.append(dict(m))
+        out.append(_normalized(m))
     return out
+
+
+def _normalized(m: dict) -> dict:
+    """A message as mlx-lm's server hands it to the template (process_message_content): text
+    parts joined into one string (real templates such as Qwen3's render list content as ''),
+    a missing content as '', and tool-call arguments sent as a JSON string (OpenAI's wire
+    format) parsed, so that a template's `tojson` does not encode them twice."""
+    m = dict(m)
+    c = m.get("content")
+    if isinstance(c, list):
+        m["content"] = "".join(part["text"] for part in c)
+    elif c is None:
+        m["content"] = ""
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str):
+                try:
+                    call = dict(call, function=dict(fn, arguments=json.loads(args)))
+                except ValueError:
+                    pass
+            fixed.append(call)
+        m["tool_calls"] = fixed
+    return m
+
+
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker, used by templates
+    written for training masks): renders its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
 
 
 def _compile_template(source: str):
@@ -141,7 +185,7 @@ def _compile_template(source: str):
         )
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -168,12 +212,14 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        unk_token: str | None = None,
     ):
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
+        self.unk_token = unk_token
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
         self.bos_ids: frozenset[int] = frozenset(bos_ids)
         added = tokenizer.get_added_tokens_decoder()
@@ -210,6 +256,7 @@ class Tokenizer:
         eos_token = _token_content(tcfg.get("eos_token"))
         bos_token = _token_content(tcfg.get("bos_token"))
         pad_token = _token_content(tcfg.get("pad_token"))
+        unk_token = _token_content(tcfg.get("unk_token"))
 
         eos: set[int] = set(_int_ids(gcfg.get("eos_token_id"))) | set(_int_ids(mcfg.get("eos_token_id")))
         bos: set[int] = set(_int_ids(gcfg.get("bos_token_id"))) | set(_int_ids(mcfg.get("bos_token_id")))
@@ -225,6 +272,7 @@ class Tokenizer:
             bos_token=bos_token,
             eos_token=eos_token,
             pad_token=pad_token,
+            unk_token=unk_token,
         )
 
     # -- basic ops ---------------------------------------------------------------------------------
@@ -240,6 +288,23 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added, but special token strings map to their ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completions prompt, as transformers' tokenizer(text) and mlx-lm's server encode it:
+        with what tokenizer.json's post-processor adds (a BOS for Llama / Mistral style
+        tokenizers; nothing for Qwen's), unless the text already starts with the BOS token."""
+        if self.bos_token and text.startswith(self.bos_token):
+            return self.encode(text)
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def is_byte_token(self, token_id: int) -> bool:
+        """A byte-fallback token (<0xNN>, SentencePiece style)."""
+        cache = self.__dict__.setdefault("_byte_ids", {})
+        b = cache.get(token_id)
+        if b is None:
+            t = self._tok.id_to_token(int(token_id)) or ""
+            b = cache[token_id] = len(t) == 6 and t.startswith("<0x") and t.endswith(">")
+        return b
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -293,6 +358,8 @@ class Tokenizer:
             raise ValueError("this model has no chat template (no chat_template.jinja or "
                              "tokenizer_config.json chat_template); use a completions request instead")
         msgs = validate_messages(messages)
+        if "developer" not in self.chat_template:     # OpenAI's newer name for the system role
+            msgs = [dict(m, role="system") if m.get("role") == "developer" else m for m in msgs]
         if tools is not None and not isinstance(tools, list):
             raise ValueError("tools must be a list")
         if self._compiled is None:
@@ -303,6 +370,8 @@ class Tokenizer:
             "add_generation_prompt": bool(add_generation_prompt),
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            "unk_token": self.unk_token or "",
         }
         if enable_thinking is not None:
             ctx["enable_thinking"] = bool(enable_thinking)
@@ -340,7 +409,12 @@ class IncrementalDetokenizer:
     # Grow the window beyond this many unread tokens only if no exact cut point exists.
     MAX_PENDING = 16
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False,
+                 context: Sequence[int] = ()):
+        """context: token ids before the first one added (a completions prompt's tail), decoded
+        only as the window's start, so that decoders that drop a leading space (SentencePiece's
+        metaspace) keep the first generated token's; `text` and the returned pieces hold only
+        what follows it. Used where it decodes to complete characters."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self.token_ids: list[int] = []
@@ -349,6 +423,23 @@ class IncrementalDetokenizer:
         self._read = 0  # ids[:read] are fully emitted
         self._emitted = 0  # chars of decode(ids[prefix:]) already emitted
         self._text_cache: str | None = None
+        ctx = list(context)
+        if ctx and not self._decode(ctx).endswith(_REPLACEMENT) and not tokenizer.is_byte_token(ctx[-1]):
+            self._ctx = len(ctx)
+            self.token_ids = ctx
+            self._read = len(ctx)
+            self._emitted = len(self._decode(ctx))
+        else:
+            self._ctx = 0
+
+    def _byte_run(self) -> int:
+        """Index where the trailing run of byte-fallback tokens starts (len(ids) if none): the
+        tokenizers library decodes an invalid run as one U+FFFD a byte, so text from that run may
+        still change until a token that is not a byte ends it."""
+        ids, i = self.token_ids, len(self.token_ids)
+        while i > self._read and self._tok.is_byte_token(ids[i - 1]):
+            i -= 1
+        return i
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -365,10 +456,22 @@ class IncrementalDetokenizer:
             self._text_cache = None
         return s
 
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self._ctx:]
+
     def add(self, token_id: int) -> str:
         ids = self.token_ids
         ids.append(int(token_id))
         new = self._decode(ids[self._prefix:])
+        if self._tok.is_byte_token(ids[-1]):    # hold a byte run's text until the run ends
+            run = self._byte_run()
+            if run < len(ids):
+                safe = len(self._decode(ids[self._prefix:run]))
+                out = new[self._emitted:safe] if safe > self._emitted and new.startswith(
+                    self._decode(ids[self._prefix:run])) else ""
+                self._emitted += len(out)
+                return self._out(out)
         if not new.endswith(_REPLACEMENT):
             out = new[self._emitted:]
             self._prefix, self._read = self._read, len(ids)

@@ -122,7 +122,7 @@ class Engine:
                 raise RequestError(str(e), param="messages") from None
             return self.tokenizer.encode(text)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = self.model.cfg.vocab_size
@@ -288,7 +288,9 @@ class Engine:
         elif not (draft and (self.drafts_enabled or self.row_exact is None)):
             proposers = []
 
-        detok = IncrementalDetokenizer(self.tokenizer)
+        # a completion continues its prompt's text: the prompt's tail is the detokenizer's context
+        # (a SentencePiece tokenizer's first generated '▁fox' then gives ' fox', not 'fox')
+        detok = IncrementalDetokenizer(self.tokenizer, context=ids[-4:] if messages is None else ())
         stopper = StopMatcher(stop)
         eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         tokens = list(ids)
@@ -356,7 +358,6 @@ class Engine:
             cache.trim(base + n_acc)
             if who is not None:
                 stats.drafted += len(drafts)
-                stats.accepted += n_acc
                 stats.verify_rounds += 1
                 who.feedback(len(tokens), len(drafts), n_acc)
             pieces, new = [], []
@@ -367,6 +368,8 @@ class Engine:
                 pieces.append(text)
                 if finish is not None:
                     break
+            if who is not None:     # accepted drafts that are in the reply (a stop may end it sooner)
+                stats.accepted += min(n_acc, len(new))
             yield GenerationEvent(text="".join(pieces), token_ids=new)
 
         now = time.perf_counter()

@@ -36,6 +36,11 @@ def parse_json(body: bytes) -> dict:
         raise RequestError("Request body is not valid JSON: nested too deeply.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError("Request body must be a JSON object.", code="invalid_json")
+    try:        # "\ud83d" alone is valid JSON but no text: no tokenizer takes it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("Request body holds a lone UTF-16 surrogate (an escape like \\ud83d without "
+                           "its pair): not text.", code="invalid_json") from None
     return data
 
 

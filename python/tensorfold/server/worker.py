@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import queue
@@ -61,6 +62,9 @@ class EngineWorker:
     def start(self) -> "EngineWorker":
         if not self._thread.is_alive() and not self._ready.is_set():
             self._thread.start()
+            # a process that exits without stopping the worker (an app never shut down) would
+            # end its thread inside MLX ("terminate called without an active exception")
+            atexit.register(self.stop, 5.0)
         return self
 
     def wait_ready(self, timeout: float | None = None):
