@@ -402,20 +402,24 @@ def test_same_shapes_other_weights_do_not_share_snapshots(tmp_path):
 
 
 def test_disk_store_failures_lose_nothing_saved(tmp_path, monkeypatch, caplog):
-    """A store opened on the same directory leaves a live process's temporary file alone (it
-    used to delete the first server's write under way); a failed write leaves no partial file;
-    the background writer survives any error and writes the next snapshot."""
+    """A store opened on the same directory leaves a temporary file that a live writer holds alone
+    (it used to delete the first server's write under way), and removes one nobody holds, whatever
+    pid its name carries (a restarted container's server has its predecessor's pid); a failed write
+    leaves no partial file; the background writer survives any error and writes the next one."""
+    import fcntl
     import os
     from tensorfold.cache import disk as disk_mod
     d = tmp_path / "snaps"
     d.mkdir()
     live = d / f".tmp-{os.getpid()}-1-x.safetensors"
-    dead = d / ".tmp-999999999-1-y.safetensors"
+    orphan = d / f".tmp-{os.getpid()}-2-y.safetensors"
     live.write_bytes(b"in progress")
-    dead.write_bytes(b"left by a dead process")
-    store = DiskStore(d)
-    assert live.exists() and not dead.exists()
-    live.unlink()
+    orphan.write_bytes(b"left by a killed writer with this pid")
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)       # as the writer holds it
+        store = DiskStore(d)
+        assert live.exists() and not orphan.exists()
+    assert DiskStore(d).entries == [] and not live.exists()      # released: abandoned
     kv = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
 
     def full(_fd):

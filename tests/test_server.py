@@ -624,3 +624,88 @@ def test_request_body_limit_and_small_routes():
         assert "Bearer" in e["message"]
     from tensorfold.server.app import max_body_default
     assert max_body_default(4096) == 16 << 20 and max_body_default(1 << 20) == 256 << 20
+
+
+def test_shutdown_answers_running_and_queued_requests_with_503():
+    """worker.drain() (what `tensorfold serve` calls on SIGINT / SIGTERM, before uvicorn's grace
+    period runs out): a running stream ends with an error event and [DONE], a queued request gets
+    a JSON 503, instead of a cut connection and a text/plain 500."""
+    eng = ScriptedEngine(["x"] * 2000, delay=0.01)
+    with scripted_server(eng, api_key=KEY) as s:
+        out = {}
+
+        def stream():
+            out["stream"] = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                             "stream": True})
+
+        def queued():
+            out["queued"] = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}]})
+        threads = [threading.Thread(target=stream)]
+        threads[0].start()
+        _wait(lambda: eng.tokens.get("a", 0) > 5)
+        threads.append(threading.Thread(target=queued))
+        threads[1].start()
+        _wait(lambda: s.health()["queued"] == 1)
+        assert s.worker.drain() == 2
+        for t in threads:
+            t.join(30)
+        events = [e[len("data: "):] for e in out["stream"].text.split("\n\n") if e]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+        e = _check_error(out["queued"], 503, code="server_shutting_down")
+        assert e["type"] == "server_error"
+        _wait(lambda: not s.health()["busy"])
+        assert eng.tokens["a"] < 1000 and "b" not in eng.started
+
+
+EXIT_SCRIPT = """
+import asyncio
+from tensorfold.server.worker import EngineWorker
+from tensorfold.cli import embedded_model_path
+
+def build():
+    from tensorfold.engine import Engine
+    return Engine(embedded_model_path())
+
+async def main():
+    w = EngineWorker(build)
+    w.wait_ready()
+    job = w.submit(dict(messages=[{"role": "user", "content": "Show the function dumps from json."}],
+                        max_tokens=8), chat=True)
+    while (await job.items.get())[0] == "event":
+        pass
+    await asyncio.to_thread(w.stop)
+
+asyncio.run(main())
+"""
+
+
+def test_process_exits_cleanly_after_the_engine_thread_served():
+    """A thread that ran MLX (a prefill, then the compiled exact step) and then ended made the
+    process abort at exit now and then ("terminate called without an active exception", MLX's
+    per-thread state); the worker's thread is parked instead of ended."""
+    import subprocess
+    import sys
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "terminate" not in r.stderr, r.stderr[-2000:]
+
+
+def test_shutdown_flushes_snapshots_still_queued(tmp_path, monkeypatch):
+    """The app's shutdown waits for the disk writer: a snapshot queued just before the server
+    stops is on disk after it (SIGTERM skips atexit, where the only flush was)."""
+    from tensorfold.cache.disk import DiskStore
+    from tensorfold.engine import PrefillMode
+    real = DiskStore._write
+
+    def slow(self, *a):
+        time.sleep(1.5)
+        return real(self, *a)
+    monkeypatch.setattr(DiskStore, "_write", slow)
+    from tensorfold.cli import embedded_model_path
+    snap = tmp_path / "snaps"
+    with real_server(embedded_model_path(), engine_kw=dict(snapshot_dir=str(snap), drafts=False,
+                                                           prefill_mode=PrefillMode(grid=16, ops="kernels"))) as s:
+        s.chat(messages=[{"role": "user", "content": "Show the function dumps from json, please, now."}],
+               max_tokens=2)
+        assert not list(snap.glob("*.safetensors"))       # still in the writer
+    assert list(snap.glob("*.safetensors"))

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-drafts", action="store_true", help="turn speculative drafting off")
     g.add_argument("--drafter", default=None, metavar="PATH", help="a draft model directory")
     g.add_argument("--prompt-cache-gib", type=float, default=2.0, help="prompt cache size in GiB")
+    g.add_argument("--snapshot-gib", type=float, default=8.0,
+                   help="disk budget for prompt-cache snapshots in GiB (oldest unpinned dropped first)")
     g.add_argument("--prefill", choices=["mlx", "kernels"], default="mlx",
                    help="prompt ops on the 2,048 grid: 'mlx' = MLX's own forward (equals mlx-lm's "
                         "logits); 'kernels' = the row-exact kernels (much faster on MLX's CPU backend, "
@@ -154,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_serve_args(a) -> None:
     import math
-    for flag in ("temperature", "top_p", "min_p", "prompt_cache_gib", "max_request_mib"):
+    for flag in ("temperature", "top_p", "min_p", "prompt_cache_gib", "snapshot_gib", "max_request_mib"):
         v = getattr(a, flag)
         if v is not None and not math.isfinite(v):
             raise CliError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
@@ -180,6 +182,8 @@ def _check_serve_args(a) -> None:
         raise CliError(f"--max-request-mib must be positive, got {a.max_request_mib}")
     if a.prompt_cache_gib < 0:
         raise CliError(f"--prompt-cache-gib must be >= 0, got {a.prompt_cache_gib}")
+    if a.snapshot_gib < 0:
+        raise CliError(f"--snapshot-gib must be >= 0, got {a.snapshot_gib}")
     if a.drafter is not None and not Path(a.drafter).expanduser().is_dir():
         raise CliError(f"no such drafter directory: {a.drafter}")
     snap = a.snapshot_dir
@@ -236,7 +240,7 @@ def cmd_serve(a) -> int:
 
     from .engine.prefill import PrefillMode
     kwargs = dict(drafter=a.drafter, drafts=not a.no_drafts, context=a.context,
-                  prompt_cache_gib=a.prompt_cache_gib, thinking=a.thinking,
+                  prompt_cache_gib=a.prompt_cache_gib, snapshot_gib=a.snapshot_gib, thinking=a.thinking,
                   prefill_mode=PrefillMode(ops=a.prefill))
     snap = a.snapshot_dir or default_snapshot_dir()
     kwargs["snapshot_dir"] = None if snap.lower() == "none" else str(Path(snap).expanduser())
@@ -268,7 +272,18 @@ def cmd_serve(a) -> int:
              "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off", kwargs["snapshot_dir"] or "off",
              a.host, a.port, " (API key required)" if api_key else "")
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # queued and running requests get a 503 (streams an error event and [DONE]) now,
+            # inside the grace period, instead of being cut off when it runs out
+            if not self.should_exit:
+                n = worker.drain()
+                if n:
+                    log.info("shutting down: %d request(s) answered with 503", n)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     server.run()
     worker.stop()
     return 0 if getattr(server, "started", True) else 1

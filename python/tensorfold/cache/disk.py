@@ -130,14 +130,43 @@ def to_mlx(tensors) -> list[tuple[mx.array, mx.array]]:
     return kv
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:         # exists, another user's
+try:
+    import fcntl
+except ImportError:         # not POSIX
+    fcntl = None
+
+
+def _lock(fh) -> bool:
+    """An exclusive advisory lock on an open file, without waiting: True when taken (or where
+    there are no locks). A snapshot's temporary file is locked by its writer until it is renamed,
+    so a file that can be locked is one whose writer is gone (a crash, a kill)."""
+    if fcntl is None:
         return True
-    return True
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _abandoned(f: Path) -> bool:
+    """A temporary file no live writer holds (a writer in this process or another, on this host)."""
+    if fcntl is None:       # no locks: by the pid in the name
+        pid = f.name.split("-")[1]
+        if not pid.isdigit():
+            return True
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    try:
+        with open(f, "rb") as fh:
+            return _lock(fh)
+    except OSError:
+        return False
 
 
 class DiskStore:
@@ -157,15 +186,13 @@ class DiskStore:
         entries = []
         for f in self.dir.iterdir():
             if f.name.startswith(".tmp-"):
-                # an interrupted write is never reused; one a live process (this one included:
-                # two engines may share a directory) is writing is left to it
-                pid = f.name.split("-")[1]
-                if pid.isdigit() and _pid_alive(int(pid)):
-                    continue
-                try:
-                    f.unlink()
-                except OSError:
-                    pass
+                # an interrupted write is never reused; one a live writer holds (this process's
+                # included: two engines may share a directory) is left to it
+                if _abandoned(f):
+                    try:
+                        f.unlink()
+                    except OSError:
+                        pass
                 continue
             if f.suffix != ".safetensors":
                 continue
@@ -269,13 +296,14 @@ class DiskStore:
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
         try:
             with open(tmp, "wb") as fh:
+                _lock(fh)                   # held until closed, after the rename
                 fh.write(struct.pack("<Q", len(head)))
                 fh.write(head)
                 for a in flat:
                     fh.write(np.ascontiguousarray(a).tobytes())
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, final)
+                os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)     # a full disk keeps no partial file
             raise

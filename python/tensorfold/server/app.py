@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
 from .protocol import parse_json, parse_request, sampling_with_defaults
@@ -20,6 +21,10 @@ from .responses import ReplyBuilder, error_body, sse
 from .worker import EngineWorker, Job
 
 log = logging.getLogger("tensorfold.server")
+
+
+class _Gone(Exception):
+    """The client disconnected before its request body arrived."""
 
 _HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
@@ -58,6 +63,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         worker.start()
         yield
         await asyncio.to_thread(worker.stop)
+        disk = getattr(worker.engine, "disk", None)
+        if disk is not None:        # snapshots still queued for the writer: on disk before exit
+            await asyncio.to_thread(disk.flush, 60)       # (SIGTERM skips atexit)
 
     app = FastAPI(title="TensorFold", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -81,6 +89,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def _http_error(_req, e: StarletteHTTPException):
         return JSONResponse(error_body(str(e.detail), code=_HTTP_CODES.get(e.status_code)),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(_Gone)
+    async def _gone(_req, _e):
+        return Response(status_code=499)        # the client left while sending its body
 
     @app.exception_handler(Exception)
     async def _any_error(_req, e: Exception):
@@ -113,11 +125,14 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if n is not None and n.strip().isdigit() and int(n) > limit:
             raise too_large()
         parts, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large()
-            parts.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large()
+                parts.append(chunk)
+        except ClientDisconnect:
+            raise _Gone from None
         return b"".join(parts)
 
     def check_model(model) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import logging
 import queue
@@ -55,6 +54,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.current: Job | None = None
         self.stats = {"served": 0, "cancelled": 0, "skipped": 0, "errors": 0, "queued": 0}
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.progress = ProgressLine()
 
@@ -62,9 +62,6 @@ class EngineWorker:
     def start(self) -> "EngineWorker":
         if not self._thread.is_alive() and not self._ready.is_set():
             self._thread.start()
-            # a process that exits without stopping the worker (an app never shut down) would
-            # end its thread inside MLX ("terminate called without an active exception")
-            atexit.register(self.stop, 5.0)
         return self
 
     def wait_ready(self, timeout: float | None = None):
@@ -77,12 +74,34 @@ class EngineWorker:
         return self.engine
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Cancel the current job and wait (up to `timeout`) until the thread has stopped serving.
+        The thread is then parked, not ended: a thread that used MLX and ends before the process
+        does made the exit abort now and then ("terminate called without an active exception",
+        MLX's per-thread state torn down after its thread) even when joined."""
         cur = self.current
         if cur is not None:
             cur.cancel.set()
         self._q.put(_STOP)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            if not self._stopped.wait(timeout):
+                log.warning("the engine did not stop within %.0f s (a prefill chunk is one MLX "
+                            "evaluation); exiting under it", timeout)
+
+    def drain(self, message: str = "The server is shutting down.") -> int:
+        """Answer every queued job and the current one with a 503 and cancel them (the server is
+        shutting down: handlers end cleanly, streams with an error event and [DONE], before the
+        server's grace period runs out). Returns the number of jobs answered. Thread-safe."""
+        with self._q.mutex:
+            jobs = [j for j in self._q.queue if isinstance(j, Job)]
+        cur = self.current
+        if cur is not None:
+            jobs.append(cur)
+        for job in jobs:
+            if not job.cancel.is_set():
+                job.cancel.set()
+                job.post("error", RequestError(message, type="server_error", code="server_shutting_down",
+                                               status=503))
+        return len(jobs)
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, kwargs: dict, *, chat: bool = False) -> Job:
@@ -98,12 +117,12 @@ class EngineWorker:
         except BaseException as e:  # noqa: BLE001 - handed to wait_ready()
             self._error = e
             self._ready.set()
-            return
+            self._park()
         self._ready.set()
         while True:
             job = self._q.get()
             if job is _STOP:
-                return
+                self._park()
             with self._lock:
                 self.stats["queued"] -= 1
             if job.cancel.is_set():     # the client left while queued: skip it
@@ -116,6 +135,12 @@ class EngineWorker:
                 self._serve(job)
             finally:
                 self.current = None
+
+    def _park(self) -> None:
+        """Stop serving for good, without ending the thread (see stop())."""
+        self._stopped.set()
+        while True:
+            threading.Event().wait()
 
     def _serve(self, job: Job) -> None:
         eng = self.engine
