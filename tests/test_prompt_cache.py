@@ -393,12 +393,37 @@ def test_same_shapes_other_weights_do_not_share_snapshots(tmp_path):
     ea.generate_text(messages=msgs, max_tokens=2, sampling=P)
     ea.disk.flush()
     eb = Engine(b, prefill_mode=mode, snapshot_dir=snap, drafts=False)
-    assert eb.cache_key != ea.cache_key
+    assert eb.disk_key != ea.disk_key and None not in (ea.disk_key, eb.disk_key)
     assert eb.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens == 0
     # the same weights again: the hash comes from the memo, and the snapshot is found
     again = Engine(a, prefill_mode=mode, snapshot_dir=snap, drafts=False)
-    assert again.cache_key == ea.cache_key
+    assert again.disk_key == ea.disk_key
     assert again.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens > 0
+
+
+def test_large_weights_are_hashed_in_the_background(model_path, tmp_path, monkeypatch):
+    """Weights the memo does not know past DISK_KEY_SYNC_BYTES are hashed on a thread: the engine
+    serves at once (memory snapshots only), and uses the disk from when the key is known."""
+    snap = tmp_path / "snaps"
+    msgs = _prime(model_path, snap)
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "fresh-memo"))     # nothing known
+    monkeypatch.setattr(Engine, "DISK_KEY_SYNC_BYTES", 0)
+    import tensorfold.cache.key as key
+    gate, real = __import__("threading").Event(), key.file_hashes
+
+    def held(files):
+        gate.wait(30)
+        return real(files)
+    monkeypatch.setattr(key, "file_hashes", held)
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    assert eng.disk_key is None
+    first = eng.generate_text(messages=msgs, max_tokens=4, sampling=P)
+    assert first[2].cached_tokens == 0                   # the disk is not used before the key
+    gate.set()
+    assert eng.wait_disk_key(30)
+    eng.snapshots = type(eng.snapshots)(eng.snapshots.max_bytes)       # forget memory snapshots
+    again = eng.generate_text(messages=msgs, max_tokens=4, sampling=P)
+    assert again[2].cached_tokens > 0 and again[:2] == first[:2]
 
 
 def test_disk_store_failures_lose_nothing_saved(tmp_path, monkeypatch, caplog):

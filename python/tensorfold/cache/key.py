@@ -37,17 +37,34 @@ def _stamp(st: os.stat_result) -> list:
     return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _read_memo() -> dict:
+    try:
+        memo = json.loads(_memo_file().read_text())
+        return memo if isinstance(memo, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _unhashed(files: list[Path], memo: dict) -> list[Path]:
+    return [f for f in files if (m := memo.get(str(f.resolve()))) is None
+            or not isinstance(m, dict) or m.get("stamp") != _stamp(f.stat())]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(f for f in Path(path).glob("*.safetensors") if f.is_file())
+
+
+def unhashed_bytes(model_path) -> int:
+    """Bytes of the checkpoint's weight files whose sha256 the memo does not hold yet."""
+    return sum(f.stat().st_size for f in _unhashed(_weight_files(Path(model_path)), _read_memo()))
+
+
 def file_hashes(files: list[Path]) -> list[str]:
     """sha256 of each file's bytes, from the memo where the file's stamp is unchanged."""
     memo_f = _memo_file()
-    try:
-        memo = json.loads(memo_f.read_text())
-        memo = memo if isinstance(memo, dict) else {}
-    except (OSError, ValueError):
-        memo = {}
+    memo = _read_memo()
     out, new = [], False
-    todo = [f for f in files if (m := memo.get(str(f.resolve()))) is None
-            or not isinstance(m, dict) or m.get("stamp") != _stamp(f.stat())]
+    todo = _unhashed(files, memo)
     if todo:
         gb = sum(f.stat().st_size for f in todo) / 1e9
         if gb > 1:
@@ -92,7 +109,7 @@ def _sha256_file(f: Path) -> str:
 def _weights_identity(h, path: Path, whole: bool = True) -> None:
     """Name, size and safetensors header (shapes, dtypes, offsets) of each file, and its sha256
     (whole) or only its first and last 64 KiB (not whole: a key that never leaves the process)."""
-    files = sorted(f for f in path.glob("*.safetensors") if f.is_file())
+    files = _weight_files(path)
     digests = file_hashes(files) if whole else [None] * len(files)
     for f, digest in zip(files, digests):
         size = f.stat().st_size

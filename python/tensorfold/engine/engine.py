@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -64,10 +65,15 @@ class Engine:
             except OSError as e:    # a directory that cannot be made or listed: serve without it
                 log.warning("snapshot directory %s is unusable (%s): prompt-cache snapshots stay in "
                             "memory only", snapshot_dir, e)
-        # snapshots on disk are keyed by the weights' whole bytes (another checkpoint of the same
-        # shapes must not resume from them); in memory only, a sample of them is enough
-        self.cache_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key,
-                                   whole=self.disk is not None)
+        # memory snapshots never leave this engine: a sample of the weights identifies them. Disk
+        # snapshots are keyed by the weights' whole bytes (another checkpoint of the same shapes
+        # must not resume from them): hashed here where little is new to the memo, else in the
+        # background (disk snapshots are used from when it is done; ~0.5-2 GB/s)
+        self.cache_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key, whole=False)
+        self.disk_key = None
+        self._disk_key_ready = threading.Event()
+        if self.disk is not None:
+            self._start_disk_key()
         self._warm: dict = {}          # disk path -> tensors read by the warm-up thread
         self._warm_thread = None
         self.generation_defaults = self._read_generation_defaults()
@@ -88,6 +94,34 @@ class Engine:
                 log.warning("row_check failed on this backend: the decode kernels are not row-exact "
                             "here, so drafting is DISABLED (replies stay exact, only slower)")
                 self.drafts_enabled = False
+
+    DISK_KEY_SYNC_BYTES = 512 << 20
+
+    def _start_disk_key(self) -> None:
+        from ..cache.key import unhashed_bytes
+
+        def work():
+            try:
+                self.disk_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)
+            except OSError as e:
+                log.warning("cannot hash the weights (%s): prompt-cache snapshots stay in memory only", e)
+            self._disk_key_ready.set()
+        pending = unhashed_bytes(self.model_path)
+        if pending <= self.DISK_KEY_SYNC_BYTES:
+            work()
+            return
+        log.info("hashing %.1f GB of weights in the background (once; remembered by path and stamp): "
+                 "disk snapshots are read and written once it is done", pending / 1e9)
+        threading.Thread(target=work, name="tensorfold-weights-hash", daemon=True).start()
+
+    def wait_disk_key(self, timeout: float | None = None) -> bool:
+        """Wait until disk snapshots can be used (their key is known); True when they can."""
+        self._disk_key_ready.wait(timeout)
+        return self.disk_key is not None
+
+    @property
+    def _disk_on(self) -> bool:
+        return self.disk is not None and self.disk_key is not None
 
     # ---- settings ---------------------------------------------------------------------------
     def _read_generation_defaults(self) -> dict:
@@ -139,10 +173,10 @@ class Engine:
         """Longest usable grid-point snapshot: (kv of length g, g). Memory first, then disk."""
         grid = self.mode.grid
         entry, g = self.snapshots.lookup(self.cache_key, arr, grid, limit)
-        if self.disk is not None:
+        if self._disk_on:
             from ..cache.memory import common_prefix
             best = sorted(((min(common_prefix(d.tokens, arr), limit) // grid * grid, d)
-                           for d in self.disk.candidates(self.cache_key)), key=lambda t: -t[0])
+                           for d in self.disk.candidates(self.disk_key)), key=lambda t: -t[0])
             for gd, d in best:
                 if gd <= g:
                     break
@@ -165,9 +199,9 @@ class Engine:
     def _save(self, ids, cache, p: int, pinned: bool) -> None:
         snap = cache.snapshot(p)
         self.snapshots.add(self.cache_key, ids[:p], snap, pinned=pinned)
-        if self.disk is not None:
+        if self._disk_on:
             try:
-                self.disk.save_async(self.cache_key, ids[:p], snap, pinned=pinned)
+                self.disk.save_async(self.disk_key, ids[:p], snap, pinned=pinned)
             except OSError as e:
                 log.warning("could not write a snapshot to %s: %s", self.disk.dir, e)
 
@@ -221,13 +255,14 @@ class Engine:
     def warm_up_async(self):
         """Read this key's saved system blocks from disk in a background thread (numpy only, no
         MLX): requests never wait for it; a prompt that needs a block before it is read reads it."""
-        import threading
         if self.disk is None:
             return None
 
         def work():
+            if not self.wait_disk_key():
+                return
             budget = self.snapshots.max_bytes       # the newest first, as many as memory would keep
-            for d in sorted(self.disk.candidates(self.cache_key), key=lambda d: -d.created):
+            for d in sorted(self.disk.candidates(self.disk_key), key=lambda d: -d.created):
                 if d.pinned and d.path not in self._warm and d.nbytes <= budget:
                     try:
                         self._warm[d.path] = read_tensors(d)
