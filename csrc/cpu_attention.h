@@ -3,10 +3,10 @@
 // Both files call attend_chunk for every (query row, chunk) with the chunk's keys and
 // values gathered into kf / vf; the arithmetic (moved verbatim from those files) is:
 //   s_j = dot8(q, k_j) * scale           (8-lane fma over D, fixed hsum)
-//   mc  = max_j s_j ; e_j = expf(s_j - mc)
+//   mc  = max_j s_j ; e_j = expf(s_j - mc)      (mc = -inf: 0 subtracted; every e_j = 0)
 //   lc  = sum_j e_j                        (j ascending, scalar)
 //   oc  = sum_j e_j * v_j                  (j ascending, fma per element)
-//   merge: m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')
+//   merge: m' = max(m, mc); a = expf(m - m'); b = expf(mc - m')   (m' = -inf: 0 subtracted)
 //          l = l*a + lc*b ;  o = fma(oc, b, o*a) ; m = m'
 // One function for both ops, so sparse_attention on the full causal set (ascending) and
 // row_attention share the bits by construction.
@@ -60,9 +60,13 @@ inline void attend_chunk(const float* qr, const float* kf, const float* vf, int6
   }
   for (; j < n; ++j) s[j] = dot8(qr, kf + j * D, D) * scale;
   for (j = 0; j < n; ++j) mc = std::max(mc, s[j]);
+  // a chunk whose scores are all -inf weighs nothing (exp(-inf - -inf) was NaN and made the
+  // whole row NaN); with any finite score mz == mc, the same operations as before
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float mz = mc == ninf ? 0.0f : mc;
   float lc = 0.0f;
   for (j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - mc);
+    s[j] = std::exp(s[j] - mz);
     lc += s[j];
   }
   // oc[d] = sum_j e_j * v_j[d], j ascending; 64 dims at a time held in registers.
@@ -83,8 +87,9 @@ inline void attend_chunk(const float* qr, const float* kf, const float* vf, int6
   }
   const float mo = m;
   const float mn = std::max(mo, mc);
-  const float a = std::exp(mo - mn);
-  const float bb = std::exp(mc - mn);
+  const float mnz = mn == ninf ? 0.0f : mn; // nothing yet on either side: a = bb = 0, not NaN
+  const float a = std::exp(mo - mnz);
+  const float bb = std::exp(mc - mnz);
   l = l * a + lc * bb;
   const v8 av = v8_set1(a), bv = v8_set1(bb);
   for (int64_t d = 0; d < D; d += 8) {

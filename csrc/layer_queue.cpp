@@ -21,18 +21,20 @@ void LayerQueue::wait_oldest() {
 }
 
 void LayerQueue::push(std::vector<mx::array> outputs) {
+  std::lock_guard<std::mutex> lk(m_);
   mx::async_eval(outputs);
   pending_.push_back(std::move(outputs));
   pushed_ += 1;
   while (static_cast<int>(pending_.size()) > depth_) {
     wait_oldest();
   }
-  if (in_flight() > max_in_flight_) {
-    max_in_flight_ = in_flight();
+  if (static_cast<int>(pending_.size()) > max_in_flight_) {
+    max_in_flight_ = static_cast<int>(pending_.size());
   }
 }
 
 void LayerQueue::drain() {
+  std::lock_guard<std::mutex> lk(m_);
   while (!pending_.empty()) {
     wait_oldest();
   }

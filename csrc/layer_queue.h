@@ -8,6 +8,7 @@
 #pragma once
 
 #include <deque>
+#include <mutex>
 #include <vector>
 
 #include "mlx/array.h"
@@ -20,12 +21,24 @@ class LayerQueue {
   void push(std::vector<mlx::core::array> outputs);
   void drain();
   int depth() const { return depth_; }
-  int in_flight() const { return static_cast<int>(pending_.size()); }
-  int max_in_flight() const { return max_in_flight_; }
-  long long pushed() const { return pushed_; }
+  int in_flight() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return static_cast<int>(pending_.size());
+  }
+  int max_in_flight() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return max_in_flight_;
+  }
+  long long pushed() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return pushed_;
+  }
 
  private:
   void wait_oldest();
+  // push / drain run without the GIL: one caller at a time (a queue shared by Python threads
+  // corrupted its deque: SIGSEGV / SIGBUS in an audit's 4-thread test)
+  mutable std::mutex m_;
   int depth_;
   int max_in_flight_ = 0;
   long long pushed_ = 0;

@@ -237,7 +237,7 @@ mx::array row_expert_matmul(const mx::array& x, const mx::array& w,
     msg << "x's last dimension " << x.shape(-1) << " does not match w (K=" << K << ")";
     fail(msg.str());
   }
-  if (K % 16 != 0) fail("K must be a multiple of 16");
+  if (K % 16 != 0 || K == 0) fail("K must be a positive multiple of 16");
   cpu::ftype_of(x.dtype(), "x");
   auto s = cpu::cpu_stream();
   std::vector<mx::array> ins = {mx::contiguous(x, false, s), mx::contiguous(w, false, s)};

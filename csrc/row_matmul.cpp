@@ -65,7 +65,9 @@ mx::array row_matmul(const mx::array& x, const mx::array& w) {
     msg << "row_matmul: x's last dimension must equal w.shape[1] (" << w.shape(1) << ")";
     throw std::invalid_argument(msg.str());
   }
-  if (w.shape(1) % 16 != 0) throw std::invalid_argument("row_matmul: K must be a multiple of 16");
+  if (w.shape(1) % 16 != 0 || w.shape(1) == 0) {
+    throw std::invalid_argument("row_matmul: K must be a positive multiple of 16");
+  }
   cpu::ftype_of(x.dtype(), "x");
   cpu::ftype_of(w.dtype(), "w");
   auto s = cpu::cpu_stream();

@@ -115,7 +115,7 @@ mx::array row_quantized_matmul(const mx::array& x, const mx::array& w,
     msg << "x's last dimension " << x.shape(-1) << " does not match w (K=" << K << ")";
     fail(msg.str());
   }
-  if (K % group_size != 0) fail("K must be a multiple of group_size");
+  if (K % group_size != 0 || K == 0) fail("K must be a positive multiple of group_size");
   if (scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape()) {
     fail("scales and biases must be [N, K / group_size]");

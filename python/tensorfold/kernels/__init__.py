@@ -102,6 +102,29 @@ def _gpu_stream(stream: StreamLike):
     return mx.default_stream(_device_of(stream))
 
 
+_I32_MAX = 2**31 - 1
+
+
+def as_int32(a: mx.array, what: str, low: int = -1) -> mx.array:
+    """Integer ids / offsets for a kernel, as int32: a float array is refused (it was truncated:
+    1.9 read as 1), and wider integers are clipped to [low, 2^31 - 1] rather than wrapped (2^32 + 1
+    read as 1), so an out-of-range value stays out of range (a NaN row, an ignored key)."""
+    if a.dtype == mx.int32:
+        return a
+    if not mx.issubdtype(a.dtype, mx.integer):
+        raise ValueError(f"{what} must be integers, got {a.dtype}")
+    if a.dtype in (mx.int8, mx.int16, mx.uint8, mx.uint16):
+        return a.astype(mx.int32)
+    if a.dtype in (mx.uint32, mx.uint64):
+        return mx.minimum(a, _I32_MAX).astype(mx.int32)
+    return mx.clip(a, low, _I32_MAX).astype(mx.int32)
+
+
+def _check_k(x: mx.array, what: str) -> None:
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{what}: x must have a positive number of columns (K), got shape {x.shape}")
+
+
 def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                          group_size: int = 64, bits: int = 4, *, residual: Optional[mx.array] = None,
                          stream: StreamLike = None) -> mx.array:
@@ -116,6 +139,7 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     other faces and kernels add it with MLX's add. Either way a per-element op, so row i's bits
     still depend on row i alone.
     """
+    _check_k(x, "row_quantized_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -163,6 +187,7 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
 
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
     """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16)."""
+    _check_k(x, "row_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -177,7 +202,7 @@ def _offset_array(offset, q: mx.array, k: mx.array) -> mx.array:
     if isinstance(offset, mx.array):
         if offset.size != 1:
             raise ValueError("row_attention: offset must be a scalar")
-        return offset.reshape(1).astype(mx.int32)
+        return as_int32(offset.reshape(1), "row_attention: offset", low=-2**31)
     offset = int(offset)
     if offset < 0 or offset + q.shape[2] > k.shape[2]:
         raise ValueError(
@@ -248,8 +273,8 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     depends on K only, never on the other rows or their experts. An index outside [0, E)
     gives a NaN row (CPU face).
     """
-    if indices.dtype != mx.int32:
-        indices = indices.astype(mx.int32)
+    indices = as_int32(indices, "row_expert_matmul: indices")
+    _check_k(x, "row_expert_matmul")
     check_expert_args(x.shape, w, scales, biases, indices.shape, group_size, bits, "row_expert_matmul")
     face = backend_face(stream)
     if face == "cuda":

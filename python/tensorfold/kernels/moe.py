@@ -177,4 +177,4 @@ def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
     for j in range(1, k):
         acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
     out = acc.astype(h.dtype)
-    return out if residual is None else residual.reshape(out.shape) + out
+    return out if residual is None else residual.reshape(out.shape).astype(h.dtype) + out

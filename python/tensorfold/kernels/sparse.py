@@ -53,7 +53,8 @@ def _offset_value(offset, M: int, limit: int, who: str) -> mx.array:
     if isinstance(offset, mx.array):
         if offset.size != 1:
             raise ValueError(f"{who}: offset must be a scalar")
-        return offset.reshape(1).astype(mx.int32)
+        from . import as_int32
+        return as_int32(offset.reshape(1), f"{who}: offset", low=-2**31)
     offset = int(offset)
     if offset < 0 or offset + M > limit:
         raise ValueError(f"{who}: rows {offset}..{offset + M - 1} do not fit {limit} keys")
@@ -85,8 +86,8 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
         raise ValueError("sparse_attention: indices must be [B, M, T]")
     if k.shape != v.shape:
         raise ValueError("sparse_attention: k and v must have the same shape")
-    if indices.dtype != mx.int32:
-        indices = indices.astype(mx.int32)
+    from . import as_int32
+    indices = as_int32(indices, "sparse_attention: indices")
     off = _offset_value(offset, q.shape[2], k.shape[2], "sparse_attention")
     from . import backend_face, _gpu_stream
     face = backend_face(stream)
@@ -138,10 +139,12 @@ def select_topk(scores: mx.array, k: int, offset, *, stream: StreamLike = None) 
     if k <= 0:
         raise ValueError("select_topk: k must be positive")
     B, M, S = scores.shape
+    from . import as_int32
     if isinstance(offset, mx.array):
-        off = offset.reshape(()).astype(mx.int32)
+        off = as_int32(offset.reshape(()), "select_topk: offset", low=-2**31)
     else:
-        off = mx.array(int(offset), dtype=mx.int32)
+        off = mx.array(max(min(int(offset), 2**31 - 1), -2**31), dtype=mx.int32)
+    off = mx.minimum(off, S)      # past S-1 every key is visible anyway; off + i cannot wrap
     s = stream
     x = mx.add(scores.astype(mx.float32, stream=s), 0.0, stream=s)  # -0.0 -> +0.0
     u = x.view(mx.uint32)
