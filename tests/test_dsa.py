@@ -281,6 +281,20 @@ def test_checkpoint_errors(tmp_path):
     cfg["rope_scaling"] = {"type": "yarn", "factor": 40.0}            # mlx-lm's YarnRoPE defaults
     (p / "config.json").write_text(json.dumps(cfg))
     assert load_model(p).cfg.rope_scaling["type"] == "yarn"
+    # deepseek_v32 keeps its own lm_head whatever tie_word_embeddings says (mlx-lm's has no such
+    # field): tied, the head silently became the embedding
+    cfg["tie_word_embeddings"] = True
+    (p / "config.json").write_text(json.dumps(cfg))
+    m = load_model(p)
+    assert not m.cfg.tie_embeddings and m.lm_head is not m.embed
+    # shared-expert tensors that n_shared_experts 0 / null would drop: refused, as mlx-lm refuses
+    d = with_weights("shared", dict(w))
+    cfg2 = json.loads((d / "config.json").read_text())
+    if cfg2.get("n_shared_experts"):
+        cfg2["n_shared_experts"] = None
+        (d / "config.json").write_text(json.dumps(cfg2))
+        with pytest.raises(CheckpointError, match="shared_experts"):
+            load_model(d)
 
 
 def test_info(checkpoints):

@@ -553,6 +553,76 @@ def test_attention_rows_outside_buffer_are_nan(device):
         K.row_attention(q, k, v, 18, 0.125)
 
 
+def test_attention_chunk_of_minus_inf_scores_weighs_nothing(device):
+    """Keys 0..127 (one whole 128-key CPU chunk) whose scores are -inf: the row is the softmax
+    over the other keys, as a float64 reference and MLX's sdpa give (the CPU face returned NaN:
+    exp(-inf - -inf)). sparse_attention shares the chunk step and agrees bit for bit."""
+    rng = _rng("att-neginf")
+    D, off = 64, 200
+    k, v = make_kv(rng, 1, 1, off + 1, D, mx.float32, off + 1)
+    q = rand(rng, (1, 1, 1, D), mx.float32)
+    kn = np.array(k)
+    # keys 0..127 get an infinity in one dimension, of the sign that makes q . k = -inf
+    d = int(np.argmax(np.abs(np.array(q)[0, 0, 0])))
+    kn[:, :, :128, d] = -np.inf * np.sign(np.array(q)[0, 0, 0, d])
+    k = mx.array(kn)
+    out = np.array(K.row_attention(q, k, v, mx.array(off, dtype=mx.int32), 0.125))
+    s = (np.array(q, np.float64)[0, 0, 0] @ np.array(k, np.float64)[0, 0, 128:].T) * 0.125
+    w = np.exp(s - s.max())
+    ref = (w / w.sum()) @ np.array(v, np.float64)[0, 0, 128:]
+    assert np.isfinite(out).all() and np.abs(out[0, 0, 0] - ref).max() < 1e-5
+    if device.type == mx.cpu:
+        from tensorfold.kernels import sparse_attention
+        ids = mx.arange(off + 1, dtype=mx.int32).reshape(1, 1, -1)
+        sp = np.array(sparse_attention(q[:, :, :, :], k, v, ids, off, 0.125))
+        assert np.array_equal(sp, out)
+
+
+def test_kernel_inputs_refused_or_clipped_not_misread(device):
+    """K = 0 is refused (the output came back unwritten); float ids are refused and ids or
+    offsets past int32 stay out of range (they were truncated or wrapped into range)."""
+    x0, w0 = mx.zeros((2, 0)), mx.zeros((4, 0))
+    with pytest.raises(ValueError):
+        K.row_matmul(x0, w0)
+    wq, sc, bi = mx.quantize(mx.ones((32, 64)), group_size=64, bits=4)
+    with pytest.raises(ValueError):
+        K.row_quantized_matmul(mx.zeros((1, 0)), wq[:, :0], sc[:, :0], bi[:, :0], 64, 4)
+    assert np.array(K.as_int32(mx.array([2**32 + 1, -5, 7], dtype=mx.int64), "ids")).tolist() == \
+        [2**31 - 1, -1, 7]
+    with pytest.raises(ValueError):
+        K.as_int32(mx.array([1.9]), "ids")
+    x = rand(_rng("ids"), (2, 64), mx.float32)
+    w = rand(_rng("w"), (3, 32, 64), mx.float32)
+    y = np.array(K.row_expert_matmul(x, w, None, None, mx.array([[1], [2**32 + 1]], dtype=mx.int64)))
+    assert np.isfinite(y[0]).all()
+    if device.type == mx.cpu:
+        assert np.isnan(y[1]).all()                          # not expert 1
+    with pytest.raises(ValueError):
+        K.row_expert_matmul(x, w, None, None, mx.array([[0.5], [1.0]]))
+
+
+def test_layer_queue_shared_by_threads():
+    """push / drain run without the GIL: a queue shared by Python threads crashed (SIGSEGV)."""
+    import subprocess
+    import sys
+    code = """
+import threading, mlx.core as mx
+from tensorfold._ext import LayerQueue
+q = LayerQueue(1)
+def work(i):
+    for j in range(1500):
+        q.push([mx.array(i * j) + 1])
+        if j % 7 == 0:
+            q.drain()
+ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+q.drain()
+assert q.pushed == 6000, q.pushed
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-1000:])
+
+
 # ---------------------------------------------------------------- API
 
 def test_api(device):

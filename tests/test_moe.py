@@ -40,6 +40,11 @@ MLX_LM_CASES = {
     "mlx_4bit_dense1": dict(layout="mlx", bits=4, mlp_only_layers=[1], norm_topk_prob=False),
     "mlx_8bit_f16_step2": dict(layout="mlx", bits=8, dtype="float16", layers=3, decoder_sparse_step=2),
     "mlx_3bit_router4": dict(layout="mlx", bits=3, router_bits=None, num_experts=16, experts_per_tok=4),
+    # mlx-lm's qwen3_moe never reads rope_scaling (Qwen's yarn recipe runs unscaled there): ignored
+    # here too (it was applied, or refused for yarn)
+    "mlx_4bit_yarn_ignored": dict(layout="mlx", bits=4, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "mlx_4bit_linear_ignored": dict(layout="mlx", bits=4, rope_scaling={"type": "linear", "factor": 2.0}),
 }
 
 

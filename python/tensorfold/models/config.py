@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+
+log = logging.getLogger("tensorfold")
 
 DENSE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 MOE_FAMILIES = {"qwen3_moe": "qwen3_moe"}     # Qwen3-30B-A3B layout (mlx-lm's qwen3_moe)
@@ -178,6 +181,13 @@ class ModelConfig:
             raise CheckpointError(f"config.json: 'rope_parameters' must be an object, got {rope_params!r}")
         rope_theta = opt_num("rope_theta", opt_num("rope_theta", 10000.0, rope_params))
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
+        if mt in MOE_FAMILIES and rope_scaling:
+            # mlx-lm's qwen3_moe builds plain RoPE and never reads rope_scaling (so Qwen's yarn
+            # recipe loads and runs unscaled there): the same here, or prefill != mlx-lm's
+            log.warning("config.json: rope_scaling %r is ignored for qwen3_moe, as mlx-lm ignores it",
+                        rope_scaling.get("rope_type", rope_scaling.get("type"))
+                        if isinstance(rope_scaling, dict) else rope_scaling)
+            rope_scaling = None
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
         if rope_scaling and mt in DSA_FAMILIES:
@@ -211,7 +221,8 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
             rms_norm_eps=opt_num("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             rope_scaling=rope_scaling, max_position=opt_int("max_position_embeddings", 4096),
-            tie_embeddings=cls._tied(raw.get("tie_word_embeddings"), path),
+            # deepseek_v32 always has its own lm_head (mlx-lm's has no tie_word_embeddings)
+            tie_embeddings=False if family in DSA_FAMILIES else cls._tied(raw.get("tie_word_embeddings"), path),
             attention_bias=family == "qwen2" or opt_bool("attention_bias", False),
             mlp_bias=family == "llama" and opt_bool("mlp_bias", False),
             qk_norm=family in ("qwen3", "qwen3_moe"), dtype=dtype, quantization=quant, raw=raw,

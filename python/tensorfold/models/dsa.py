@@ -257,6 +257,9 @@ class DSALayer:
         if cfg.n_shared_experts:
             s = f"{p}.mlp.shared_experts"
             self.shared = tuple(take_linear(cfg, w, f"{s}.{proj}") for proj in PROJS)
+        elif any(k.startswith(f"{p}.mlp.shared_experts.") for k in w):
+            raise CheckpointError(f"{cfg.path}: {p}.mlp.shared_experts is stored but config.json's "
+                                  "n_shared_experts is 0 or null (its output would be dropped)")
 
     def linears(self) -> list[Linear]:
         out = [self.q_a, self.q_b, self.kv_a, self.o, self.wq_b, self.wk, self.weights_proj]
