@@ -2,10 +2,11 @@
 state and cache writes go to the native LayerQueue, which starts evaluating them and waits on
 layer i - depth before more is built, so at most `queue_depth` layers are queued ahead of the
 device. For qwen3_moe peak memory then does not grow with the prompt (measured on the H200,
-docs/benchmarks.md "Session 14"). deepseek_v32's does, inside one layer: its indexer scores a
-chunk's rows against every key, as mlx-lm's ops do ([heads, L, S], then select_topk's [L, S]
-keys), measured on the CPU at ~46 / 94 MiB more per 1k prompt tokens with 8 / 32 index heads
-(a 2-layer test model, grid 1024; session 50): a known gap. Decode (exact=True) is not queued."""
+docs/benchmarks.md "Session 14"). deepseek_v32's grows slowly, inside one layer: its indexer
+scores each row against every key. mlx-lm's ops build [index heads, chunk rows, keys] at once (an
+audit measured 46 / 94 MiB more per 1k prompt tokens with 8 / 32 index heads on the CPU); since
+session 50 dsa.py takes a sparse chunk INDEX_ROWS rows at a time, head by head: ~5 MiB per 1k
+tokens whatever the heads (tests/test_dsa.py). Decode (exact=True) is not queued."""
 
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ Weights and math follow mlx-lm 0.32.2's deepseek_v32.py.
   and the disk format (``k.{i}`` / ``v.{i}``) unchanged.
 - Prefill (`exact=False`): mlx-lm's ops while a chunk sees at most ``index_topk`` keys
   (``kernels.use_sparse(chunk_end, topk)`` false: the same bits as mlx-lm). Once it is true,
-  the indexer's scores are mlx-lm's ops, the selection is ``kernels.select_topk`` (ties to
+  the indexer's scores are mlx-lm's ops taken head by head over blocks of INDEX_ROWS rows (so a
+  chunk's transient memory is rows x keys, not index heads x chunk rows x keys; session 50),
+  the selection is ``kernels.select_topk`` (ties to
   the lower position; mlx-lm's argpartition leaves ties unspecified) and attention is
   ``kernels.sparse_attention`` over the selected latent keys (absorbed form: q = [embed_q(q_nope)
   | q_pe] against [latent | k_pe]), never an L x S mask: fp32 softmax, so logits differ
@@ -308,35 +310,58 @@ class DSAModel(BoundedPrefill, DenseModel):
         return out
 
     # ---- attention -------------------------------------------------------------------------
-    def _index_scores(self, ly: DSALayer, x, qr, ib, off: int, exact: bool):
-        """The indexer's scores [B, L, S] over keys 0..off+L-1 (mlx-lm's ops, or row-exact)."""
+    # A sparse prefill chunk's rows are indexed and attended INDEX_ROWS at a time (blocks at fixed
+    # offsets from the chunk's start, so fresh and resumed prompts cut them alike), each block's
+    # scores summed head by head: its transient memory is ~INDEX_ROWS x keys (scores and
+    # select_topk's sort keys), not index heads x chunk rows x keys (mlx-lm's [Hi, L, S], ~0.3 GiB
+    # per 1k prompt tokens for DeepSeek-V3.2's 64 heads and 2,048-row chunks).
+    INDEX_ROWS = 128
+
+    def _index_q(self, ly: DSALayer, x, qr, off: int, exact: bool):
+        """The indexer's queries [B, Hi, L, hd] (RoPE'd at off..) and head weights [B, L, Hi]."""
         B, L, _ = x.shape
-        S = off + L
         Hi, hd = self.cfg.index_n_heads, self.cfg.index_head_dim
         lin = Linear.exact if exact else Linear.__call__
         q = lin(ly.wq_b, qr).reshape(B, L, Hi, hd).swapaxes(1, 2)
         q = self.irope(q, off)
         wscale = Hi ** -0.5 * hd ** -0.5
-        weights = lin(ly.weights_proj, x) * wscale                         # [B, L, Hi]
-        if exact:
-            from .. import kernels
-            keys = mx.contiguous(ib[0, 0, :S, :])                          # [S, hd]
-            scores = None
-            for h in range(Hi):                                            # fixed order
-                s = mx.maximum(kernels.row_matmul(mx.contiguous(q[:, h]), keys), 0)
-                s = s * weights[..., h:h + 1]
-                scores = s if scores is None else scores + s
-            return scores
-        k = ib[..., :S, :]
-        scores = q @ k.swapaxes(-1, -2)
-        scores = mx.maximum(scores, 0)
-        weights = weights.swapaxes(-1, -2)[..., None]
-        scores = scores * weights
-        if L > 1:
-            scores = sum(scores[:, h: h + 1] for h in range(scores.shape[1]))
-        else:
-            scores = scores.sum(axis=1, keepdims=True)
-        return scores[:, 0]
+        return q, lin(ly.weights_proj, x) * wscale
+
+    def _sparse_rows(self, ly: DSALayer, x, qr, qa, kb, ib, off: int):
+        """Prefill (not exact) of a chunk past top-k: the rows' selected keys and their sparse
+        attention, INDEX_ROWS rows at a time. Each head's scores are mlx-lm's ops on that head
+        (relu(q_h k^T) * w_h, summed over heads in order as mlx-lm sums them); a row's selection and
+        attention depend on its own scores only (select_topk and sparse_attention are per row)."""
+        from .. import kernels
+        B, L, _ = x.shape
+        q, weights = self._index_q(ly, x, qr, off, False)
+        parts = []
+        for r0 in range(0, L, self.INDEX_ROWS):
+            r1 = min(L, r0 + self.INDEX_ROWS)
+            k = ib[..., :off + r1, :]                       # the keys these rows can see
+            qb, wb = q[:, :, r0:r1], weights[:, r0:r1]
+            heads = (mx.maximum(qb[:, h:h + 1] @ k.swapaxes(-1, -2), 0) * wb[..., h:h + 1][:, None]
+                     for h in range(q.shape[1]))
+            scores = sum(heads)[:, 0]                       # [B, rows, off + r1]
+            sel = kernels.select_topk(scores, self.cfg.index_topk, off + r0)
+            parts.append(kernels.sparse_attention(qa[:, :, r0:r1], kb, kb, sel, off + r0, self.scale))
+            mx.eval(parts[-1])         # one block's transients at a time
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def _index_scores(self, ly: DSALayer, x, qr, ib, off: int):
+        """The indexer's scores [B, L, S] over keys 0..off+L-1 for an exact (decode / verify)
+        call: row-exact products, heads summed in a fixed order. Prefill chunks: _sparse_rows."""
+        from .. import kernels
+        L = x.shape[1]
+        S = off + L
+        q, weights = self._index_q(ly, x, qr, off, True)                   # weights [B, L, Hi]
+        keys = mx.contiguous(ib[0, 0, :S, :])                              # [S, hd]
+        scores = None
+        for h in range(self.cfg.index_n_heads):                            # fixed order
+            s = mx.maximum(kernels.row_matmul(mx.contiguous(q[:, h]), keys), 0)
+            s = s * weights[..., h:h + 1]
+            scores = s if scores is None else scores + s
+        return scores
 
     def _attention(self, ly: DSALayer, i: int, x, cache: KVCache, exact: bool, residual=None):
         from .. import kernels
@@ -373,9 +398,10 @@ class DSAModel(BoundedPrefill, DenseModel):
             parts = []
             if b > 0:
                 parts.append(kernels.row_attention(qa[:, :, :b], kb, kb, off, self.scale))
-            if b < L:
-                sel = kernels.select_topk(self._index_scores(ly, x, qr, ib, off, exact),
-                                          cfg.index_topk, off)
+            if not exact and b == 0:
+                parts.append(self._sparse_rows(ly, x, qr, qa, kb, ib, off))
+            elif b < L:
+                sel = kernels.select_topk(self._index_scores(ly, x, qr, ib, off), cfg.index_topk, off)
                 parts.append(kernels.sparse_attention(qa[:, :, b:], kb, kb, sel[:, b:], off + b,
                                                       self.scale))
             o = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
