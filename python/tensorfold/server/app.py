@@ -26,6 +26,7 @@ log = logging.getLogger("tensorfold.server")
 class _Gone(Exception):
     """The client disconnected before its request body arrived."""
 
+
 _HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
                422: "invalid_value"}
