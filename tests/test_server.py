@@ -709,3 +709,16 @@ def test_shutdown_flushes_snapshots_still_queued(tmp_path, monkeypatch):
                max_tokens=2)
         assert not list(snap.glob("*.safetensors"))       # still in the writer
     assert list(snap.glob("*.safetensors"))
+
+
+def test_a_stalled_body_gets_a_408():
+    """A client that sends its headers and then stalls (slowloris) gets a 408 once body_timeout
+    has passed, instead of holding the connection open without end."""
+    eng = ScriptedEngine(["ok"])
+    with scripted_server(eng, body_timeout=0.5) as s:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"messages\"")
+            reply = c.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+        assert eng.started == [] and chat_text(s.chat(max_tokens=1)) == "ok"

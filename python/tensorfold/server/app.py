@@ -28,7 +28,7 @@ class _Gone(Exception):
 
 
 _HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
+               405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
                422: "invalid_value"}
 
 
@@ -40,14 +40,16 @@ def max_body_default(context_length: int) -> int:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               defaults: dict | None = None, aliases=(), max_body: int | None = None) -> FastAPI:
+               defaults: dict | None = None, aliases=(), max_body: int | None = None,
+               body_timeout: float = 60.0) -> FastAPI:
     """Build the app around `engine`: an Engine, an `EngineWorker`, or a zero-argument factory that builds
     the Engine (it then runs on the worker thread, which MLX needs: its streams belong to one thread).
 
     defaults: server-wide request defaults - temperature/top_p/top_k/min_p (override the engine's
     generation_defaults), max_tokens (used when a request gives none) and thinking (enable_thinking used
     when a request gives none). max_body: the largest request body in bytes (default
-    max_body_default(context)). The app stops the worker on shutdown."""
+    max_body_default(context)); body_timeout: seconds a request body may take to arrive (408
+    after). The app stops the worker on shutdown."""
     worker = engine if isinstance(engine, EngineWorker) else EngineWorker(engine)
     eng = worker.wait_ready()
     name = model_name or eng.model_name
@@ -125,15 +127,22 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         n = request.headers.get("content-length")
         if n is not None and n.strip().isdigit() and int(n) > limit:
             raise too_large()
-        parts, size = [], 0
-        try:
+        parts = []
+
+        async def read():
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise too_large()
                 parts.append(chunk)
+        try:
+            await asyncio.wait_for(read(), body_timeout)
         except ClientDisconnect:
             raise _Gone from None
+        except asyncio.TimeoutError:        # a client that sends its headers and stalls
+            raise RequestError(f"The request body did not arrive within {body_timeout:g} s.",
+                               code="request_timeout", status=408) from None
         return b"".join(parts)
 
     def check_model(model) -> None:
