@@ -341,3 +341,32 @@ def test_accepted_counts_only_drafts_that_reach_the_reply(tinycode_path):
         assert (text, ids) == want[:2] and st.finish_reason == "stop" and st.drafted > 0
         # the first token is the prefill's; every round but the last adds one token of its own
         assert st.accepted <= st.completion_tokens - 1 - (st.verify_rounds - 1), (stop, st)
+
+
+def test_drafts_past_either_vocab_are_never_embedded(checkpoints):
+    """A drafter with the target's tokenizer may pad its vocab differently: a draft id past the
+    target's vocab is cut before the verify call, and the drafter stops drafting a sequence that
+    holds an id past its own (MLX's gather does not check either)."""
+    from tensorfold.engine.proposers import DraftModel, Proposer
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=PrefillMode(grid=GRID))
+    V = eng.model.cfg.vocab_size
+    prompt = [5, 6, 7, 8] * 6
+    greedy = SamplingParams(temperature=0)
+
+    class Wild(Proposer):
+        def propose(self, tokens, k):
+            return [tokens[-4], V + 3, tokens[-3]][:k]
+    want = eng.generate_text(prompt=prompt, max_tokens=30, sampling=greedy, draft=False)
+    fed, forward = [], eng.model.forward
+
+    def spy(ids, *a, **kw):
+        fed.append(int(mx.max(ids).item()))
+        return forward(ids, *a, **kw)
+    eng.model.forward = spy
+    got = eng.generate_text(prompt=prompt, max_tokens=30, sampling=greedy, proposers=[Wild()])
+    del eng.model.forward
+    assert got[:2] == want[:2] and got[2].drafted > 0 and max(fed) < V
+    dm = DraftModel(load_model(checkpoints["qwen3_mlx_4bit"]), PrefillMode(grid=GRID))
+    dm.model.cfg.vocab_size = 40                    # as if its vocab ended below some of ours
+    assert dm.propose([5, 6, 50, 7], 4) == [] and dm.propose([5, 6, 50, 7, 8], 4) == []
+    assert len(dm.propose([5, 6, 7], 2)) == 2       # another sequence drafts again

@@ -375,6 +375,10 @@ class Engine:
                 if room <= 0 or not prop.active(len(tokens)):
                     continue
                 drafts = prop.propose(tokens, min(prop.width, self.draft_width, room))[:room]
+                V = self.model.cfg.vocab_size
+                bad = next((j for j, d in enumerate(drafts) if not 0 <= d < V), None)
+                if bad is not None:     # a drafter's padding id: never embedded (MLX's gather
+                    drafts = drafts[:bad]   # does not check), and never a sample of ours anyway
                 if drafts:
                     who = prop
                     break

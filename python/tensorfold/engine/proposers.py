@@ -83,6 +83,7 @@ class DraftModel(Proposer):
         self.model, self.mode = model, mode
         self.cache = model.new_cache()
         self.fed: list[int] = []
+        self._oob = None         # (position, id) of a token past this model's vocab, if any
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         from .prefill import prefill
@@ -98,6 +99,17 @@ class DraftModel(Proposer):
                 self.cache.trim(n)
             self.fed = self.fed[:n]
         todo = tokens[n:]
+        V = self.model.cfg.vocab_size
+        oob = self._oob
+        if oob is not None and len(tokens) > oob[0] and tokens[oob[0]] == oob[1]:
+            return []                       # this sequence holds an id we cannot embed
+        bad = next((n + j for j, t in enumerate(todo) if t >= V), None)
+        if bad is not None:
+            # a padding id of the target's larger vocab: not in this model's embedding (MLX's
+            # gather does not check). No drafts for this sequence; the target decodes on alone.
+            self._oob = (bad, tokens[bad])
+            self.cache, self.fed = self.model.new_cache(), []
+            return []
         if len(todo) > 1:
             # catch up on the prompt (or a long accepted run) through the grid prefill
             if self.cache.offset % self.mode.grid:
