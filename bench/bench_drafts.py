@@ -58,9 +58,11 @@ def main(argv=None):
         st = dr[0][2]
         s_tps = statistics.median(x[2].decode_tps for x in ser)
         d_tps = statistics.median(x[2].decode_tps for x in dr)
-        calls = st.completion_tokens - st.accepted   # one decode call per emitted non-draft token
+        # the first token is the prefill's; each decode call emits its accepted drafts plus one
+        calls = st.completion_tokens - 1 - st.accepted
         print(f"| {name} | {st.completion_tokens} | {s_tps:.1f} | {d_tps:.1f} | {d_tps / s_tps:.2f} | "
-              f"{st.accepted}/{st.drafted} | {st.completion_tokens / max(1, calls):.2f} | {equal} |", flush=True)
+              f"{st.accepted}/{st.drafted} | {(st.completion_tokens - 1) / max(1, calls):.2f} | {equal} |",
+              flush=True)
 
 
 if __name__ == "__main__":
