@@ -601,6 +601,26 @@ def test_kernel_inputs_refused_or_clipped_not_misread(device):
         K.row_expert_matmul(x, w, None, None, mx.array([[0.5], [1.0]]))
 
 
+def test_cpu_face_routes_to_the_native_ops():
+    """On the CPU the wrappers run tensorfold._ext's primitives, bit for bit. MLX's own CPU ops are
+    row-invariant too, so the row-exact tests above could not tell a wrapper that fell back to
+    them (a test-strength review swapped each op for MLX's and those tests passed)."""
+    from tensorfold import _ext
+    rng = _rng("route")
+    x = rand(rng, (5, 256), mx.bfloat16)
+    w = rand(rng, (48, 256), mx.bfloat16)
+    assert np.array_equal(bits(K.row_matmul(x, w, stream=mx.cpu)), bits(_ext.row_matmul(x, w)))
+    wq, sc, bi = mx.quantize(rand(rng, (48, 256), mx.float32), group_size=64, bits=4)
+    sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
+    assert np.array_equal(bits(K.row_quantized_matmul(x, wq, sc, bi, 64, 4, stream=mx.cpu)),
+                          bits(_ext.row_quantized_matmul(x, wq, sc, bi, 64, 4)))
+    k, v = make_kv(rng, 1, 2, 40, 64, mx.bfloat16, 40)
+    q = rand(rng, (1, 4, 3, 64), mx.bfloat16)
+    off = mx.array([30], dtype=mx.int32)
+    assert np.array_equal(bits(K.row_attention(q, k, v, off, 0.125, stream=mx.cpu)),
+                          bits(_ext.row_attention(q, k, v, off, 0.125)))
+
+
 def test_layer_queue_shared_by_threads():
     """push / drain run without the GIL: a queue shared by Python threads crashed (SIGSEGV)."""
     import subprocess

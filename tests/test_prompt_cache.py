@@ -492,3 +492,27 @@ def test_unusable_snapshot_dir_and_tiny_memory_budget(model_path, tmp_path, capl
     fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
         messages=msgs, max_tokens=6, sampling=P)
     assert (text, ids) == fresh[:2]
+
+
+@pytest.mark.parametrize("cut", ["grid-prefix", "mid-entry"])
+def test_prompts_that_end_on_or_split_a_stored_entry(model_path, cut):
+    """A prompt that is exactly a stored grid-length prefix (it must resume one grid point lower:
+    its last token runs as the row-exact step), and one that leaves a stored entry partway through
+    a grid cell (it resumes at the last whole grid point inside the shared part): both equal a
+    fresh engine, and what they resume from is a grid point."""
+    mode = PrefillMode(grid=GRID)
+    rng = np.random.default_rng(23)
+    eng = Engine(model_path, prefill_mode=mode, drafts=False)
+    vocab = eng.model.cfg.vocab_size
+    first = rng.integers(3, vocab, size=5 * GRID + 3).tolist()
+    eng.generate_text(prompt=first, max_tokens=2, sampling=P)          # stores 5 grid cells
+    if cut == "grid-prefix":
+        prompt, want_cached = first[:3 * GRID], 2 * GRID
+    else:
+        prompt = first[:3 * GRID + 5] + rng.integers(3, vocab, size=GRID).tolist()
+        want_cached = 3 * GRID
+    text, ids, st = eng.generate_text(prompt=prompt, max_tokens=8, sampling=P)
+    assert st.cached_tokens == want_cached and st.cached_tokens % GRID == 0
+    fresh = Engine(model_path, prefill_mode=mode, drafts=False).generate_text(prompt=prompt, max_tokens=8,
+                                                                               sampling=P)
+    assert (text, ids) == fresh[:2]

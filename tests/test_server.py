@@ -243,6 +243,9 @@ def test_drafted_equals_serial(srv):
         assert td == ts
         assert d.model_extra["tensorfold"]["token_hash"] == s.model_extra["tensorfold"]["token_hash"]
         assert s.model_extra["tensorfold"]["drafted"] == 0
+        from tensorfold import kernels
+        if kernels.backend_face() == "cpu":       # the CPU faces pass row_check: drafts must run
+            assert srv.engine.drafts_enabled
         if srv.engine.drafts_enabled:
             assert d.model_extra["tensorfold"]["drafted"] > 0
 
@@ -352,6 +355,7 @@ BAD = [
     ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "prompt", None),
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("n > 1 on completions", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n", None),
     # fields OpenAI has and this server does not implement: refused, never silently dropped
     ("logprobs asked", "/v1/chat/completions", _msg(logprobs=True), 400, "logprobs", "unsupported_parameter"),
     ("top_logprobs asked", "/v1/chat/completions", _msg(top_logprobs=5), 400, "top_logprobs",
