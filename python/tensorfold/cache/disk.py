@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import fcntl
 import hashlib
 import json
 import logging
@@ -130,18 +131,10 @@ def to_mlx(tensors) -> list[tuple[mx.array, mx.array]]:
     return kv
 
 
-try:
-    import fcntl
-except ImportError:         # not POSIX
-    fcntl = None
-
-
 def _lock(fh) -> bool:
-    """An exclusive advisory lock on an open file, without waiting: True when taken (or where
-    there are no locks). A snapshot's temporary file is locked by its writer until it is renamed,
-    so a file that can be locked is one whose writer is gone (a crash, a kill)."""
-    if fcntl is None:
-        return True
+    """An exclusive advisory lock on an open file, without waiting: True when taken. A snapshot's
+    temporary file is locked by its writer until it is renamed, so a file that can be locked is
+    one whose writer is gone (a crash, a kill)."""
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -151,17 +144,6 @@ def _lock(fh) -> bool:
 
 def _abandoned(f: Path) -> bool:
     """A temporary file no live writer holds (a writer in this process or another, on this host)."""
-    if fcntl is None:       # no locks: by the pid in the name
-        pid = f.name.split("-")[1]
-        if not pid.isdigit():
-            return True
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
     try:
         with open(f, "rb") as fh:
             return _lock(fh)
@@ -181,6 +163,7 @@ class DiskStore:
         self._queue = None
         self.entries: list[DiskEntry] = []
         self.scan()
+        atexit.register(self.flush)     # queued snapshots reach the disk (returns at once if none)
 
     def scan(self) -> None:
         entries = []
@@ -255,9 +238,6 @@ class DiskStore:
                 self._writer = threading.Thread(target=self._drain, name="tensorfold-snapshot-writer",
                                                 daemon=True)
                 self._writer.start()
-                if not getattr(self, "_atexit", False):
-                    atexit.register(self.flush)
-                    self._atexit = True
             self._pending += 1
         self._queue.put(job)
 

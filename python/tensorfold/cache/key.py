@@ -11,6 +11,7 @@ its path, size, inode, mtime and ctime, so it is read once, not at every start."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -45,46 +46,47 @@ def _read_memo() -> dict:
         return {}
 
 
-def _unhashed(files: list[Path], memo: dict) -> list[Path]:
-    return [f for f in files if (m := memo.get(str(f.resolve()))) is None
-            or not isinstance(m, dict) or m.get("stamp") != _stamp(f.stat())]
+def _memo_hit(memo: dict, f: Path) -> str | None:
+    """The file's remembered sha256, where its stamp is unchanged."""
+    m = memo.get(str(f.resolve()))
+    ok = isinstance(m, dict) and m.get("stamp") == _stamp(f.stat()) and isinstance(m.get("sha256"), str)
+    return m["sha256"] if ok else None
 
 
 def _weight_files(path: Path) -> list[Path]:
-    return sorted(f for f in Path(path).glob("*.safetensors") if f.is_file())
+    """The files the loader reads (models.config.weight_files); none where it would refuse."""
+    from ..errors import CheckpointError
+    from ..models.config import weight_files
+    try:
+        return weight_files(Path(path))
+    except CheckpointError:
+        return []
 
 
 def unhashed_bytes(model_path) -> int:
     """Bytes of the checkpoint's weight files whose sha256 the memo does not hold yet."""
-    return sum(f.stat().st_size for f in _unhashed(_weight_files(Path(model_path)), _read_memo()))
+    memo = _read_memo()
+    return sum(f.stat().st_size for f in _weight_files(Path(model_path)) if _memo_hit(memo, f) is None)
 
 
 def file_hashes(files: list[Path]) -> list[str]:
     """sha256 of each file's bytes, from the memo where the file's stamp is unchanged."""
-    memo_f = _memo_file()
     memo = _read_memo()
     out, new = [], False
-    todo = _unhashed(files, memo)
-    if todo:
-        gb = sum(f.stat().st_size for f in todo) / 1e9
-        if gb > 1:
-            log.info("hashing %.1f GB of weights once, to key their prompt-cache snapshots", gb)
     t0 = time.perf_counter()
     for f in files:
-        key = str(f.resolve())
-        st = f.stat()
-        m = memo.get(key)
-        if isinstance(m, dict) and m.get("stamp") == _stamp(st) and isinstance(m.get("sha256"), str):
-            out.append(m["sha256"])
-            continue
-        digest = _sha256_file(f)
-        if _stamp(f.stat()) == _stamp(st):      # not written while read
-            memo[key] = {"stamp": _stamp(st), "sha256": digest}
-            new = True
+        digest = _memo_hit(memo, f)
+        if digest is None:
+            st = f.stat()
+            digest = _sha256_file(f)
+            if _stamp(f.stat()) == _stamp(st):      # not written while read
+                memo[str(f.resolve())] = {"stamp": _stamp(st), "sha256": digest}
+                new = True
         out.append(digest)
     if new:
         if len(memo) > _MEMO_MAX:
             memo = dict(list(memo.items())[-_MEMO_MAX:])
+        memo_f = _memo_file()
         try:
             memo_f.parent.mkdir(parents=True, exist_ok=True)
             tmp = memo_f.with_name(f".{memo_f.name}.{os.getpid()}")
@@ -92,7 +94,7 @@ def file_hashes(files: list[Path]) -> list[str]:
             os.replace(tmp, memo_f)
         except OSError:
             pass                                 # hashed again next time
-        if todo and time.perf_counter() - t0 > 2:
+        if time.perf_counter() - t0 > 2:
             log.info("weights hashed in %.1f s", time.perf_counter() - t0)
     return out
 
@@ -126,6 +128,7 @@ def _weights_identity(h, path: Path, whole: bool = True) -> None:
                 h.update(fh.read(_SAMPLE))
 
 
+@functools.lru_cache(maxsize=1)
 def kernel_hash() -> str:
     """Hash of the native extension binary and the shipped GPU kernel sources."""
     root = Path(__file__).resolve().parent.parent

@@ -27,18 +27,40 @@ def _quant_entry(e: dict) -> tuple:
     return (64 if gs is None else gs), (4 if bits is None else bits)
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: its index's, else model*.safetensors, else *.safetensors
+    (what the loader reads, and what the prompt-cache key hashes)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+        files = sorted({path / f for f in wmap.values()})
+    else:   # mlx-lm's pattern (an adapter or a stray copy next to the weights is not merged in)
+        files = sorted(f for f in path.glob("model*.safetensors") if f.is_file()) or \
+            sorted(f for f in path.glob("*.safetensors") if f.is_file())
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{path}: weight file {f.name} listed in the index is missing")
+    return files
+
+
 def checkpoint_has(path: Path, name: str) -> bool:
     """Whether the checkpoint at `path` stores tensor `name`: from the index's weight_map, else from
-    the safetensors headers (8-byte length + JSON; no tensor data read). False where unreadable."""
+    the weight files' safetensors headers (8-byte length + JSON; no tensor data read). False where
+    unreadable or absent (a directory with config.json only)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     try:
         if index.is_file():
             wmap = json.loads(index.read_text()).get("weight_map")
             return isinstance(wmap, dict) and name in wmap
-        for f in sorted(path.glob("*.safetensors")):
-            if not f.is_file():
-                continue
+        for f in weight_files(path):
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 if not 0 < n < 1 << 28:
@@ -46,7 +68,7 @@ def checkpoint_has(path: Path, name: str) -> bool:
                 header = json.loads(fh.read(n))
             if isinstance(header, dict) and name in header:
                 return True
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, CheckpointError):
         pass
     return False
 
@@ -362,8 +384,7 @@ class ModelConfig:
         if own is False:
             return None
         if isinstance(own, dict):
-            gs, bits = _quant_entry(own)
-            return gs, bits
+            return _quant_entry(own)
         gs, bits = _quant_entry(q)
         in_dim = self._in_dims().get(module)
         if in_dim is not None and in_dim % gs:

@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..errors import CheckpointError
-from .config import ModelConfig
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
-        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
-        files = sorted({path / f for f in wmap.values()})
-    else:   # mlx-lm's pattern (an adapter or a stray copy next to the weights is not merged in)
-        files = sorted(f for f in path.glob("model*.safetensors") if f.is_file()) or \
-            sorted(f for f in path.glob("*.safetensors") if f.is_file())
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weight files")
-    for f in files:
-        if not f.is_file():
-            raise CheckpointError(f"{path}: weight file {f.name} listed in the index is missing")
-    return files
+from .config import ModelConfig, weight_files
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
