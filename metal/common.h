@@ -22,6 +22,10 @@ inline float tf_simd_sum(float v) {
   return v;
 }
 
+// The maximum a softmax subtracts: -inf (no finite score yet on either side) gives 0, so
+// exp(-inf - 0) = 0 weighs nothing where -inf - -inf was NaN (cpu_attention.h's rule).
+inline float tf_zmax(float m) { return m == -INFINITY ? 0.0f : m; }
+
 inline float tf_simd_max(float v) {
   for (ushort off = 16; off >= 1; off >>= 1) v = max(v, simd_shuffle_xor(v, off));
   return v;

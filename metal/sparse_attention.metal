@@ -84,14 +84,14 @@ for (;;) {
     sb = acc * scale;
   }
   const float mc = tf_simd_max(max(sa, sb));
-  const float ea = (int)lane < n ? precise::exp(sa - mc) : 0.0f;
-  const float eb = (int)lane + 32 < n ? precise::exp(sb - mc) : 0.0f;
+  const float ea = (int)lane < n ? precise::exp(sa - tf_zmax(mc)) : 0.0f;
+  const float eb = (int)lane + 32 < n ? precise::exp(sb - tf_zmax(mc)) : 0.0f;
   es[lane] = ea;
   es[lane + 32] = eb;
   const float lc = tf_simd_sum(ea + eb);
   simdgroup_barrier(mem_flags::mem_threadgroup);
   const float mn = max(m_sp, mc);
-  const float fa = precise::exp(m_sp - mn), fb = precise::exp(mc - mn);
+  const float fa = precise::exp(m_sp - tf_zmax(mn)), fb = precise::exp(mc - tf_zmax(mn));
   for (int t = 0; t < NT; ++t) {
     const int d = lane + 32 * t;
     if (d < D) {
@@ -105,7 +105,7 @@ for (;;) {
   taken += n;
   if (taken % SPAN == 0) {
     const float mn2 = max(m_all, m_sp);
-    const float fa2 = precise::exp(m_all - mn2), fb2 = precise::exp(m_sp - mn2);
+    const float fa2 = precise::exp(m_all - tf_zmax(mn2)), fb2 = precise::exp(m_sp - tf_zmax(mn2));
     for (int t = 0; t < NT; ++t) {
       o_all[t] = fma(o_sp[t], fb2, o_all[t] * fa2);
       o_sp[t] = 0.0f;
@@ -128,7 +128,7 @@ for (;;) {
 }
 if (taken % SPAN != 0) {
   const float mn2 = max(m_all, m_sp);
-  const float fa2 = precise::exp(m_all - mn2), fb2 = precise::exp(m_sp - mn2);
+  const float fa2 = precise::exp(m_all - tf_zmax(mn2)), fb2 = precise::exp(m_sp - tf_zmax(mn2));
   for (int t = 0; t < NT; ++t) o_all[t] = fma(o_sp[t], fb2, o_all[t] * fa2);
   l_all = l_all * fa2 + l_sp * fb2;
 }

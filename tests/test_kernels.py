@@ -553,28 +553,39 @@ def test_attention_rows_outside_buffer_are_nan(device):
         K.row_attention(q, k, v, 18, 0.125)
 
 
-def test_attention_chunk_of_minus_inf_scores_weighs_nothing(device):
-    """Keys 0..127 (one whole 128-key CPU chunk) whose scores are -inf: the row is the softmax
-    over the other keys, as a float64 reference and MLX's sdpa give (the CPU face returned NaN:
-    exp(-inf - -inf)). sparse_attention shares the chunk step and agrees bit for bit."""
-    rng = _rng("att-neginf")
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_attention_chunk_of_minus_inf_scores_weighs_nothing(device, M, dtype):
+    """Keys 0..127 (one whole 128-key CPU chunk, two 64-key CUDA spans) whose scores are -inf:
+    each row is the softmax over the other keys it sees, as a float64 reference gives (the CPU
+    face returned NaN: exp(-inf - -inf); so did the CUDA merges before tf_zmax). M > 1 and bf16
+    reach the CUDA face's tensor-core paths. sparse_attention shares the chunk step: bit for bit
+    equal on the CPU, finite and as close on every face."""
+    rng = _rng(f"att-neginf-{M}")
     D, off = 64, 200
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
     k, v = make_kv(rng, 1, 1, off + 1, D, mx.float32, off + 1)
-    q = rand(rng, (1, 1, 1, D), mx.float32)
-    kn = np.array(k)
-    # keys 0..127 get an infinity in one dimension, of the sign that makes q . k = -inf
-    d = int(np.argmax(np.abs(np.array(q)[0, 0, 0])))
-    kn[:, :, :128, d] = -np.inf * np.sign(np.array(q)[0, 0, 0, d])
-    k = mx.array(kn)
-    out = np.array(K.row_attention(q, k, v, mx.array(off, dtype=mx.int32), 0.125))
-    s = (np.array(q, np.float64)[0, 0, 0] @ np.array(k, np.float64)[0, 0, 128:].T) * 0.125
-    w = np.exp(s - s.max())
-    ref = (w / w.sum()) @ np.array(v, np.float64)[0, 0, 128:]
-    assert np.isfinite(out).all() and np.abs(out[0, 0, 0] - ref).max() < 1e-5
+    q = rand(rng, (1, 1, M, D), mx.float32)
+    qn, kn = np.array(q), np.array(k)
+    # keys 0..127 get an infinity in dimension d, of the sign that makes every row's q . k = -inf
+    d = int(np.argmax(np.abs(qn[0, 0]).min(axis=0)))
+    qn[0, 0, :, d] = np.abs(qn[0, 0, :, d]) + 0.5
+    kn[:, :, :128, d] = -np.inf
+    q, k, v = mx.array(qn).astype(dtype), mx.array(kn).astype(dtype), v.astype(dtype)
+    start = off - M + 1
+    out = np.array(K.row_attention(q, k, v, mx.array(start, dtype=mx.int32), 0.125).astype(mx.float32))
+    q64, k64, v64 = (np.array(a.astype(mx.float32), np.float64)[0, 0] for a in (q, k, v))
+    assert np.isfinite(out).all()
+    for i in range(M):
+        s = (q64[i] @ k64[128:start + i + 1].T) * 0.125
+        w = np.exp(s - s.max())
+        ref = (w / w.sum()) @ v64[128:start + i + 1]
+        assert np.abs(out[0, 0, i] - ref).max() < tol, i
+    from tensorfold.kernels import sparse_attention
+    ids = mx.broadcast_to(mx.arange(off + 1, dtype=mx.int32), (1, M, off + 1))
+    sp = np.array(sparse_attention(q, k, v, ids, start, 0.125).astype(mx.float32))
+    assert np.isfinite(sp).all() and np.abs(sp - out).max() < tol
     if device.type == mx.cpu:
-        from tensorfold.kernels import sparse_attention
-        ids = mx.arange(off + 1, dtype=mx.int32).reshape(1, 1, -1)
-        sp = np.array(sparse_attention(q[:, :, :, :], k, v, ids, off, 0.125))
         assert np.array_equal(sp, out)
 
 

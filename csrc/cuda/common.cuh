@@ -242,6 +242,12 @@ __device__ __forceinline__ float tf_ex2(float x) {
   return y;
 }
 
+// The maximum a softmax subtracts: -inf (no finite score on either side yet, e.g. a chunk of
+// all -inf scores) gives 0, so 2^(-inf - 0) = 0 weighs nothing where -inf - -inf was NaN and made
+// the row NaN (the CPU spec's rule, cpu_attention.h). Any other maximum is returned as it is, so
+// the bits are unchanged wherever a score is finite.
+__device__ __forceinline__ float tf_zmax(float m) { return m == TF_NEG_INF ? 0.0f : m; }
+
 // Attention partials (row_attention.cu): (o[0..D), m, l) stored as D + 2 floats, lane owning
 // o[lane + 32 t], m in base 2; and the one merge formula, folding a stored partial into (m, l, o):
 //   m' = max(m, m2); a = 2^(m - m'); b = 2^(m2 - m'); l = l*a + l2*b; o = fma(o2, b, o*a).
@@ -263,7 +269,8 @@ __device__ __forceinline__ void tf_merge_partial(float& m, float& l, float (&o)[
                                                  int lane) {
   const float m2 = src[D], l2 = src[D + 1];
   const float mn = fmaxf(m, m2);
-  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(m2, mn));
+  const float mz = tf_zmax(mn);
+  const float fa = tf_ex2(__fsub_rn(m, mz)), fb = tf_ex2(__fsub_rn(m2, mz));
   l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(l2, fb));
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -309,8 +316,9 @@ __device__ __forceinline__ TfChunkSoftmax tf_chunk_softmax(float sa, float sb, i
   float mc = fmaxf(sa, sb);
 #pragma unroll
   for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-  const float ea = lane < n ? expf(__fsub_rn(sa, mc)) : 0.0f;
-  const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mc)) : 0.0f;
+  const float mcz = tf_zmax(mc);
+  const float ea = lane < n ? expf(__fsub_rn(sa, mcz)) : 0.0f;
+  const float eb = lane + 32 < n ? expf(__fsub_rn(sb, mcz)) : 0.0f;
   es[lane] = ea;
   es[lane + 32] = eb;
   float lc = __fadd_rn(ea, eb);
@@ -318,5 +326,6 @@ __device__ __forceinline__ TfChunkSoftmax tf_chunk_softmax(float sa, float sb, i
   for (int sh = 16; sh >= 1; sh >>= 1) lc = __fadd_rn(lc, __shfl_xor_sync(TF_FULL_MASK, lc, sh));
   __syncwarp();
   const float mn = fmaxf(mrun, mc);
-  return {lc, mn, expf(__fsub_rn(mrun, mn)), expf(__fsub_rn(mc, mn))};
+  const float mnz = tf_zmax(mn);
+  return {lc, mn, expf(__fsub_rn(mrun, mnz)), expf(__fsub_rn(mc, mnz))};
 }

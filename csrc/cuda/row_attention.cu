@@ -108,8 +108,8 @@ __device__ __forceinline__ void tf_span_softmax(float (&c)[8][4], int s0, int t4
     const float lc = __fadd_rn(y[0], y[1]);         // key bit 0
     fold[h] = rok[h] && pr[h] >= s0;
     const float mn = fmaxf(mrun[h], mc);
-    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-    fb[h] = tf_ex2(__fsub_rn(mc, mn));
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], tf_zmax(mn)));
+    fb[h] = tf_ex2(__fsub_rn(mc, tf_zmax(mn)));
     if (SPB == 1) {
       mrun[h] = mc;
       lrun[h] = lc;
@@ -307,7 +307,7 @@ __device__ __forceinline__ void tf_fold_rows16(float (&m)[2], float (&l)[2], flo
   for (int h = 0; h < 2; ++h) {
     if (!c[h]) continue;
     const float m1 = Z ? TF_NEG_INF : m[h], mn = fmaxf(m1, m2[h]);
-    const float fa = tf_ex2(__fsub_rn(m1, mn)), fb = tf_ex2(__fsub_rn(m2[h], mn));
+    const float fa = tf_ex2(__fsub_rn(m1, tf_zmax(mn))), fb = tf_ex2(__fsub_rn(m2[h], tf_zmax(mn)));
     l[h] = __fadd_rn(__fmul_rn(Z ? 0.0f : l[h], fa), __fmul_rn(l2[h], fb));
 #pragma unroll
     for (int i = 0; i < D / 4; ++i) {
@@ -441,7 +441,7 @@ for (int r0 = 0; r0 < R; r0 += RP) {
     mc = s;
 #pragma unroll
     for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-    const float e = lane < n ? tf_ex2(__fsub_rn(s, mc)) : 0.0f;
+    const float e = lane < n ? tf_ex2(__fsub_rn(s, tf_zmax(mc))) : 0.0f;
     lc = tf_warp_sum(e);
 #pragma unroll 8
     for (int j = 0; j < n; ++j) {
@@ -565,8 +565,9 @@ for (int r0 = 0; r0 < R; r0 += 8) {
       float mc = fmaxf(sa, sb);
 #pragma unroll
       for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
-      if (s0 + lane <= p) ea = tf_from_float<T>(tf_ex2(__fsub_rn(sa, mc)));
-      if (s0 + lane + 32 <= p) eb = tf_from_float<T>(tf_ex2(__fsub_rn(sb, mc)));
+      const float mz = tf_zmax(mc);
+      if (s0 + lane <= p) ea = tf_from_float<T>(tf_ex2(__fsub_rn(sa, mz)));
+      if (s0 + lane + 32 <= p) eb = tf_from_float<T>(tf_ex2(__fsub_rn(sb, mz)));
       const float lc = tf_warp_sum(__fadd_rn(tf_to_float(ea), tf_to_float(eb)));
       if (lane == 0) {
         ml[2 * n] = mc;
@@ -787,8 +788,8 @@ for (int s = sg; s < se; ++s) {
     }
     fold[h] = rok[h] && p >= s0;
     const float mn = fmaxf(mrun[h], mc[h]);         // row_attn_merge's fold of (mc, lc)
-    fa[h] = tf_ex2(__fsub_rn(mrun[h], mn));
-    fb[h] = tf_ex2(__fsub_rn(mc[h], mn));
+    fa[h] = tf_ex2(__fsub_rn(mrun[h], tf_zmax(mn)));
+    fb[h] = tf_ex2(__fsub_rn(mc[h], tf_zmax(mn)));
     if (SPB == 1) {
       mrun[h] = mc[h];
       lrun[h] = lc;
@@ -1083,7 +1084,7 @@ const int ne = (ns + E - 1) / E;                    // the entries the row reach
 const int ng = (ns + GS - 1) / GS;
 auto fold = [&](float& m, float& l, float* o, float pm, float pl, const float* po) {   // the merge's formula
   const float mn = fmaxf(m, pm);
-  const float fa = tf_ex2(__fsub_rn(m, mn)), fb = tf_ex2(__fsub_rn(pm, mn));
+  const float fa = tf_ex2(__fsub_rn(m, tf_zmax(mn))), fb = tf_ex2(__fsub_rn(pm, tf_zmax(mn)));
   l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(pl, fb));
 #pragma unroll
   for (int t = 0; t < NT; ++t) o[t] = __fmaf_rn(po[t], fb, __fmul_rn(o[t], fa));

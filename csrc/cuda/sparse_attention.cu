@@ -114,8 +114,8 @@ for (int t = 0; t < NT; ++t) {
 auto merge_span = [&]() {
   if (!head_ok) return;
   const float mn = fmaxf(m_all, m_sp);
-  const float fa = expf(__fsub_rn(m_all, mn));
-  const float fb = expf(__fsub_rn(m_sp, mn));
+  const float fa = expf(__fsub_rn(m_all, tf_zmax(mn)));
+  const float fb = expf(__fsub_rn(m_sp, tf_zmax(mn)));
   l_all = __fadd_rn(__fmul_rn(l_all, fa), __fmul_rn(l_sp, fb));
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -443,8 +443,8 @@ for (int s0 = 0; s0 < ns; s0 += U) {
     }
     float mprev = __shfl_up_sync(TF_FULL_MASK, mu, 1);
     if (lane == 0) mprev = m_all;
-    sfa[lane] = expf(__fsub_rn(mprev, mu));
-    sfb[lane] = expf(__fsub_rn(pm, mu));
+    sfa[lane] = expf(__fsub_rn(mprev, tf_zmax(mu)));
+    sfb[lane] = expf(__fsub_rn(pm, tf_zmax(mu)));
     m_all = __shfl_sync(TF_FULL_MASK, mu, nb - 1);
     __syncwarp();
     if (lane == 0) {
@@ -672,8 +672,8 @@ for (int t = 0; t < NTILE; ++t) {
 #pragma unroll
       for (int sh = 16; sh >= 1; sh >>= 1) mc = fmaxf(mc, __shfl_xor_sync(TF_FULL_MASK, mc, sh));
       T ea = tf_from_float<T>(0.0f), eb = ea;
-      if (lane < n) ea = tf_from_float<T>(expf(__fsub_rn(sa, mc)));
-      if (lane + 32 < n) eb = tf_from_float<T>(expf(__fsub_rn(sb, mc)));
+      if (lane < n) ea = tf_from_float<T>(expf(__fsub_rn(sa, tf_zmax(mc))));
+      if (lane + 32 < n) eb = tf_from_float<T>(expf(__fsub_rn(sb, tf_zmax(mc))));
       const float lc = tf_warp_sum(__fadd_rn(tf_to_float(ea), tf_to_float(eb)));
       ps[hh * PST + lane] = ea;
       ps[hh * PST + lane + 32] = eb;
