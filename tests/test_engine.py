@@ -78,6 +78,8 @@ def _case(i: int):
         min_p=float(rng.choice([0.0, 0.0, 0.05])),
         seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**31)))
     proposer = ["context", "draft-model", "mix"][i % 3]
+    if proposer == "draft-model" and i % 2:
+        proposer = "self-draft"     # the target's own weights draft: greedy cases accept every draft
     model = _model_of(i)
     return dict(plen=plen, params=p, proposer=proposer, model=model, seed=int(rng.integers(0, 2**31)),
                 max_tokens=int(rng.integers(8, 40)))
@@ -92,6 +94,8 @@ def run_case(eng, drafter_model, *, plen, params, proposer, seed, max_tokens, st
         props = [ContextCopy()]
     elif proposer == "draft-model":
         props = [DraftModel(drafter_model, eng.mode)]
+    elif proposer == "self-draft":
+        props = [DraftModel(eng.model, eng.mode)]
     else:
         props = [MixProposer(plen, serial, vocab, seed)]
     text, drafted, stats = eng.generate_text(prompt=prompt, max_tokens=max_tokens, sampling=params,
@@ -109,6 +113,11 @@ def test_drafted_equals_serial(engines, drafter, i):
     stats = run_case(eng, drafter, **c)
     if c["proposer"] == "mix" and stats.completion_tokens > 3:
         assert stats.drafted > 0
+    if c["proposer"] == "self-draft" and c["params"].temperature == 0 and stats.completion_tokens > 3:
+        # greedy drafts from the target's own weights (run through MLX's ops, exact=False) are the
+        # target's argmax but where MLX's ops and the row-exact kernels round a near-tie apart: on
+        # the CPU these five cases accept 7..31 drafts (of 13..37 tokens); the random drafter none
+        assert stats.accepted > 0, stats
 
 
 def test_all_paths_ran(engines, drafter):
