@@ -661,6 +661,57 @@ def test_shutdown_answers_running_and_queued_requests_with_503():
         assert eng.tokens["a"] < 1000 and "b" not in eng.started
 
 
+def test_requests_after_drain_get_503_not_a_hang():
+    """A request that reaches submit() after drain() (it was being read or tokenized) gets the
+    same 503; it waited for ever in the stopped worker's queue before."""
+    eng = ScriptedEngine(["x"] * 3)
+    with scripted_server(eng, api_key=KEY) as s:
+        assert s.worker.drain() == 0
+        r = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "late"}]})
+        _check_error(r, 503, code="server_shutting_down")
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(ckpt):
+    """The server tokenizes (and renders the template) on a thread of its own, so a large prompt
+    does not stop the engine's thread, which serves every other request; the reply is the same."""
+    from tensorfold.engine import Engine, SamplingParams
+    threads = []
+
+    class Spy:
+        """The tokenizers object, noting the thread of each encode."""
+        def __init__(self, raw):
+            self.raw = raw
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+        def encode_batch(self, *a, **k):
+            threads.append(threading.current_thread().name)
+            return self.raw.encode_batch(*a, **k)
+
+        def encode(self, *a, **k):
+            threads.append(threading.current_thread().name)
+            return self.raw.encode(*a, **k)
+
+    def build():
+        eng = Engine(ckpt, drafts=False)
+        eng.tokenizer._tok = Spy(eng.tokenizer._tok)
+        return eng
+    worker = EngineWorker(build, name="tensorfold-engine")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add two numbers"}]
+    with running(create_app(worker, api_key=KEY)) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="tiny-qwen3", messages=msgs, max_tokens=6, temperature=0)
+        c = client.completions.create(model="tiny-qwen3", prompt="def add(a, b):", max_tokens=6, temperature=0)
+    assert threads and "tensorfold-engine" not in threads, threads
+    ref = Engine(ckpt, drafts=False)
+    greedy = SamplingParams(temperature=0.0)
+    assert r.choices[0].message.content == "".join(
+        ev.text for ev in ref.generate(messages=msgs, max_tokens=6, sampling=greedy))
+    assert c.choices[0].text == "".join(
+        ev.text for ev in ref.generate(prompt="def add(a, b):", max_tokens=6, sampling=greedy))
+
+
 EXIT_SCRIPT = """
 import asyncio
 from tensorfold.server.worker import EngineWorker

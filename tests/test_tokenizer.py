@@ -432,3 +432,33 @@ def test_messages_reach_the_template_as_mlx_lm_hands_them(tmp_path):
                     '<|im_start|>assistant')
     spm_t = Tokenizer.from_dir(_spm_dir(tmp_path / "s"))
     assert spm_t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user] hi[<unk>|<unk>]"
+
+
+def test_encode_is_the_backends_encode_and_lets_the_gil_go(tinycode_path, spm, tok):
+    """Tokenizer.encode / encode_prompt give the ids of tokenizers' own encode (special tokens,
+    the post-processor's BOS) but run through encode_batch, which releases the GIL: another
+    Python thread keeps running while a large prompt is tokenized (tokenizers' encode held the
+    GIL, so a server tokenizing on any thread stopped the engine's thread for its whole length)."""
+    import threading
+    t = Tokenizer.from_dir(tinycode_path)
+    texts = ["", " ", MULTIBYTE, "<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n\treturn x  # \u00e9\n" * 50]
+    for tk in (t, spm, tok):
+        for s in texts:
+            assert tk.encode(s) == tk.backend.encode(s, add_special_tokens=False).ids
+            want = tk.backend.encode(s, add_special_tokens=True).ids
+            if tk.bos_token and s.startswith(tk.bos_token):
+                want = tk.backend.encode(s, add_special_tokens=False).ids
+            assert tk.encode_prompt(s) == want
+    big = "def foo(x):\n    return x + 1\n" * 40000          # ~1.2 MB, about a second here
+    ticks, done = [], threading.Event()
+
+    def work():
+        t.encode(big)
+        done.set()
+    th = threading.Thread(target=work)
+    th.start()
+    while not done.is_set():
+        ticks.append(1)
+        done.wait(0.001)
+    th.join()
+    assert len(ticks) >= 20, len(ticks)

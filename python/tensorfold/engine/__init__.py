@@ -2,6 +2,6 @@
 
 from .engine import Engine
 from .prefill import PrefillMode
-from .types import GenerationEvent, GenerationStats, SamplingParams
+from .types import GenerationEvent, GenerationStats, Prompt, SamplingParams
 
-__all__ = ["Engine", "PrefillMode", "GenerationEvent", "GenerationStats", "SamplingParams"]
+__all__ = ["Engine", "PrefillMode", "GenerationEvent", "GenerationStats", "Prompt", "SamplingParams"]

@@ -31,7 +31,7 @@ from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
 from .sampling import greedy_device, prompt_seed, sample
 from .stops import StopMatcher
-from .types import GenerationEvent, GenerationStats, SamplingParams
+from .types import GenerationEvent, GenerationStats, Prompt, SamplingParams
 
 log = logging.getLogger("tensorfold")
 
@@ -143,6 +143,12 @@ class Engine:
 
     # ---- prompt -----------------------------------------------------------------------------
     def prompt_ids(self, messages=None, prompt=None, enable_thinking=None, tools=None) -> list[int]:
+        return self.prepare(messages, prompt, enable_thinking, tools).ids
+
+    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None) -> Prompt:
+        """The request's prompt, tokenized and checked (RequestError on bad input). Thread-safe:
+        it reads only the tokenizer and the config, so a server calls it on a thread of its own
+        and the engine's thread never tokenizes a large prompt."""
         if (messages is None) == (prompt is None):
             raise RequestError("give exactly one of messages or prompt", param="messages")
         if messages is not None:
@@ -154,7 +160,9 @@ class Engine:
                                                           enable_thinking=think, tools=tools)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
-            return self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text)
+            pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
+            return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -166,7 +174,7 @@ class Engine:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
-        return ids
+        return Prompt(ids=ids, chat=False)
 
     # ---- prefill with the prompt cache --------------------------------------------------------
     def _lookup(self, arr: np.ndarray, limit: int):
@@ -279,32 +287,32 @@ class Engine:
     def generate(self, messages=None, prompt=None, *, max_tokens: int = 256,
                  sampling: SamplingParams | None = None, stop=None, draft: bool = True,
                  enable_thinking=None, tools=None, cancel=None, progress=None,
-                 ignore_eos: bool = False, proposers: list[Proposer] | None = None):
-        """Yield GenerationEvents; the last one has finish_reason and stats."""
+                 ignore_eos: bool = False, proposers: list[Proposer] | None = None,
+                 prepared: Prompt | None = None):
+        """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
+        as prepare() made it (then messages, prompt, enable_thinking and tools are not read)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
         if p.temperature < 0 or not (0 < p.top_p <= 1) or p.top_k < 0 or not (0 <= p.min_p <= 1):
             raise RequestError("sampling parameters out of range", param="temperature")
         if isinstance(stop, str):
             stop = [stop]
-        ids = self.prompt_ids(messages, prompt, enable_thinking, tools)
+        if prepared is None:
+            prepared = self.prepare(messages, prompt, enable_thinking, tools)
+        ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
         if n_prompt + 1 > self.context_length:
             raise RequestError(
                 f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
-                param="messages" if messages is not None else "prompt", code="context_length_exceeded")
+                param="messages" if chat else "prompt", code="context_length_exceeded")
         if max_tokens is None or max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
         seed = p.seed if p.seed is not None else prompt_seed(ids)
 
         stats = GenerationStats(prompt_tokens=n_prompt)
-        pin_at = 0
-        if messages is not None:
-            think = self.thinking if enable_thinking is None else enable_thinking
-            pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
         try:
-            cache, logits, stats.cached_tokens = self._prefill(ids, progress, pin_at,
+            cache, logits, stats.cached_tokens = self._prefill(ids, progress, prepared.pin_at,
                                                                room=max_tokens + self.draft_width,
                                                                cancel=cancel)
         except PrefillCancelled:
@@ -325,7 +333,7 @@ class Engine:
 
         # a completion continues its prompt's text: the prompt's tail is the detokenizer's context
         # (a SentencePiece tokenizer's first generated '▁fox' then gives ' fox', not 'fox')
-        detok = IncrementalDetokenizer(self.tokenizer, context=ids[-4:] if messages is None else ())
+        detok = IncrementalDetokenizer(self.tokenizer, context=() if chat else ids[-4:])
         stopper = StopMatcher(stop)
         eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         tokens = list(ids)

@@ -14,6 +14,16 @@ class SamplingParams:
     seed: int | None = None       # None: hash of the prompt's token ids
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt, tokenized (Engine.prepare): what generate(prepared=...) runs. Made on
+    any thread, so a server tokenizes off the engine's thread (the tokenizer lets the GIL go)."""
+    ids: list[int]
+    chat: bool                    # from messages (else a completions prompt)
+    pin_at: int = 0               # grid point ending the system block (its snapshot is pinned)
+    text: str | None = None       # the rendered chat template (chat only)
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0

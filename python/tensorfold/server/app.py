@@ -205,6 +205,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             kwargs.update(messages=req.messages, enable_thinking=thinking)
         else:
             kwargs.update(prompt=req.prompt)
+        prepare = getattr(worker.engine, "prepare", None)
+        if prepare is not None:
+            # tokenized here, on a thread of its own (the tokenizer lets the GIL go): a large
+            # prompt does not hold up the engine's thread, and so the other requests' tokens
+            kwargs["prepared"] = await asyncio.to_thread(
+                prepare, kwargs.pop("messages", None), kwargs.pop("prompt", None),
+                kwargs.pop("enable_thinking", None))
         job = worker.submit(kwargs, chat=kind == "chat")
         watcher = asyncio.create_task(watch(request, job))
         try:

@@ -55,6 +55,7 @@ class EngineWorker:
         self.current: Job | None = None
         self.stats = {"served": 0, "cancelled": 0, "skipped": 0, "errors": 0, "queued": 0}
         self._stopped = threading.Event()
+        self._closing = False       # drain() or stop() ran: submit() refuses
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.progress = ProgressLine()
 
@@ -78,6 +79,7 @@ class EngineWorker:
         The thread is then parked, not ended: a thread that used MLX and ends before the process
         does made the exit abort now and then ("terminate called without an active exception",
         MLX's per-thread state torn down after its thread) even when joined."""
+        self._closing = True
         cur = self.current
         if cur is not None:
             cur.cancel.set()
@@ -91,6 +93,7 @@ class EngineWorker:
         """Answer every queued job and the current one with a 503 and cancel them (the server is
         shutting down: handlers end cleanly, streams with an error event and [DONE], before the
         server's grace period runs out). Returns the number of jobs answered. Thread-safe."""
+        self._closing = True
         with self._q.mutex:
             jobs = [j for j in self._q.queue if isinstance(j, Job)]
         cur = self.current
@@ -105,6 +108,9 @@ class EngineWorker:
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, kwargs: dict, *, chat: bool = False) -> Job:
+        if self._closing:       # drained or stopped: nothing would serve it
+            raise RequestError("The server is shutting down.", type="server_error",
+                               code="server_shutting_down", status=503)
         job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), chat=chat, id=next(self._ids))
         with self._lock:
             self.stats["queued"] += 1
@@ -178,6 +184,9 @@ class EngineWorker:
     def _opens_think(self, kwargs: dict) -> bool:
         tok = getattr(self.engine, "tokenizer", None)
         tags = getattr(tok, "think_tags", None)
+        prepared = kwargs.get("prepared")
+        if tags and prepared is not None:       # rendered by Engine.prepare
+            return bool(prepared.chat and prepared.text) and prompt_opens_think(prepared.text, tags)
         if not tags or not kwargs.get("messages"):
             return False
         think = kwargs.get("enable_thinking")
