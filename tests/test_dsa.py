@@ -303,6 +303,11 @@ def test_info(checkpoints):
     for want in ("deepseek_v32", "MLA", "indexer", "top-20", "4-bit/g32", "routing"):
         assert want in text, want
     assert "router" in text and "weights: router               bfloat16" in text
+    from tensorfold.models.config import ModelConfig
+    for name in (Q4, F32):      # the float32 router biases at 4 bytes
+        on_disk = sum(v.nbytes for f in checkpoints[name].glob("*.safetensors")
+                      for v in mx.load(str(f)).values())
+        assert ModelConfig.from_dir(checkpoints[name]).weight_bytes() == on_disk, name
 
 
 # ---- yarn / deepseek_yarn RoPE (DeepSeek-V3.2's real configs) -------------------------------

@@ -519,7 +519,10 @@ class ModelConfig:
             else:
                 gs, bits = q
                 total += o * i * bits // 8 + 2 * (o * (i // gs)) * elt
-        return total + (self.param_count() - sum(a * b for a, b in mats.values())) * elt
+        total += (self.param_count() - sum(a * b for a, b in mats.values())) * elt
+        if self.is_dsa:     # the routers' score-correction biases are float32 in the checkpoint
+            total += sum(self.num_experts for i in range(self.num_layers) if self.moe_layer(i)) * (4 - elt)
+        return total
 
     def kv_bytes(self, tokens: int) -> int:
         if self.is_dsa:   # the MLA latent + rotary key, and the indexer's key, per layer
