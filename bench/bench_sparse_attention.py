@@ -14,7 +14,11 @@ chunk: 2,048 rows).
     python bench/bench_sparse_attention.py --table --stream 16   # + per call in a stream of 16
     python bench/bench_sparse_attention.py --table --stream 16 --compiled   # ... both compiled
 
-Every timed call evaluates its result (mx.eval). Times are medians. Peak memory is
+Every timed call evaluates its result (mx.eval). Times are medians. Single calls rotate over
+copies of K / V (and q, the indices, the mask) totalling at least --rotate-mb (default 128 MB,
+twice the H200's L2), so that no call finds its keys in the cache from the call before; before
+session 51 they did not, which flattered the sparse op's one-row calls (2,048 selected keys,
+2.4 MB, stayed in the L2 while the dense op read all S keys). Peak memory is
 mx.get_peak_memory() during the calls minus the memory active before them (the KV
 buffers, q, the indices and the mask are already allocated), i.e. the op's own extra
 memory. The dense mask is built once outside the timing (it stands for the selection;
@@ -39,6 +43,7 @@ STREAM = 0            # --stream N
 STREAM_MAX_M = 64     # the stream columns are timed for M <= this (a decode / verify call)
 COMPILED = False      # --compiled
 HOST_OFFSET = False   # --host-offset: pass the offset as a host-made int32 array instead of an int
+ROTATE_BYTES = 128 << 20   # --rotate-mb: single calls cycle over copies of their inputs this large
 
 
 def timed(fn, min_runs=3, budget_s=2.0):
@@ -82,12 +87,23 @@ def bench_case(S, M, topk, Hq, Hkv, D, dtype, seed=0):
     scale = D ** -0.5
 
     off = mx.array(offset, dtype=mx.int32) if HOST_OFFSET else offset
+    per = k.nbytes + v.nbytes + q.nbytes + ind.nbytes + mask.nbytes
+    n_copies = max(1, -(-ROTATE_BYTES // per))
+    sets = [(q, k, v, ind, mask)] + [tuple(a * 1 for a in (q, k, v, ind, mask)) for _ in range(n_copies - 1)]
+    mx.eval(sets)
+    turn = [0]
+
+    def next_set():
+        turn[0] += 1
+        return sets[turn[0] % n_copies]
 
     def ours():
-        return K.sparse_attention(q, k, v, ind, off, scale)
+        q_, k_, v_, ind_, _ = next_set()
+        return K.sparse_attention(q_, k_, v_, ind_, off, scale)
 
     def theirs():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        q_, k_, v_, _, m_ = next_set()
+        return mx.fast.scaled_dot_product_attention(q_, k_, v_, scale=scale, mask=m_)
 
     def topk_sel():
         return K.select_topk(scores, topk, offset)
@@ -106,12 +122,12 @@ def bench_case(S, M, topk, Hq, Hkv, D, dtype, seed=0):
     err = float(mx.abs(o1.astype(mx.float32) - o2.astype(mx.float32)).max())
     del o1, o2
     t_topk, _, _ = timed(topk_sel, budget_s=budget)
-    res = dict(S=S, M=M, err=err, ours_ms=t_ours * 1e3, dense_ms=t_dense * 1e3,
+    res = dict(S=S, M=M, err=err, copies=n_copies, ours_ms=t_ours * 1e3, dense_ms=t_dense * 1e3,
                build_ms=t_build * 1e3,
                topk_ms=t_topk * 1e3, ours_mb=m_ours / 2**20, dense_mb=m_dense / 2**20)
     if STREAM and M <= STREAM_MAX_M:
         res.update(stream_case(q, k, v, ind, mask, off, scale, STREAM))
-    del k, v, q, ind, mask, scores
+    del k, v, q, ind, mask, scores, sets
     mx.clear_cache()
     return res
 
@@ -155,6 +171,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tc-tiles", default=None,
                     help="CUDA: DT,NST of the tensor-core form (_cuda.SPARSE_TC_TILES)")
+    ap.add_argument("--rotate-mb", type=int, default=128,
+                    help="single calls cycle over copies of their inputs totalling this many MB "
+                         "(default 128: twice the H200's L2; 0: one set, the pre-session-51 mode)")
     ap.add_argument("--host-offset", action="store_true",
                     help="pass the offset as a host-made int32 array (MLX: managed memory on CUDA)")
     ap.add_argument("--stream", type=int, default=0, metavar="N",
@@ -163,8 +182,9 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="with --stream: both ops through mx.compile (no graph building per call)")
     a = ap.parse_args()
-    global HOST_OFFSET, STREAM, COMPILED
+    global HOST_OFFSET, STREAM, COMPILED, ROTATE_BYTES
     HOST_OFFSET = a.host_offset
+    ROTATE_BYTES = a.rotate_mb << 20
     STREAM = a.stream
     COMPILED = a.compiled
     if a.tc_tiles and K.backend_face() == "cuda":
@@ -183,14 +203,16 @@ def main():
             if not a.table:
                 print(f"S={S:6d} M={M:3d}  sparse {r['ours_ms']:9.2f} ms  dense {r['dense_ms']:9.2f} ms"
                       f"  x{r['dense_ms'] / r['ours_ms']:6.1f}  select_topk {r['topk_ms']:8.2f} ms"
-                      f"  peak +{r['ours_mb']:.1f} / +{r['dense_mb']:.1f} MB  max|diff| {r['err']:.2e}",
+                      f"  peak +{r['ours_mb']:.1f} / +{r['dense_mb']:.1f} MB  max|diff| {r['err']:.2e}"
+                      f"  ({r['copies']} input copies)",
                       flush=True)
     if a.table:
         small = mx.ones((16,))
         mx.eval(small)
         floor = timed(lambda: small + 1)[0]
         print(f"sparse_attention vs dense masked sdpa, device {dev} (face {face}), "
-              f"Hq={a.heads} Hkv={a.kv_heads} D={a.dim} {a.dtype}, top-k {a.topk}; "
+              f"Hq={a.heads} Hkv={a.kv_heads} D={a.dim} {a.dtype}, top-k {a.topk}; single calls over "
+              f"copies of {a.rotate_mb} MB or more; "
               f"median ms, extra peak MB; one trivial op + eval: {floor * 1e3:.3f} ms\n")
         st = (f" | in a stream of {STREAM}{' (compiled)' if COMPILED else ''}: sparse ms | dense ms "
               "| dense/sparse" if STREAM else "")
