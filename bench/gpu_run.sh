@@ -148,6 +148,9 @@
 #   bash bench/gpu_run.sh s47b          # prepared in session 46: the deepseek_v32 tests on CUDA at width 256 (~8 min)
 #   bash bench/gpu_run.sh s48a | s48b   # prepared in session 47: cold start (gpu_cold_start.py); deepseek engine cases
 #   bash bench/gpu_run.sh s48c | s48d   # session 48: the kernel cache's CUDA tests; cold start with it off and on
+#   bash bench/gpu_run.sh s49b          # prepared in session 49: the fixed kcache bits test; serve's lasting PTX dir
+#   bash bench/gpu_run.sh s51           # prepared in session 51: tf_zmax's attention / sparse tests; the sparse
+#                                       # table over rotated inputs
 #   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py;
 #                                       # QO_M, QO_N, QO_K, QO_G, QO_VALUES=0)
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
@@ -1333,6 +1336,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kcache.py 2>&1 \
         | tee "$out/test_kcache.log" | tail -25
     COLD_SET=threads timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_workers.txt"
+    ;;
+  s51)      # next (prepared in session 51, no device then): tf_zmax, the -inf chunk rule, on the CUDA face -- the attention
+            # tests (the -inf test now at 1 / 5 / 16 rows, fp32 and bf16) and the sparse suite; then the sparse table
+            # with single calls over rotated input copies (--rotate-mb 128; the old tables ran on one set)
+    timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py -k "attention" \
+        tests/test_sparse_attention.py 2>&1 | tee "$out/s51_tests.log" | tail -25
+    timeout ${LIMIT2:-200} python3 bench/bench_sparse_attention.py --table --keys 8192,65536,131072 2>&1 \
+        | tee "$out/s51_sparse.txt"
     ;;
   s49b)     # next: the fixed test_kcache.py bits test (its fifth process in worker processes), then serve's lasting
             # MLX_PTX_CACHE_DIR (kernels/_kcache.lasting_mlx_dir): MLX's own modules land there, a second start is warm
