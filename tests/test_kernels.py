@@ -715,3 +715,65 @@ def test_mlx_own_ops_row_invariance_report(device, capsys):
               f"single-row result: {report}")
     if on_cuda:
         assert any(report.values()), "expected MLX's own CUDA ops to break row invariance"
+
+
+def test_gpu_faces_refuse_what_the_cpu_spec_refuses(monkeypatch):
+    """Shapes the CPU primitives refuse are refused before a face is chosen: the CUDA face's
+    wrappers had launched them (x narrower than w's K read past x; group size 16 used one scale a
+    32-column chunk; Hq = 28 over Hkv = 8 left heads 24..27 unwritten; k / v capacities or
+    batches that differ read past v). Here the faces are recorders that must never be called."""
+    import sys
+    import tensorfold.kernels as KK
+    from tensorfold.kernels import sparse as KS
+    called = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            def record(*a, **k):
+                called.append(name)
+                return mx.zeros((1,))
+            return record
+    for face in ("cuda", "metal"):
+        monkeypatch.setattr(KK, "backend_face", lambda stream=None, face=face: face)
+        monkeypatch.setattr(KK, "_gpu_stream", lambda stream: None)
+        for mod in ("_cuda", "_metal"):
+            monkeypatch.setattr(KK, mod, Recorder(), raising=False)
+            monkeypatch.setitem(sys.modules, f"tensorfold.kernels.{mod}", getattr(KK, mod))
+        monkeypatch.setattr(KS, "_metal_sparse_attention", Recorder().sparse)
+        rng = _rng("refuse")
+        w, s, b = mx.quantize(rand(rng, (64, 256), mx.float32), group_size=64, bits=4)
+        x = rand(rng, (2, 256), mx.bfloat16)
+        bad_q = [
+            dict(x=x[:, :128]),                                   # K 128 against w's 256
+            dict(group_size=16, scales=mx.repeat(s, 4, axis=1), biases=mx.repeat(b, 4, axis=1)),
+            dict(group_size=256),
+            dict(scales=s[:, :2], biases=b[:, :2]),               # [N, K / 128] at group 64
+            dict(bits=7),
+        ]
+        for bad in bad_q:
+            a = {**dict(x=x, w=w, scales=s, biases=b, group_size=64, bits=4), **bad}
+            with pytest.raises(ValueError):
+                KK.row_quantized_matmul(**a)
+        with pytest.raises(ValueError):
+            KK.row_matmul(x[:, :128], rand(rng, (64, 256), mx.bfloat16))
+        q = rand(rng, (1, 28, 1, 64), mx.float32)
+        k = rand(rng, (1, 8, 16, 64), mx.float32)
+        bad_att = [
+            (q, k, k),                                            # 28 q heads over 8 KV heads
+            (rand(rng, (2, 32, 1, 64), mx.float32), k, k),        # q batch 2, KV batch 1
+            (q[:, :24], k, k[:, :, :8]),                          # v capacity 8, k 16
+            (q[:, :24, :, :32], k, k),                            # head size 32 against 64
+        ]
+        for qq, kk, vv in bad_att:
+            with pytest.raises(ValueError):
+                KK.row_attention(qq, kk, vv, 3, 0.125)
+            with pytest.raises(ValueError):
+                KK.sparse_attention(qq, kk, vv, mx.zeros((qq.shape[0], qq.shape[2], 4), mx.int32), 3, 0.125)
+        we, se, be = (mx.stack([a, a]) for a in (w, s, b))
+        with pytest.raises(ValueError):      # expert ops at group size 16
+            KK.row_expert_matmul(x, we, mx.repeat(se, 4, axis=2), mx.repeat(be, 4, axis=2),
+                                 mx.zeros((2, 1), mx.int32), 16, 4)
+        # what the recorders take when the shapes are right: they are reached
+        KK.row_quantized_matmul(x, w, s, b, 64, 4)
+        KK.row_attention(q[:, :24], k, k, 3, 0.125)
+    assert called == ["quantized_matmul", "attention"] * 2

@@ -125,6 +125,50 @@ def _check_k(x: mx.array, what: str) -> None:
         raise ValueError(f"{what}: x must have a positive number of columns (K), got shape {x.shape}")
 
 
+# The shapes every face needs, checked before the face is chosen: the CPU primitives check them
+# too, but the GPU faces' wrappers did not, and a mismatch there read past a buffer or returned
+# garbage (x narrower than w's K; a group size other than 32 / 64 / 128; Hq not a multiple of
+# Hkv; k and v of other capacities).
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def _check_quantized(x, w, scales, biases, group_size, bits, what: str) -> None:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"{what}: bits must be one of {QUANT_BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"{what}: group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if w.ndim != 2 or w.dtype != mx.uint32:
+        raise ValueError(f"{what}: w must be a 2-D uint32 array, got {w.dtype} {w.shape}")
+    N, K = w.shape[0], w.shape[1] * 32 // bits
+    if x.shape[-1] != K:
+        raise ValueError(f"{what}: x has {x.shape[-1]} columns, w takes K = {K}")
+    if K % group_size:
+        raise ValueError(f"{what}: K = {K} is not a multiple of group_size {group_size}")
+    want = (N, K // group_size)
+    if tuple(scales.shape) != want or tuple(biases.shape) != want:
+        raise ValueError(f"{what}: scales / biases must be {list(want)}, got "
+                         f"{list(scales.shape)} / {list(biases.shape)}")
+
+
+def _check_dense(x, w, what: str) -> None:
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"{what}: w must be [N, K] with K = x's last dimension, got x {x.shape}, "
+                         f"w {w.shape}")
+
+
+def check_attention_shapes(q, k, v, what: str) -> None:
+    """q [B, Hq, M, D], k and v [B, Hkv, cap, D] of one shape, Hq a multiple of Hkv."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"{what}: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
+    if k.shape != v.shape:
+        raise ValueError(f"{what}: k and v must have the same shape, got {k.shape} / {v.shape}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{what}: q {q.shape} and k {k.shape} differ in batch or head size")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{what}: Hq = {q.shape[1]} must be a multiple of Hkv = {k.shape[1]}")
+
+
 def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                          group_size: int = 64, bits: int = 4, *, residual: Optional[mx.array] = None,
                          stream: StreamLike = None) -> mx.array:
@@ -140,6 +184,7 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     still depend on row i alone.
     """
     _check_k(x, "row_quantized_matmul")
+    _check_quantized(x, w, scales, biases, group_size, bits, "row_quantized_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -188,6 +233,7 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
     """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16)."""
     _check_k(x, "row_matmul")
+    _check_dense(x, w, "row_matmul")
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -224,8 +270,7 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     Rows whose position falls outside the buffer come back NaN (an int offset is checked
     up front and raises instead).
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("row_attention: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
+    check_attention_shapes(q, k, v, "row_attention")
     off = _offset_array(offset, q, k)
     face = backend_face(stream)
     if face == "cuda":
@@ -255,6 +300,9 @@ def check_expert_args(x_shape, w, scales, biases, indices_shape, group_size, bit
     K = w.shape[2] * 32 // bits if scales is not None and bits else w.shape[2]
     if x_shape[-1] != K:
         raise ValueError(f"{what}: x has {x_shape[-1]} columns, the experts take {K}")
+    if scales is not None and (bits not in QUANT_BITS or group_size not in GROUP_SIZES):
+        raise ValueError(f"{what}: bits must be one of {QUANT_BITS} and group_size one of "
+                         f"{GROUP_SIZES}, got {bits} / {group_size}")
     if scales is not None and (not group_size or scales.shape[2] * group_size != K):
         raise ValueError(f"{what}: scales {scales.shape} do not match group size {group_size} "
                          f"over {K} columns")

@@ -80,13 +80,10 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
     head); CUDA: bf16 / f16 (q, k, v of one dtype) with D a multiple of 16 on tensor cores,
     any other dtype / D on CUDA cores (docs/kernels.md).
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("sparse_attention: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
+    from . import as_int32, check_attention_shapes
+    check_attention_shapes(q, k, v, "sparse_attention")
     if indices.ndim != 3 or indices.shape[0] != q.shape[0] or indices.shape[1] != q.shape[2]:
         raise ValueError("sparse_attention: indices must be [B, M, T]")
-    if k.shape != v.shape:
-        raise ValueError("sparse_attention: k and v must have the same shape")
-    from . import as_int32
     indices = as_int32(indices, "sparse_attention: indices")
     off = _offset_value(offset, q.shape[2], k.shape[2], "sparse_attention")
     from . import backend_face, _gpu_stream
