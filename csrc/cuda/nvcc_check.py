@@ -61,7 +61,7 @@ for T in (bf, f16, f32):
         CASES.append(("row_attn_partial", dict(T=T, TK=T, D=D, HQ=32, HKV=8, NCH=NCH, VS=VS),
                       dict(q=T, k=T, v=T, offset=i32, scale_f=f32), dict(part=f32)))
         if D in (80, 128, 256, 576):
-            for DC in (32, D):
+            for DC in sorted({32, 64, D}):       # 64: attn_merge_cols' choice up to 8k keys
                 CASES.append(("row_attn_merge", dict(T=T, D=D, SPAN=32 * NCH, DC=DC, MW=16, E=1),
                               dict(part=f32, offset=i32, q=T, k=T), dict(out=T)))
         if attn_tc_smem(D, T, T, T) is not None:
