@@ -379,3 +379,41 @@ def test_drafts_past_either_vocab_are_never_embedded(checkpoints):
     dm.model.cfg.vocab_size = 40                    # as if its vocab ended below some of ours
     assert dm.propose([5, 6, 50, 7], 4) == [] and dm.propose([5, 6, 50, 7, 8], 4) == []
     assert len(dm.propose([5, 6, 7], 2)) == 2       # another sequence drafts again
+
+
+def test_stop_completed_by_a_byte_run_at_the_last_token_is_a_stop(tmp_path):
+    """With a byte-fallback tokenizer, a stop string whose last character is spelt by byte tokens
+    ending at the max_tokens-th token was found (in the held run's flush) but reported as
+    finish "length". Drafted and serial agree; NaN temperature is a RequestError, not a crash
+    in the sampler."""
+    import json
+    import shutil
+    from test_tokenizer import _spm_dir
+    from tensorfold.errors import RequestError
+    from tensorfold.testing import write_checkpoint
+    spm = _spm_dir(tmp_path / "spm")
+    ck = write_checkpoint(tmp_path / "model", family="qwen3", layout="mlx", bits=4, seed=3, vocab_size=640)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(spm / f, ck / f)
+    (ck / "chat_template.jinja").unlink(missing_ok=True)
+    eng = Engine(ck, prefill_mode=PrefillMode(grid=GRID))
+    tok = eng.tokenizer
+    assert json.loads((ck / "config.json").read_text())["vocab_size"] >= tok.vocab_size
+    lead, cont = range(3 + 0xC2, 3 + 0xE0), range(3 + 0x80, 3 + 0xC0)     # <0xC2>.. and <0x80>..
+    prompt = "The quick brown fox"
+    for seed in range(40):
+        p = SamplingParams(temperature=3.0, seed=seed)
+        text, ids, _ = eng.generate_text(prompt=prompt, max_tokens=120, sampling=p, ignore_eos=True)
+        hit = next((j for j in range(1, len(ids) - 2) if ids[j] in lead and ids[j + 1] in cont
+                    and not tok.is_byte_token(ids[j - 1]) and not tok.is_byte_token(ids[j + 2])), None)
+        if hit is not None and len(ch := tok.decode(ids[hit:hit + 2])) == 1 and ch in text:
+            break
+    else:
+        pytest.fail("no two-byte character in 40 sampled replies")
+    want = text[:text.index(ch)]
+    for draft in (False, True):
+        t2, ids2, st = eng.generate_text(prompt=prompt, max_tokens=hit + 2, sampling=p, ignore_eos=True,
+                                         stop=[ch], draft=draft)
+        assert (t2, st.finish_reason, len(ids2)) == (want, "stop", hit + 2), draft
+    with pytest.raises(RequestError):
+        eng.generate_text(prompt=prompt, max_tokens=4, sampling=SamplingParams(temperature=float("nan")))

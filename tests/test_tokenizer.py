@@ -391,6 +391,34 @@ def test_completion_detokenizer_keeps_the_first_tokens_space(spm):
     assert "".join(_stream(spm, reply)) == "fox jumps over it"
 
 
+def test_completion_context_ending_in_byte_tokens_keeps_the_first_space(spm):
+    """A completions prompt ending in a character the vocab lacks ("The café": [.., f, <0xC3>,
+    <0xA9>]) gave no context at all, so ' is good' came back as 'is good'. The byte run is left
+    out of the context and the tokens before it are kept; fuzzed against decode(prompt + reply)."""
+    prompt = spm.encode_prompt("The caf\u00e9")
+    assert spm.is_byte_token(prompt[-1])
+    reply = spm.encode("is good")
+    d = IncrementalDetokenizer(spm, context=prompt[-64:])
+    text = "".join(d.add(i) for i in reply) + d.flush()
+    assert text == " is good" == spm.decode(prompt + reply)[len(spm.decode(prompt)):]
+    assert d.generated_ids == reply
+    rng = random.Random(5)
+    V = spm.vocab_size
+    checked = 0
+    for _ in range(600):
+        prompt = spm.encode_prompt(rng.choice(["The caf\u00e9", "na\u00efve \u4e2d", "x \U0001F600",
+                                               "plain text", "\U0001F600\U0001F600"]))
+        reply = [rng.randrange(V) if rng.random() < 0.6 else rng.randrange(3, 259)
+                 for _ in range(rng.randrange(1, 12))]
+        full, head = spm.decode(prompt + reply), spm.decode(prompt)
+        if not full.startswith(head) or spm.is_byte_token(reply[0]):
+            continue        # the reply continues the prompt's last character: no text of its own
+        d = IncrementalDetokenizer(spm, context=prompt[-64:])
+        assert "".join(d.add(i) for i in reply) + d.flush() == full[len(head):], (prompt, reply)
+        checked += 1
+    assert checked > 150
+
+
 def test_byte_fallback_stream_equals_the_full_decode(spm):
     """The tokenizers library decodes an invalid run of byte tokens as one U+FFFD a byte, so an
     earlier byte of the run changes when a later one arrives ([<0x78>, <0xDE>, ▁]: 'x' was

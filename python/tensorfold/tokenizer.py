@@ -419,7 +419,10 @@ class IncrementalDetokenizer:
         """context: token ids before the first one added (a completions prompt's tail), decoded
         only as the window's start, so that decoders that drop a leading space (SentencePiece's
         metaspace) keep the first generated token's; `text` and the returned pieces hold only
-        what follows it. Used where it decodes to complete characters."""
+        what follows it. A trailing run of byte-fallback tokens is left out of it (the
+        tokenizers library decodes such a run as a whole, so its text depends on what follows),
+        and of the tokens before that run the last 4 are kept; used where they decode to complete
+        characters."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self.token_ids: list[int] = []
@@ -429,7 +432,10 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of decode(ids[prefix:]) already emitted
         self._text_cache: str | None = None
         ctx = list(context)
-        if ctx and not self._decode(ctx).endswith(_REPLACEMENT) and not tokenizer.is_byte_token(ctx[-1]):
+        while ctx and tokenizer.is_byte_token(ctx[-1]):
+            ctx.pop()       # "café" ends [f, <0xC3>, <0xA9>]: [..., f] keeps the reply's first space
+        ctx = ctx[-4:]
+        if ctx and not self._decode(ctx).endswith(_REPLACEMENT):
             self._ctx = len(ctx)
             self.token_ids = ctx
             self._read = len(ctx)

@@ -293,7 +293,7 @@ class Engine:
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
-        if p.temperature < 0 or not (0 < p.top_p <= 1) or p.top_k < 0 or not (0 <= p.min_p <= 1):
+        if not (p.temperature >= 0) or not (0 < p.top_p <= 1) or p.top_k < 0 or not (0 <= p.min_p <= 1):
             raise RequestError("sampling parameters out of range", param="temperature")
         if isinstance(stop, str):
             stop = [stop]
@@ -333,7 +333,7 @@ class Engine:
 
         # a completion continues its prompt's text: the prompt's tail is the detokenizer's context
         # (a SentencePiece tokenizer's first generated '▁fox' then gives ' fox', not 'fox')
-        detok = IncrementalDetokenizer(self.tokenizer, context=() if chat else ids[-4:])
+        detok = IncrementalDetokenizer(self.tokenizer, context=() if chat else ids[-64:])
         stopper = StopMatcher(stop)
         eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
         tokens = list(ids)
@@ -353,7 +353,9 @@ class Engine:
             if stopped:
                 return text, "stop"
             if len(reply) >= max_tokens:
-                return text + stopper.push(detok.flush())[0] + stopper.flush(), "length"
+                # the detokenizer's held text (a byte-fallback run) may complete a stop string
+                tail, stopped = stopper.push(detok.flush())
+                return text + tail + stopper.flush(), "stop" if stopped else "length"
             return text, None
 
         first = sample(np.asarray(logits.astype(mx.float32)), seed, n_prompt, p)
