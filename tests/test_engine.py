@@ -4,6 +4,7 @@ One harness (`run_case`) serves every family; later families add checkpoints, no
 
 from __future__ import annotations
 
+import json
 import logging
 
 import mlx.core as mx
@@ -321,6 +322,32 @@ def test_max_tokens_and_context_limit(checkpoints):
     with pytest.raises(RequestError) as e:
         eng.generate_text(prompt=list(range(3, 43)), max_tokens=5)
     assert e.value.code == "context_length_exceeded"
+    # prepare (what a server runs on its tokenizing threads) refuses it too, so the client hears
+    # at once rather than after the request generating ahead of it
+    for kw in (dict(prompt=list(range(3, 43))), dict(messages=[{"role": "user", "content": "x " * 60}])):
+        with pytest.raises(RequestError) as e:
+            eng.prepare(**kw)
+        assert e.value.code == "context_length_exceeded" and e.value.param == next(iter(kw))
+
+
+def test_out_of_range_generation_config_defaults_are_ignored(checkpoints, tmp_path, caplog):
+    """generation_config.json's top_k -1 means off (as a request's); a value out of range is
+    ignored with a warning. Before, every request that left it unset got a 400 naming
+    "temperature"; errors now name the parameter."""
+    import shutil
+    from tensorfold.errors import RequestError
+    d = tmp_path / "m"
+    shutil.copytree(checkpoints["qwen3_mlx_4bit"], d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"top_k": -1, "top_p": 0.0, "min_p": 1.5, "temperature": float("nan")}))
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        eng = Engine(d)
+    assert eng.generation_defaults == {"top_k": 0}
+    assert sum("generation_config.json: ignoring" in r.message for r in caplog.records) == 3
+    for name, bad in (("top_p", 0.0), ("top_k", -2), ("min_p", 2.0), ("temperature", -1.0)):
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(prompt=[5, 6], max_tokens=2, sampling=SamplingParams(**{name: bad}))
+        assert e.value.param == name
 
 
 def test_accepted_counts_only_drafts_that_reach_the_reply(tinycode_path):

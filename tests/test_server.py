@@ -401,6 +401,20 @@ def test_bad_input(srv, name, path, body, status, param, code):
     assert chat_text(srv.chat(max_tokens=2))     # still serving
 
 
+def test_tool_arguments_nested_past_the_stack_are_kept_as_text(srv):
+    """A tool call's arguments string nested 1,500 deep (past Python's recursion limit): json.loads raised RecursionError (not
+    ValueError) and the request got a 500; it is now kept as the string it was, as any
+    arguments that do not parse are."""
+    args = "[" * 1500 + "]" * 1500
+    body = _msg(messages=[{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]},
+                          {"role": "user", "content": "go"}], max_tokens=2)
+    for stream in (False, True):
+        r = srv.post("/v1/chat/completions", dict(body, stream=stream))
+        assert r.status_code == 200 and "Internal" not in r.text, r.text[:200]
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(srv):
     """What clients send by default (false, 0, 1, {}, [], "none" / "auto", {"type": "text"}) asks for
     nothing, so it is served, and the reply equals the same request without those fields."""
@@ -710,6 +724,93 @@ def test_prompts_are_tokenized_off_the_engine_thread(ckpt):
         ev.text for ev in ref.generate(messages=msgs, max_tokens=6, sampling=greedy))
     assert c.choices[0].text == "".join(
         ev.text for ev in ref.generate(prompt="def add(a, b):", max_tokens=6, sampling=greedy))
+
+
+class PreparingEngine(ScriptedEngine):
+    """ScriptedEngine with Engine.prepare: `prep_delay(tag)` seconds of "tokenizing" a request
+    whose last message / prompt is `tag`; a tag starting with "toolong" is refused as the real
+    prepare refuses a prompt past the context."""
+
+    def __init__(self, *a, prep_delay=lambda tag: 0.0, **kw):
+        super().__init__(*a, **kw)
+        self.prep_delay, self.prepared_tags, self.entered = prep_delay, [], []
+
+    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None):
+        from tensorfold.engine import Prompt
+        tag = messages[-1]["content"] if messages else prompt
+        self.entered.append(tag[:20])
+        time.sleep(self.prep_delay(tag))
+        self.prepared_tags.append(tag[:20])
+        if tag.startswith("toolong"):
+            raise RequestError("the prompt has 9999 tokens", param="prompt", code="context_length_exceeded")
+        return Prompt(ids=[1, 2, 3], chat=messages is not None, text=tag)
+
+    def generate(self, prepared=None, **kw):
+        if prepared is not None:
+            kw["messages" if prepared.chat else "prompt"] = (
+                [{"role": "user", "content": prepared.text}] if prepared.chat else prepared.text)
+        return super().generate(**kw)
+
+
+def test_shutdown_while_tokenizing_answers_503_at_once():
+    """drain() (SIGINT / SIGTERM) while a prompt is being tokenized: its client gets the JSON 503
+    within a poll (the handler waited for the tokenization to end, past uvicorn's grace period,
+    and the client got a text/plain 500)."""
+    eng = PreparingEngine(["x"], prep_delay=lambda tag: 5.0)
+    with scripted_server(eng, api_key=KEY) as s:
+        out = {}
+
+        def call():
+            out["r"] = s.post("/v1/completions", {"prompt": "slow"})
+            out["t"] = time.monotonic()
+        th = threading.Thread(target=call)
+        th.start()
+        _wait(lambda: eng.entered == ["slow"])
+        assert s.health()["tokenizing"] == 1
+        s.worker.drain()
+        t0 = time.monotonic()
+        th.join(30)
+        _check_error(out["r"], 503, code="server_shutting_down")
+        assert out["t"] - t0 < 2.0 and eng.started == []
+
+
+def test_small_requests_do_not_wait_behind_large_prompts_being_tokenized():
+    """Bodies past TokenizePool.SMALL are tokenized on their own threads: seven large prompts
+    taking 2 s each do not hold up a small request (on asyncio's default pool, 6 threads on 2
+    cores, it waited for them), nor does a prompt refused as too long wait for the request
+    being generated."""
+    big = "b" * (300 << 10)
+    eng = PreparingEngine(["x"] * 300, delay=0.01, prep_delay=lambda tag: 2.0 if tag.startswith("b") else 0.0)
+    with scripted_server(eng, api_key=KEY) as s:
+        threads = [threading.Thread(target=s.post, args=("/v1/completions", {"prompt": big, "max_tokens": 1}))
+                   for _ in range(7)]
+        for t in threads:
+            t.start()
+        _wait(lambda: len(eng.entered) >= 2 and s.health()["tokenizing"] == 7)
+        t0 = time.monotonic()
+        r = s.post("/v1/completions", {"prompt": "small", "max_tokens": 2})
+        assert r.status_code == 200 and time.monotonic() - t0 < 1.5
+        # a long generation runs; a refused prompt is answered without waiting for it
+        long = threading.Thread(target=s.post, args=("/v1/completions", {"prompt": "long"}))
+        long.start()
+        _wait(lambda: s.health()["busy"])
+        t0 = time.monotonic()
+        _check_error(s.post("/v1/completions", {"prompt": "toolong"}), 400, code="context_length_exceeded")
+        assert time.monotonic() - t0 < 1.5 and s.health()["busy"]
+        for t in threads + [long]:
+            t.join(30)
+
+
+def test_a_client_that_leaves_while_tokenizing_is_never_queued():
+    eng = PreparingEngine(["x"], prep_delay=lambda tag: 1.5 if tag == "gone" else 0.0)
+    with scripted_server(eng, api_key=KEY) as s:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "gone"}, timeout=0.5)
+        _wait(lambda: "gone" in eng.prepared_tags)
+        time.sleep(0.3)
+        assert s.post("/v1/completions", {"prompt": "next"}).status_code == 200
+        assert eng.started == ["next"]
 
 
 EXIT_SCRIPT = """

@@ -144,7 +144,7 @@ def _normalized(m: dict) -> dict:
             if isinstance(args, str):
                 try:
                     call = dict(call, function=dict(fn, arguments=json.loads(args)))
-                except ValueError:
+                except (ValueError, RecursionError):     # not JSON, or nested past Python's stack
                     pass
             fixed.append(call)
         m["tool_calls"] = fixed

@@ -36,6 +36,19 @@ from .types import GenerationEvent, GenerationStats, Prompt, SamplingParams
 log = logging.getLogger("tensorfold")
 
 
+def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0) -> str | None:
+    """The name of the first sampling parameter out of range (NaN included), or None."""
+    if not temperature >= 0:
+        return "temperature"
+    if not 0 < top_p <= 1:
+        return "top_p"
+    if not top_k >= 0:
+        return "top_k"
+    if not 0 <= min_p <= 1:
+        return "min_p"
+    return None
+
+
 class Engine:
     def __init__(self, model_path, *, drafter=None, drafts: bool = True, context: int | None = None,
                  prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
@@ -135,8 +148,15 @@ class Engine:
             if not isinstance(g, dict):
                 g = {}
             for k in ("temperature", "top_p", "top_k", "min_p"):
-                if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool):
-                    out[k] = g[k]
+                v = g.get(k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                if k == "top_k" and isinstance(v, int) and v < 0:
+                    v = 0               # -1: off (vLLM's spelling), as a request's top_k -1 is
+                if _sampling_error(**{k: v}) is None:
+                    out[k] = v
+                else:                   # every request leaving it unset would have got a 400
+                    log.warning("generation_config.json: ignoring %s = %r (out of range)", k, v)
             if g.get("do_sample") is False:
                 out["temperature"] = 0.0
         return out
@@ -160,7 +180,11 @@ class Engine:
                                                           enable_thinking=think, tools=tools)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
+            except RecursionError:      # a template walking a value nested past Python's stack
+                raise RequestError("messages are nested too deeply for the chat template",
+                                   param="messages") from None
             ids = self.tokenizer.encode(text)
+            self._check_fits(len(ids), True)
             pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
         if isinstance(prompt, str):
@@ -174,7 +198,16 @@ class Engine:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
+        self._check_fits(len(ids), False)
         return Prompt(ids=ids, chat=False)
+
+    def _check_fits(self, n_prompt: int, chat: bool) -> None:
+        """The prompt and at least one generated token fit the context (checked by prepare, so
+        that a server answers at once, and again by generate for a Prompt made elsewhere)."""
+        if n_prompt + 1 > self.context_length:
+            raise RequestError(
+                f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
+                param="messages" if chat else "prompt", code="context_length_exceeded")
 
     # ---- prefill with the prompt cache --------------------------------------------------------
     def _lookup(self, arr: np.ndarray, limit: int):
@@ -255,7 +288,7 @@ class Engine:
         try:
             text = self.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False,
                                                       enable_thinking=enable_thinking, tools=tools)
-        except ValueError:
+        except (ValueError, RecursionError):
             return 0
         from ..cache.memory import common_prefix
         return common_prefix(np.asarray(self.tokenizer.encode(text)), np.asarray(ids))
@@ -293,18 +326,16 @@ class Engine:
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
-        if not (p.temperature >= 0) or not (0 < p.top_p <= 1) or p.top_k < 0 or not (0 <= p.min_p <= 1):
-            raise RequestError("sampling parameters out of range", param="temperature")
+        bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p)
+        if bad is not None:
+            raise RequestError(f"{bad} is out of range", param=bad)
         if isinstance(stop, str):
             stop = [stop]
         if prepared is None:
             prepared = self.prepare(messages, prompt, enable_thinking, tools)
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
-        if n_prompt + 1 > self.context_length:
-            raise RequestError(
-                f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
-                param="messages" if chat else "prompt", code="context_length_exceeded")
+        self._check_fits(n_prompt, chat)
         if max_tokens is None or max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)

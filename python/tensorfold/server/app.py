@@ -18,6 +18,7 @@ from ..errors import RequestError
 from .protocol import parse_json, parse_request, sampling_with_defaults
 from .reasoning import ReasoningSplitter
 from .responses import ReplyBuilder, error_body, sse
+from .tokenizing import TokenizePool
 from .worker import EngineWorker, Job
 
 log = logging.getLogger("tensorfold.server")
@@ -60,6 +61,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     tags = getattr(getattr(eng, "tokenizer", None), "think_tags", None)
     limit = max_body or max_body_default(ctx)
     created = int(time.time())
+    tokenize = TokenizePool()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -166,7 +168,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": name, "context_length": ctx,
-                "busy": worker.current is not None, **worker.stats}
+                "busy": worker.current is not None, **worker.stats, "tokenizing": tokenize.pending}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -195,7 +197,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     async def handle(request: Request, kind: str):
         check_key(request)
-        data = parse_json(await read_body(request))
+        body = await read_body(request)
+        body_size = len(body)
+        data = parse_json(body)
+        del body
         check_model(data.get("model"))
         req = parse_request(data, kind, context_length=ctx)
         kwargs = dict(max_tokens=req.max_tokens or int(opts.get("max_tokens") or ctx),
@@ -207,11 +212,22 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             kwargs.update(prompt=req.prompt)
         prepare = getattr(worker.engine, "prepare", None)
         if prepare is not None:
-            # tokenized here, on a thread of its own (the tokenizer lets the GIL go): a large
-            # prompt does not hold up the engine's thread, and so the other requests' tokens
-            kwargs["prepared"] = await asyncio.to_thread(
-                prepare, kwargs.pop("messages", None), kwargs.pop("prompt", None),
-                kwargs.pop("enable_thinking", None))
+            # tokenized off the engine's thread (the tokenizer lets the GIL go): a large prompt
+            # holds up neither the engine's thread nor the other requests (tokenizing.py)
+            fut = tokenize.submit(prepare, (kwargs.pop("messages", None), kwargs.pop("prompt", None),
+                                            kwargs.pop("enable_thinking", None)), body_size)
+            try:
+                while not (await asyncio.wait({fut}, timeout=0.1))[0]:
+                    if worker.closing:
+                        raise RequestError("The server is shutting down.", type="server_error",
+                                           code="server_shutting_down", status=503)
+                    if await request.is_disconnected():
+                        raise _Gone
+            finally:
+                fut.cancel()            # a no-op once done; else its tokenization is skipped
+            kwargs["prepared"] = fut.result()
+            if await request.is_disconnected():
+                raise _Gone             # the client left while its prompt was tokenized
         job = worker.submit(kwargs, chat=kind == "chat")
         watcher = asyncio.create_task(watch(request, job))
         try:

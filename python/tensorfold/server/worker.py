@@ -101,10 +101,17 @@ class EngineWorker:
             jobs.append(cur)
         for job in jobs:
             if not job.cancel.is_set():
-                job.cancel.set()
+                # the error first: set first, the cancel let the engine's thread post its final
+                # "cancelled" event ahead of it (a 200 with a finish reason OpenAI has not)
                 job.post("error", RequestError(message, type="server_error", code="server_shutting_down",
                                                status=503))
+                job.cancel.set()
         return len(jobs)
+
+    @property
+    def closing(self) -> bool:
+        """drain() or stop() ran: requests still being read or tokenized get a 503."""
+        return self._closing
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, kwargs: dict, *, chat: bool = False) -> Job:
