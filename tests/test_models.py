@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import shutil
 
 import mlx.core as mx
@@ -313,7 +314,7 @@ def test_llama_attention_and_mlp_biases_equal_mlx_lm(checkpoints, tmp_path, src)
 
 
 @pytest.mark.parametrize("src", ["llama_hf_llama3_rope", "qwen2_mlx_4bit_tied"])
-def test_tie_word_embeddings_absent_follows_the_weights(checkpoints, tmp_path, src):
+def test_tie_word_embeddings_absent_follows_the_weights(checkpoints, tmp_path, src, caplog):
     """Where config.json does not say, the head is tied exactly when there is no lm_head.weight:
     mlx-lm ties those (its llama / qwen2 default), and a checkpoint that has an lm_head uses it."""
     def no_key(c):
@@ -325,10 +326,62 @@ def test_tie_word_embeddings_absent_follows_the_weights(checkpoints, tmp_path, s
     tied = _with(checkpoints[src], tmp_path / "tied", no_key, no_head)
     ours, _ = _equal_mlx_lm(tied)
     assert ours.cfg.tie_embeddings and ours.lm_head is ours.embed
-    if src == "llama_hf_llama3_rope":          # has an lm_head: kept, untied
-        kept = _with(checkpoints[src], tmp_path / "kept", no_key)
-        m = load_model(kept)
+    if src == "llama_hf_llama3_rope":          # has an lm_head: kept, untied, with a warning
+        kept = _with(checkpoints[src], tmp_path / "kept", no_key)   # (mlx-lm 0.32 ties it)
+        with caplog.at_level(logging.WARNING, logger="tensorfold"):
+            m = load_model(kept)
         assert not m.cfg.tie_embeddings and m.lm_head is not m.embed
+        assert any("tie_word_embeddings" in r.message for r in caplog.records)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("src,edit", [
+    ("llama_hf_llama3_rope", dict(rope_traditional=True)),
+    ("qwen2_mlx_4bit_tied", dict(rope_traditional=True)),
+    ("qwen2_mlx_4bit_tied", dict(rope_theta=None)),                  # mlx-lm's qwen2 default: 1e6
+    ("llama_hf_llama3_rope", dict(rope_scaling={"type": "linear", "rope_type": "llama3", "factor": 2.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 16})),
+    ("qwen3_mlx_4bit", dict(rope_scaling=YARN)),
+    ("qwen2_mlx_4bit_tied", dict(rope_traditional=True, rope_scaling={
+        "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16})),
+    ("llama_hf_llama3_rope", dict(rope_scaling=dict(YARN, mscale=0.7, mscale_all_dim=0.3))),
+], ids=["llama-traditional", "qwen2-traditional", "qwen2-no-theta", "type-before-rope_type",
+        "qwen3-yarn", "qwen2-yarn-traditional", "llama-yarn-mscale"])
+def test_rope_variants_equal_mlx_lm(checkpoints, tmp_path, src, edit):
+    """RoPE keys mlx-lm reads and TensorFold had not (each gave other logits with no error):
+    rope_traditional (llama, qwen2), qwen2's rope_theta default (1e6), "type" read before
+    "rope_type"; and yarn for the dense families (Qwen's long-context recipe; it was refused).
+    Prefill equals mlx-lm bit for bit, the row-exact decode stays close, and each edit moves
+    the logits (the test would see it ignored)."""
+    def cfg(c):
+        for k, v in edit.items():
+            c.pop(k, None) if v is None else c.update({k: v})
+    d = _with(checkpoints[src], tmp_path / "edited", cfg)
+    ours, rows = _equal_mlx_lm(d)
+    ids = _prompt(ours.cfg.vocab_size, 29, seed=29)
+    c = ours.new_cache()
+    ours.forward(mx.array([ids[:20]]), c, exact=False, logits=False)
+    b = ours.forward(mx.array([ids[20:]]), c, exact=True, all_logits=True).astype(mx.float32)
+    a = rows[20:].astype(mx.float32)
+    assert mx.abs(a - b).max().item() / mx.abs(a).max().item() < 0.05
+    base = load_model(checkpoints[src])
+    plain = base.forward(mx.array([ids]), base.new_cache(), exact=False, all_logits=True)
+    assert mx.abs(plain.astype(mx.float32) - rows.astype(mx.float32)).max().item() > 0.01
+
+
+def test_llama_sliding_window_layers_are_refused(checkpoints, tmp_path):
+    """mlx-lm's llama masks "sliding_attention" layers to sliding_window; here every layer saw
+    the whole context (other logits, no error). Refused until supported; all-full layer_types load."""
+    src = checkpoints["llama_hf_llama3_rope"]
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    bad = _with(src, tmp_path / "sliding", lambda c: c.update(
+        layer_types=["sliding_attention"] + ["full_attention"] * (n - 1), sliding_window=8))
+    with pytest.raises(CheckpointError, match="sliding"):
+        load_model(bad)
+    _equal_mlx_lm(_with(src, tmp_path / "full", lambda c: c.update(layer_types=["full_attention"] * n)))
 
 
 def test_mixed_recipe_null_group_sizes_load_as_mlx_lm_does(checkpoints, tmp_path):

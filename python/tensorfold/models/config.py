@@ -20,6 +20,15 @@ SUPPORTED_GROUPS = {32, 64, 128}
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+YARN_TYPES = ("yarn", "deepseek_yarn")
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    """A rope_scaling's type as mlx-lm's initialize_rope reads it: "type" before "rope_type"."""
+    sc = scaling or {}
+    return sc.get("type") or sc.get("rope_type", "default")
+
+
 def _quant_entry(e: dict) -> tuple:
     """(group_size, bits) of a quantization entry; null or absent values are MLX affine's defaults
     (64, 4), as nn.quantize reads them (mlx-lm's mixed recipes write "group_size": null)."""
@@ -95,6 +104,7 @@ class ModelConfig:
     quantization: dict | None          # {"group_size", "bits", <module path>: {...} | False}
     raw: dict = field(repr=False, default_factory=dict)
     mlp_bias: bool = False             # llama's mlp_bias: gate/up/down carry a bias
+    rope_traditional: bool = False     # llama / qwen2: RoPE on interleaved pairs (mlx-lm's key)
     # MoE (qwen3_moe); num_experts == 0 for dense families
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -201,8 +211,21 @@ class ModelConfig:
         rope_params = raw.get("rope_parameters") or {}
         if not isinstance(rope_params, dict):
             raise CheckpointError(f"config.json: 'rope_parameters' must be an object, got {rope_params!r}")
-        rope_theta = opt_num("rope_theta", opt_num("rope_theta", 10000.0, rope_params))
+        types = raw.get("layer_types")
+        if mt == "llama" and types is not None and (
+                not isinstance(types, list) or any(t != "full_attention" for t in types)):
+            # mlx-lm's llama masks "sliding_attention" layers to sliding_window (and keeps a
+            # rotating cache for them); every layer here attends to the whole context
+            raise CheckpointError(f"config.json: llama layer_types {sorted(set(map(str, types)))!r}: "
+                                  "sliding-window layers are not supported")
+        # mlx-lm's defaults: qwen2 1e6, the others 10000 (qwen3's requires it)
+        rope_theta = opt_num("rope_theta", opt_num("rope_theta", 1e6 if mt == "qwen2" else 10000.0, rope_params))
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
+        if rope_params and mt in ("llama", "qwen2") and not (raw.get("rope_theta") or raw.get("rope_scaling")):
+            # transformers 5 nests RoPE under rope_parameters; mlx-lm 0.32's llama / qwen2 do not
+            # read it (they run the default RoPE, another model). Read here: the checkpoint's RoPE
+            log.warning("config.json: RoPE read from rope_parameters (mlx-lm 0.32's %s ignores it: "
+                        "its logits differ from these)", mt)
         if mt in MOE_FAMILIES and rope_scaling:
             # mlx-lm's qwen3_moe builds plain RoPE and never reads rope_scaling (so Qwen's yarn
             # recipe loads and runs unscaled there): the same here, or prefill != mlx-lm's
@@ -214,10 +237,15 @@ class ModelConfig:
             raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
         if rope_scaling and mt in DSA_FAMILIES:
             rope_scaling = cls._dsa_rope_scaling(rope_scaling)
+        elif rope_scaling and rope_type_of(rope_scaling) in YARN_TYPES:
+            # YarnRoPE, as mlx-lm's initialize_rope builds it for every family (Qwen's long-context
+            # recipe: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+            rope_scaling = cls._dsa_rope_scaling(rope_scaling, mt)
         elif rope_scaling:
-            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rtype = rope_type_of(rope_scaling)
             if rtype not in ("default", "linear", "llama3"):
-                raise CheckpointError(f"unsupported rope_scaling type {rtype!r}")
+                raise CheckpointError(f"unsupported rope_scaling type {rtype!r} (default, linear, "
+                                      "llama3, yarn)")
             if rtype == "default":
                 rope_scaling = None
             else:
@@ -247,6 +275,8 @@ class ModelConfig:
             tie_embeddings=False if family in DSA_FAMILIES else cls._tied(raw.get("tie_word_embeddings"), path),
             attention_bias=family == "qwen2" or opt_bool("attention_bias", False),
             mlp_bias=family == "llama" and opt_bool("mlp_bias", False),
+            # mlx-lm's qwen3 / qwen3_moe build RoPE with traditional=False whatever it says
+            rope_traditional=family in ("llama", "qwen2") and opt_bool("rope_traditional", False),
             qk_norm=family in ("qwen3", "qwen3_moe"), dtype=dtype, quantization=quant, raw=raw,
             **moe)
 
@@ -256,7 +286,12 @@ class ModelConfig:
         when the checkpoint has no lm_head.weight (mlx-lm's llama / qwen2 default is tied, Hugging
         Face's llama default untied: each agrees with the weights it would load)."""
         if v is None:
-            return not checkpoint_has(path, "lm_head.weight")
+            if checkpoint_has(path, "lm_head.weight"):
+                log.warning("config.json does not set tie_word_embeddings and the checkpoint has "
+                            "lm_head.weight: using it (mlx-lm 0.32 ties the embedding and ignores it, "
+                            "so its logits differ from these)")
+                return False
+            return True
         if not isinstance(v, bool):
             raise CheckpointError(f"config.json: 'tie_word_embeddings' must be true or false, got {v!r}")
         return v
@@ -286,34 +321,35 @@ class ModelConfig:
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
     @staticmethod
-    def _dsa_rope_scaling(sc) -> dict:
-        """deepseek_v32's rope_scaling, read as mlx-lm's initialize_rope reads it ("type" before
-        "rope_type"): default, linear, or yarn / deepseek_yarn (YarnRoPE). The dict is kept even
-        for "default": mlx-lm's attention applies ``mscale_all_dim`` whatever the type."""
+    def _dsa_rope_scaling(sc, family: str = "deepseek_v32") -> dict:
+        """A rope_scaling read as mlx-lm's initialize_rope reads it ("type" before "rope_type"):
+        deepseek_v32's (default, linear, or yarn / deepseek_yarn: YarnRoPE; the dict is kept even
+        for "default": mlx-lm's attention applies ``mscale_all_dim`` whatever the type), and the
+        yarn types of the dense families. The returned dict's "type" is the type read."""
         if not isinstance(sc, dict):
             raise CheckpointError("config.json: rope_scaling must be an object")
         rtype = sc.get("type") or sc.get("rope_type", "default")
         if rtype not in ("default", "linear", "yarn", "deepseek_yarn"):
-            raise CheckpointError(f"deepseek_v32: unsupported rope_scaling type {rtype!r} "
+            raise CheckpointError(f"{family}: unsupported rope_scaling type {rtype!r} "
                                   "(default, linear, yarn, deepseek_yarn)")
         num = (int, float)
         if rtype != "default" or "factor" in sc or sc.get("mscale_all_dim"):
             f = sc.get("factor")
             if not isinstance(f, num) or isinstance(f, bool) or not f > 0:
-                raise CheckpointError(f"deepseek_v32: rope_scaling factor must be a positive number, got {f!r}")
+                raise CheckpointError(f"{family}: rope_scaling factor must be a positive number, got {f!r}")
         if rtype in ("yarn", "deepseek_yarn"):
             for key in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                         "mscale_all_dim"):
                 v = sc.get(key)
                 if v is not None and (not isinstance(v, num) or isinstance(v, bool)):
-                    raise CheckpointError(f"deepseek_v32: rope_scaling {key} must be a number, got {v!r}")
+                    raise CheckpointError(f"{family}: rope_scaling {key} must be a number, got {v!r}")
             if not sc.get("original_max_position_embeddings", 4096) > 0:
-                raise CheckpointError("deepseek_v32: rope_scaling original_max_position_embeddings must be > 0")
+                raise CheckpointError(f"{family}: rope_scaling original_max_position_embeddings must be > 0")
             if not sc.get("beta_fast", 32) > 0 or not sc.get("beta_slow", 1) > 0:
-                raise CheckpointError("deepseek_v32: rope_scaling beta_fast / beta_slow must be > 0")
+                raise CheckpointError(f"{family}: rope_scaling beta_fast / beta_slow must be > 0")
         mad = sc.get("mscale_all_dim", 0)
         if mad is not None and (not isinstance(mad, num) or isinstance(mad, bool)):
-            raise CheckpointError(f"deepseek_v32: rope_scaling mscale_all_dim must be a number, got {mad!r}")
+            raise CheckpointError(f"{family}: rope_scaling mscale_all_dim must be a number, got {mad!r}")
         return dict(sc, type=rtype)
 
     @staticmethod

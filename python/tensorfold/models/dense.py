@@ -15,13 +15,14 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from functools import partial
 
 import mlx.core as mx
 
 from .. import kernels
-from .config import ModelConfig
+from .config import YARN_TYPES, ModelConfig, rope_type_of
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
 
@@ -56,15 +57,41 @@ def _llama3_freqs(cfg: ModelConfig):
     return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
 
 
+def yarn_freqs(dims: int, base: float, sc: dict):
+    """mlx-lm's YarnRoPE (rope_utils.py) constants, op for op: (input mscale, freqs [dims // 2])."""
+    factor = sc["factor"]
+    orig = sc.get("original_max_position_embeddings", 4096)
+    beta_fast, beta_slow = sc.get("beta_fast", 32), sc.get("beta_slow", 1)
+    mscale, mscale_all_dim = sc.get("mscale", 1), sc.get("mscale_all_dim", 0)
+
+    def correction_dim(num_rotations):
+        return (dims * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    def get_mscale(scale=1, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    freq_extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    freq_inter = factor * freq_extra
+    freq_mask = 1.0 - ramp
+    freqs = (freq_inter * freq_extra) / (freq_inter * freq_mask + freq_extra * (1 - freq_mask))
+    return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), freqs
+
+
 def _rope_type(cfg: ModelConfig) -> str:
-    sc = cfg.rope_scaling
-    return (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    return rope_type_of(cfg.rope_scaling)
 
 
 def rope_inv_freq(cfg: ModelConfig):
     """(inverse frequencies [head_dim / 2] float32, position scale) of make_rope's RoPE, for the
     fused decode kernel (kernels.fused_qk_norm_rope): theta_i = (pos * scale) * inv_freq[i]."""
     dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    if _rope_type(cfg) in YARN_TYPES:
+        return None         # YarnRoPE scales its input too: no fused kernel (_fused_qk)
     if _rope_type(cfg) == "llama3":
         inv = 1.0 / _llama3_freqs(cfg).astype(mx.float32)
         scale = 1.0
@@ -78,13 +105,22 @@ def rope_inv_freq(cfg: ModelConfig):
 def make_rope(cfg: ModelConfig):
     """RoPE exactly as mlx-lm's initialize_rope builds it (default, linear, llama3)."""
     dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    rtype = _rope_type(cfg)
+    rtype, trad = _rope_type(cfg), cfg.rope_traditional
+    if rtype in YARN_TYPES:     # mlx-lm's YarnRoPE: the input scaled by mscale, custom freqs
+        ms, freqs = yarn_freqs(dims, base, sc)
+        mx.eval(freqs)
+
+        def rope(x, offset):
+            if ms != 1.0:
+                x = x.at[..., :dims].multiply(ms)
+            return mx.fast.rope(x, dims, traditional=trad, base=None, scale=1.0, offset=offset, freqs=freqs)
+        return rope
     if rtype == "llama3":
         freqs = _llama3_freqs(cfg)
-        return lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=None, scale=1.0,
+        return lambda x, offset: mx.fast.rope(x, dims, traditional=trad, base=None, scale=1.0,
                                               offset=offset, freqs=freqs)
     scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
-    return lambda x, offset: mx.fast.rope(x, dims, traditional=False, base=base, scale=scale,
+    return lambda x, offset: mx.fast.rope(x, dims, traditional=trad, base=base, scale=scale,
                                           offset=offset)
 
 
@@ -290,8 +326,8 @@ class DenseModel:
         None; with kv (the layer's KV buffers, StepCache.in_place) q alone, the key and value
         rows written into kv. TENSORFOLD_FUSED_QK=0 turns it off (MLX's rms_norm and rope,
         other bits)."""
-        if os.environ.get("TENSORFOLD_FUSED_QK") == "0":
-            return None
+        if os.environ.get("TENSORFOLD_FUSED_QK") == "0" or self.cfg.rope_traditional or self.rope_freq is None:
+            return None     # the fused kernel rotates split halves by plain frequencies
         from .. import kernels
         inv, scale = self.rope_freq
         return kernels.fused_qk_norm_rope(qkv, self.cfg.num_heads, self.cfg.num_kv_heads,

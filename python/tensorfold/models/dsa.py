@@ -41,7 +41,7 @@ import mlx.core as mx
 from ..errors import CheckpointError
 from .bounded import BoundedPrefill
 from .config import ModelConfig
-from .dense import DenseModel, _out, swiglu
+from .dense import DenseModel, _out, swiglu, yarn_freqs
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
 from ..kernels.moe import topk_deterministic
@@ -167,31 +167,6 @@ def causal_mask(N: int, offset: int) -> mx.array:
     rinds = mx.arange(offset + N)
     linds = mx.arange(offset, offset + N) if offset else rinds
     return linds[:, None] >= rinds[None]
-
-
-def yarn_freqs(dims: int, base: float, sc: dict):
-    """mlx-lm's YarnRoPE (rope_utils.py) constants, op for op: (input mscale, freqs [dims // 2])."""
-    factor = sc["factor"]
-    orig = sc.get("original_max_position_embeddings", 4096)
-    beta_fast, beta_slow = sc.get("beta_fast", 32), sc.get("beta_slow", 1)
-    mscale, mscale_all_dim = sc.get("mscale", 1), sc.get("mscale_all_dim", 0)
-
-    def correction_dim(num_rotations):
-        return (dims * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    def get_mscale(scale=1, m=1):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
-    if low == high:
-        high += 0.001
-    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-    freq_extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    freq_inter = factor * freq_extra
-    freq_mask = 1.0 - ramp
-    freqs = (freq_inter * freq_extra) / (freq_inter * freq_mask + freq_extra * (1 - freq_mask))
-    return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), freqs
 
 
 def make_dsa_rope(cfg: ModelConfig, traditional: bool):
