@@ -350,6 +350,8 @@ BAD = [
     ("stop wrong type", "/v1/chat/completions", _msg(stop=[1, 2]), 400, "stop", None),
     ("stream wrong type", "/v1/chat/completions", _msg(stream="yes"), 400, "stream", None),
     ("seed wrong type", "/v1/chat/completions", _msg(seed="abc"), 400, "seed", None),
+    ("seed past int64", "/v1/chat/completions", _msg(seed=2**64), 400, "seed", None),   # was seed 0
+    ("seed below int64", "/v1/chat/completions", _msg(seed=-2**63 - 1), 400, "seed", None),
     ("unknown model", "/v1/chat/completions", _msg(model="gpt-9"), 404, "model", "model_not_found"),
     ("missing prompt", "/v1/completions", {"model": "tiny-qwen3"}, 400, "prompt", None),
     ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),

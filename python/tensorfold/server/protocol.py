@@ -244,6 +244,8 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         s.min_p = mp
     seed = _int(data, "seed")
     if seed is not None:
+        if not -2**63 <= seed < 2**63:      # sampling keys a seed by its low 64 bits: 2**64 was 0
+            raise _bad("seed", f"must be a 64-bit signed integer, got {seed}.")
         s.seed = seed
 
     r.stop = _stop(data.get("stop"))
