@@ -261,6 +261,19 @@ def _with(src, dst, edit_cfg=None, edit_weights=None):
     return d
 
 
+def _exact_decode_close(ours, rows, n=29, split=20) -> list[int]:
+    """The row-exact decode of tokens split..n-1 after a prefill of the first `split` stays
+    within 5% (of the largest logit) of the prefill's rows `rows` (from _equal_mlx_lm's prompt);
+    returns that prompt."""
+    ids = _prompt(ours.cfg.vocab_size, n, seed=n)
+    c = ours.new_cache()
+    ours.forward(mx.array([ids[:split]]), c, exact=False, logits=False)
+    b = ours.forward(mx.array([ids[split:]]), c, exact=True, all_logits=True).astype(mx.float32)
+    a = rows[split:].astype(mx.float32)
+    assert mx.abs(a - b).max().item() / mx.abs(a).max().item() < 0.05
+    return ids
+
+
 def _equal_mlx_lm(path, n=29):
     import mlx_lm
     ours = load_model(path)
@@ -296,12 +309,7 @@ def test_llama_attention_and_mlp_biases_equal_mlx_lm(checkpoints, tmp_path, src)
     d = _with(checkpoints[src], tmp_path / "biased", cfg, weights)
     ours, rows = _equal_mlx_lm(d)
     assert ours.layers[0].o.bias is not None and ours.layers[0].down.bias is not None
-    ids = _prompt(ours.cfg.vocab_size, 29, seed=29)
-    c = ours.new_cache()
-    ours.forward(mx.array([ids[:20]]), c, exact=False, logits=False)
-    b = ours.forward(mx.array([ids[20:]]), c, exact=True, all_logits=True).astype(mx.float32)
-    a = rows[20:].astype(mx.float32)
-    assert mx.abs(a - b).max().item() / mx.abs(a).max().item() < 0.05
+    ids = _exact_decode_close(ours, rows)
     # without the biases the logits are far off: the test would catch them dropped
     bare = _with(checkpoints[src], tmp_path / "bare", cfg, lambda w: [w.pop(k) for k in
                  [k for k in w if "q_norm" in k or "k_norm" in k]])
@@ -361,12 +369,7 @@ def test_rope_variants_equal_mlx_lm(checkpoints, tmp_path, src, edit):
             c.pop(k, None) if v is None else c.update({k: v})
     d = _with(checkpoints[src], tmp_path / "edited", cfg)
     ours, rows = _equal_mlx_lm(d)
-    ids = _prompt(ours.cfg.vocab_size, 29, seed=29)
-    c = ours.new_cache()
-    ours.forward(mx.array([ids[:20]]), c, exact=False, logits=False)
-    b = ours.forward(mx.array([ids[20:]]), c, exact=True, all_logits=True).astype(mx.float32)
-    a = rows[20:].astype(mx.float32)
-    assert mx.abs(a - b).max().item() / mx.abs(a).max().item() < 0.05
+    ids = _exact_decode_close(ours, rows)
     base = load_model(checkpoints[src])
     plain = base.forward(mx.array([ids]), base.new_cache(), exact=False, all_logits=True)
     assert mx.abs(plain.astype(mx.float32) - rows.astype(mx.float32)).max().item() > 0.01
