@@ -714,3 +714,44 @@ def test_engine_row_check_passes_drafting_on(checkpoints):
         eng = Engine(checkpoints[name])
         assert eng.row_exact is True and eng.drafts_enabled, name
         assert row_check(eng.model, k=16, prompt_len=40, seed=3)
+
+
+def test_moe_helpers_read_ids_and_residuals_as_row_expert_matmul_does():
+    """expert_glu / expert_sum cast ids with astype(int32): an int64 id past int32 wrapped into a
+    valid expert (2**32 + 1 read as expert 1) and a float id was truncated, where
+    row_expert_matmul gives a NaN row / a ValueError. expert_sum took a residual of [D, R] (the
+    same size) and mixed other rows' residuals into each row. Float offsets / k of the
+    attention ops were truncated (2.7 read as 2)."""
+    from tensorfold import kernels as K
+    from tensorfold.kernels import moe as KM
+    rng = np.random.default_rng(0)
+    E, D, F, R = 4, 64, 64, 4
+
+    def experts(N, Kd):
+        w = mx.array(rng.standard_normal((E * N, Kd)).astype(np.float32) * 0.05)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        return (wq.reshape(E, N, -1), s.reshape(E, N, -1), b.reshape(E, N, -1), 64, 4)
+    gate, up, down = experts(F, D), experts(F, D), experts(D, F)
+    x = mx.array(rng.standard_normal((1, D)).astype(np.float32))
+    bad = mx.array([[2**32 + 1]], dtype=mx.int64)
+    assert np.isnan(np.array(KM.expert_glu(x, gate, up, bad))).all()
+    assert np.isnan(np.array(KM.expert_sum(mx.ones((1, 1, F)), down, bad, mx.ones((1, 1))))).all()
+    for call in (lambda: KM.expert_glu(x, gate, up, mx.array([[1.9]])),
+                 lambda: KM.expert_sum(mx.ones((1, 1, F)), down, mx.array([[1.9]]), mx.ones((1, 1)))):
+        with pytest.raises(ValueError):
+            call()
+    h = mx.array(rng.standard_normal((R, 1, F)).astype(np.float32))
+    res = mx.array(rng.standard_normal((R, D)).astype(np.float32))
+    KM.expert_sum(h, down, mx.zeros((R, 1), mx.int32), mx.ones((R, 1)), res)
+    with pytest.raises(ValueError):
+        KM.expert_sum(h, down, mx.zeros((R, 1), mx.int32), mx.ones((R, 1)), res.T)
+    q = mx.ones((1, 2, 1, 64))
+    kv = mx.ones((1, 1, 8, 64))
+    for call in (lambda: K.row_attention(q, kv, kv, 2.7, 0.1),
+                 lambda: K.sparse_attention(q, kv, kv, mx.zeros((1, 1, 2), mx.int32), 2.7, 0.1),
+                 lambda: K.select_topk(mx.ones((1, 1, 8)), 2.7, 1),
+                 lambda: K.select_topk(mx.ones((1, 1, 8)), 2, 1.9)):
+        with pytest.raises(ValueError):
+            call()
+    assert np.array_equal(np.array(K.row_attention(q, kv, kv, np.int64(2), 0.1)),
+                          np.array(K.row_attention(q, kv, kv, 2, 0.1)))

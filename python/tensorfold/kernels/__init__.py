@@ -18,6 +18,7 @@ uses the CPU primitive.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from typing import Callable, Optional, Union
 
@@ -118,6 +119,14 @@ def as_int32(a: mx.array, what: str, low: int = -1) -> mx.array:
     if a.dtype in (mx.uint32, mx.uint64):
         return mx.minimum(a, _I32_MAX).astype(mx.int32)
     return mx.clip(a, low, _I32_MAX).astype(mx.int32)
+
+
+def as_index(v, what: str) -> int:
+    """A Python integer (bool and numpy integers too), or ValueError: 2.7 used to be read as 2."""
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {v!r}") from None
 
 
 def _check_k(x: mx.array, what: str) -> None:
@@ -249,7 +258,7 @@ def _offset_array(offset, q: mx.array, k: mx.array) -> mx.array:
         if offset.size != 1:
             raise ValueError("row_attention: offset must be a scalar")
         return as_int32(offset.reshape(1), "row_attention: offset", low=-2**31)
-    offset = int(offset)
+    offset = as_index(offset, "row_attention: offset")
     if offset < 0 or offset + q.shape[2] > k.shape[2]:
         raise ValueError(
             f"row_attention: rows {offset}..{offset + q.shape[2] - 1} do not fit a KV buffer "

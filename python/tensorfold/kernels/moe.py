@@ -125,9 +125,10 @@ def _matmul(x, w: Weights, indices):
 
 def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx.array:
     """x [R, K], indices [R, k] int32 -> h [R, k, F] in x's dtype."""
+    from . import as_int32
     _check_experts(x.shape, gate, indices.shape, "expert_glu")
     _check_experts(x.shape, up, indices.shape, "expert_glu")
-    indices = indices.astype(mx.int32)
+    indices = as_int32(indices, "expert_glu: indices")     # clipped, not wrapped: a bad id stays bad
     if _face() == "cuda" and _same_quantization(gate, up):
         from . import _cuda, _gpu_stream
         return _cuda.expert_glu(x, gate, up, indices, gate[3], gate[4], _gpu_stream(None))
@@ -165,9 +166,12 @@ def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
     _check_experts((R, F), down, indices.shape, "expert_sum")
     if scores.shape != indices.shape:
         raise ValueError(f"expert_sum: scores {scores.shape} must match indices {indices.shape}")
-    if residual is not None and residual.size != R * down[0].shape[1]:
-        raise ValueError(f"expert_sum: residual {residual.shape} must hold [R, D] = [{R}, {down[0].shape[1]}]")
-    indices, scores = indices.astype(mx.int32), scores.astype(mx.float32)
+    D = down[0].shape[1]
+    if residual is not None and (residual.size != R * D or residual.shape[-1] != D):
+        # [D, R] has R * D elements too: its rows would have been mixed into other rows
+        raise ValueError(f"expert_sum: residual {residual.shape} must be [R, D] = [{R}, {D}]")
+    from . import as_int32
+    indices, scores = as_int32(indices, "expert_sum: indices"), scores.astype(mx.float32)
     if _face() == "cuda" and k <= 32:
         from . import _cuda, _gpu_stream
         return _cuda.expert_sum(h, down, indices, scores, residual, down[3], down[4],

@@ -55,7 +55,8 @@ def _offset_value(offset, M: int, limit: int, who: str) -> mx.array:
             raise ValueError(f"{who}: offset must be a scalar")
         from . import as_int32
         return as_int32(offset.reshape(1), f"{who}: offset", low=-2**31)
-    offset = int(offset)
+    from . import as_index
+    offset = as_index(offset, f"{who}: offset")
     if offset < 0 or offset + M > limit:
         raise ValueError(f"{who}: rows {offset}..{offset + M - 1} do not fit {limit} keys")
     # (a host-made array. Made on the device by one GPU op instead, as _cuda.device_array does,
@@ -132,7 +133,8 @@ def select_topk(scores: mx.array, k: int, offset, *, stream: StreamLike = None) 
     """
     if scores.ndim != 3:
         raise ValueError("select_topk: scores must be [B, M, S]")
-    k = int(k)
+    from . import as_index
+    k = as_index(k, "select_topk: k")
     if k <= 0:
         raise ValueError("select_topk: k must be positive")
     B, M, S = scores.shape
@@ -140,7 +142,7 @@ def select_topk(scores: mx.array, k: int, offset, *, stream: StreamLike = None) 
     if isinstance(offset, mx.array):
         off = as_int32(offset.reshape(()), "select_topk: offset", low=-2**31)
     else:
-        off = mx.array(max(min(int(offset), 2**31 - 1), -2**31), dtype=mx.int32)
+        off = mx.array(max(min(as_index(offset, "select_topk: offset"), 2**31 - 1), -2**31), dtype=mx.int32)
     off = mx.minimum(off, S)      # past S-1 every key is visible anyway; off + i cannot wrap
     s = stream
     x = mx.add(scores.astype(mx.float32, stream=s), 0.0, stream=s)  # -0.0 -> +0.0
