@@ -516,3 +516,39 @@ def test_prompts_that_end_on_or_split_a_stored_entry(model_path, cut):
     fresh = Engine(model_path, prefill_mode=mode, drafts=False).generate_text(prompt=prompt, max_tokens=8,
                                                                                sampling=P)
     assert (text, ids) == fresh[:2]
+
+
+def test_resumed_prompts_are_chunked_on_the_fresh_grid(model_path):
+    """On the CPU a prompt's prefill bits do not depend on its chunking, so resumed == fresh
+    cannot see a broken grid there. This records the chunks the model is given: a resumed turn's
+    chunks must be exactly the fresh run's chunks past its restored grid point, and each chunk
+    must start on the grid (so on a backend whose bits depend on the call shape, the two runs
+    compute the same KV)."""
+    mode = PrefillMode(grid=GRID)
+    turns = _conversation(75, seed=75)
+
+    def chunks_of(eng):
+        seen = []
+        forward = eng.model.forward
+
+        def spy(x, cache, *a, logits=True, **kw):
+            if logits is False:
+                seen.append((cache.offset, cache.offset + x.shape[1]))
+            return forward(x, cache, *a, logits=logits, **kw)
+        eng.model.forward = spy
+        return seen
+    one = Engine(model_path, prefill_mode=mode, drafts=False)
+    resumed_chunks = chunks_of(one)
+    msgs = []
+    for i, t in enumerate(turns):
+        msgs = msgs + t
+        del resumed_chunks[:]
+        text, _, st = one.generate_text(messages=msgs, max_tokens=12, sampling=P)
+        fresh = Engine(model_path, prefill_mode=mode, drafts=False)
+        fresh_chunks = chunks_of(fresh)
+        assert fresh.generate_text(messages=msgs, max_tokens=12, sampling=P)[0] == text
+        n = len(one.prompt_ids(msgs))
+        assert fresh_chunks == [(s, min(s + GRID, n - 1)) for s in range(0, n - 1, GRID)]
+        assert resumed_chunks == [c for c in fresh_chunks if c[0] >= st.cached_tokens], i
+        assert st.cached_tokens % GRID == 0 and (i == 0) == (st.cached_tokens == 0)
+        msgs = msgs + [{"role": "assistant", "content": text}]
