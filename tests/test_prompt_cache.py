@@ -552,3 +552,27 @@ def test_resumed_prompts_are_chunked_on_the_fresh_grid(model_path):
         assert resumed_chunks == [c for c in fresh_chunks if c[0] >= st.cached_tokens], i
         assert st.cached_tokens % GRID == 0 and (i == 0) == (st.cached_tokens == 0)
         msgs = msgs + [{"role": "assistant", "content": text}]
+
+
+def test_disk_stores_sharing_a_directory_see_each_others_snapshots(model_path, tmp_path):
+    """A server sharing its snapshot directory read it once, at start: a snapshot another server
+    wrote afterwards was never resumed from (and was written again). The store now takes in
+    what changed in the directory when it is asked (one stat when nothing did), and forgets
+    files another store removed."""
+    a, b = DiskStore(tmp_path / "shared"), DiskStore(tmp_path / "shared")
+    kv = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
+    pa = a.save("k", list(range(16)), kv)
+    assert [e.path for e in b.candidates("k")] == [pa]
+    pb = b.save("k", list(range(32, 48)), kv)
+    assert sorted(e.path for e in a.candidates("k")) == sorted([pa, pb])
+    pa.unlink()
+    assert [e.path for e in b.candidates("k")] == [pb]
+    # two engines on one directory: the second resumes from the first's turn
+    mode = PrefillMode(grid=GRID)
+    e1 = Engine(model_path, prefill_mode=mode, snapshot_dir=tmp_path / "snaps", drafts=False)
+    e2 = Engine(model_path, prefill_mode=mode, snapshot_dir=tmp_path / "snaps", drafts=False)
+    msgs = _conversation(40, seed=4)[0]
+    text, _, _ = e1.generate_text(messages=msgs, max_tokens=8, sampling=P)
+    e1.disk.flush()
+    text2, _, st = e2.generate_text(messages=msgs, max_tokens=8, sampling=P)
+    assert text2 == text and st.cached_tokens > 0

@@ -162,10 +162,12 @@ class DiskStore:
         self._writer = None
         self._queue = None
         self.entries: list[DiskEntry] = []
+        self._seen = None       # the directory's mtime at the last look (refresh)
         self.scan()
         atexit.register(self.flush)     # queued snapshots reach the disk (returns at once if none)
 
     def scan(self) -> None:
+        self._seen = self._mtime()
         entries = []
         for f in self.dir.iterdir():
             if f.name.startswith(".tmp-"):
@@ -204,7 +206,41 @@ class DiskStore:
         return DiskEntry(f, meta["key"], toks, size, float(meta["created"]), meta.get("pinned") == "1",
                          meta["checksum"])
 
+    def _mtime(self):
+        try:
+            return self.dir.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def refresh(self) -> None:
+        """Take in the snapshots another process sharing the directory wrote (or removed) since
+        the last look; one stat when nothing changed. (Only scan() removes abandoned temp files.)"""
+        m = self._mtime()
+        if m is None or m == self._seen:
+            return
+        self._seen = m
+        try:
+            names = {f.name: f for f in self.dir.iterdir()
+                     if f.suffix == ".safetensors" and not f.name.startswith(".tmp-")}
+        except OSError:
+            return
+        with self._lock:
+            known = {e.path.name for e in self.entries}
+        new = []
+        for name, f in names.items():
+            if name not in known:
+                try:
+                    new.append(self._entry(f))
+                except Exception:  # noqa: BLE001 - damaged or vanished: not taken in
+                    pass
+        with self._lock:
+            # (an entry this process wrote after the listing is kept: its file exists)
+            kept = [e for e in self.entries if e.path.name in names or e.path.exists()]
+            have = {e.path.name for e in kept}
+            self.entries = sorted(kept + [e for e in new if e.path.name not in have], key=lambda e: e.created)
+
     def candidates(self, key: str) -> list[DiskEntry]:
+        self.refresh()
         with self._lock:
             return [e for e in self.entries if e.key == key]
 
