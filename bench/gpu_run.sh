@@ -149,8 +149,8 @@
 #   bash bench/gpu_run.sh s48a | s48b   # prepared in session 47: cold start (gpu_cold_start.py); deepseek engine cases
 #   bash bench/gpu_run.sh s48c | s48d   # session 48: the kernel cache's CUDA tests; cold start with it off and on
 #   bash bench/gpu_run.sh s49b          # prepared in session 49: the fixed kcache bits test; serve's lasting PTX dir
-#   bash bench/gpu_run.sh s51           # prepared in session 51: tf_zmax's attention / sparse tests; the sparse
-#                                       # table over rotated inputs
+#   bash bench/gpu_run.sh s51 | s51b    # session 51: tf_zmax's attention / sparse tests, the new wrapper checks,
+#                                       # RoPE variants; the sparse table over rotated inputs, the engine cases
 #   bash bench/gpu_run.sh qmm_overread  # MLX's quantized matmul under memcheck over K (bench/mlx_qmm_overread.py;
 #                                       # QO_M, QO_N, QO_K, QO_G, QO_VALUES=0)
 #   IDS=file bash bench/gpu_run.sh ids  # listed pytest ids, one pytest each, PROCS at once, a PTX cache a process
@@ -1337,13 +1337,23 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         | tee "$out/test_kcache.log" | tail -25
     COLD_SET=threads timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_workers.txt"
     ;;
-  s51)      # next (prepared in session 51, no device then): tf_zmax, the -inf chunk rule, on the CUDA face -- the attention
-            # tests (the -inf test now at 1 / 5 / 16 rows, fp32 and bf16) and the sparse suite; then the sparse table
-            # with single calls over rotated input copies (--rotate-mb 128; the old tables ran on one set)
-    timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py -k "attention" \
-        tests/test_sparse_attention.py 2>&1 | tee "$out/s51_tests.log" | tail -25
-    timeout ${LIMIT2:-200} python3 bench/bench_sparse_attention.py --table --keys 8192,65536,131072 2>&1 \
+  s51)      # session 51 (its last half hour): tf_zmax, the -inf chunk rule, on the CUDA face (the attention tests, the
+            # -inf test at 1 / 5 / 16 rows in fp32 and bf16; the sparse suite), the wrappers' shape checks, the MoE id
+            # reads, the RoPE variants (traditional, yarn) against mlx-lm, the grid-chunk and shared-dir cache tests;
+            # one pytest a process over PROCS processes (the suite mode's), LIMIT seconds
+    { collect tests/test_kernels.py -k "attention or refuse"
+      collect tests/test_sparse_attention.py
+      collect tests/test_moe.py -k "read_ids"
+      collect tests/test_models.py -k "rope_variants or sliding or biases or tie_word"
+      collect tests/test_prompt_cache.py -k "fresh_grid or sharing"; } > "$out/s51.ids"
+    IDS="$out/s51.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-300} bash "$0" suite
+    ;;
+  s51b)     # session 51, next call: the sparse table over rotated inputs, then the engine's drafted == serial /
+            # resumed == fresh cases (without deepseek_v32's) on today's code
+    timeout ${LIMIT2:-150} python3 bench/bench_sparse_attention.py --table --keys 8192,65536,131072 2>&1 \
         | tee "$out/s51_sparse.txt"
+    engine_ids > "$out/s51b.ids"
+    IDS="$out/s51b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-300} bash "$0" suite
     ;;
   s49b)     # next: the fixed test_kcache.py bits test (its fifth process in worker processes), then serve's lasting
             # MLX_PTX_CACHE_DIR (kernels/_kcache.lasting_mlx_dir): MLX's own modules land there, a second start is warm
@@ -1369,7 +1379,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   suite)    # the whole of a test file on CUDA (SUITE, default tests/test_kernels.py), its node ids dealt in turn to PROCS
             # processes (default 4; s21c's -k groups were uneven: at 400 s two of them were cut, session 41)
     ids="$out/suite.ids"; rm -f "$out"/suite.part.*
-    collect ${SUITE:-tests/test_kernels.py} > "$ids"
+    if [ -n "${IDS:-}" ]; then cp "$IDS" "$ids"; else collect ${SUITE:-tests/test_kernels.py} > "$ids"; fi
     echo "$(wc -l < "$ids") tests in ${PROCS:-4} processes"
     split -n r/${PROCS:-4} "$ids" "$out/suite.part."
     for f in "$out"/suite.part.*; do
