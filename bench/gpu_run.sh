@@ -1355,6 +1355,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     engine_ids > "$out/s51b.ids"
     IDS="$out/s51b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-300} bash "$0" suite
     ;;
+  s51c)     # session 51, third call: what s51's cut part held (the suite mode split an id with spaces), and the
+            # decode-step launch test with its fixture clearing the launch-plan caches
+    split -n r/8 "$IDS51" "$out/s51c.part."; cp "$out/s51c.part.ad" "$out/s51c.ids"; rm -f "$out"/s51c.part.*
+    collect tests/test_cuda_launches.py >> "$out/s51c.ids"
+    IDS="$out/s51c.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-240} bash "$0" suite
+    ;;
   s49b)     # next: the fixed test_kcache.py bits test (its fifth process in worker processes), then serve's lasting
             # MLX_PTX_CACHE_DIR (kernels/_kcache.lasting_mlx_dir): MLX's own modules land there, a second start is warm
     timeout ${LIMIT:-330} python3 -m pytest -q -p no:cacheprovider -rs tests/test_kcache.py 2>&1 \
@@ -1389,7 +1395,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       # still reach every process compiled once: kernels/_kcache.py copies them from TENSORFOLD_CACHE_DIR (session
       # 48; the copy path ran on the H200 in session 49). -v: a process its
       # limit cuts still names every id it ran (s45a's were worked out from the CPU's collection order)
-      (MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout ${LIMIT:-420} python3 -m pytest -v -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1
+      # one id a line, passed whole (an id with spaces, e.g. a parametrized message, was cut into words: session
+      # 51's part that held one ran nothing)
+      (mapfile -t part < "$f"
+       MLX_PTX_CACHE_DIR=/tmp/mlx-ptx.$(basename "$f") timeout ${LIMIT:-420} python3 -m pytest -v -p no:cacheprovider "${part[@]}" > "$f.log" 2>&1
        echo "rc $? ($(wc -l < "$f") ids; rc 124: cut by LIMIT)" >> "$f.log") &
     done
     wait
