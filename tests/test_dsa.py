@@ -349,7 +349,7 @@ def test_yarn_rope_equals_mlx_lm(traditional):
     for sc in (yarn_rope_scaling(), yarn_rope_scaling(factor=8.0, original=64, beta_fast=16.0, beta_slow=2.0,
                                                         mscale=0.8, mscale_all_dim=0.5, rope_type="deepseek_yarn"),
                {"type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 2.0}):
-        cfg = ModelConfig._dsa_rope_scaling(sc)
+        cfg = ModelConfig._yarn_rope_scaling(sc)
         mc = ModelConfig(path=None, family="deepseek_v32", hidden_size=0, num_layers=0, num_heads=0,
                          num_kv_heads=0, head_dim=0, intermediate_size=0, vocab_size=0, rms_norm_eps=0,
                          rope_theta=10000.0, rope_scaling=cfg, max_position=0, tie_embeddings=False,

@@ -133,12 +133,11 @@ def select_topk(scores: mx.array, k: int, offset, *, stream: StreamLike = None) 
     """
     if scores.ndim != 3:
         raise ValueError("select_topk: scores must be [B, M, S]")
-    from . import as_index
+    from . import as_index, as_int32
     k = as_index(k, "select_topk: k")
     if k <= 0:
         raise ValueError("select_topk: k must be positive")
     B, M, S = scores.shape
-    from . import as_int32
     if isinstance(offset, mx.array):
         off = as_int32(offset.reshape(()), "select_topk: offset", low=-2**31)
     else:

@@ -230,17 +230,14 @@ class ModelConfig:
             # mlx-lm's qwen3_moe builds plain RoPE and never reads rope_scaling (so Qwen's yarn
             # recipe loads and runs unscaled there): the same here, or prefill != mlx-lm's
             log.warning("config.json: rope_scaling %r is ignored for qwen3_moe, as mlx-lm ignores it",
-                        rope_scaling.get("rope_type", rope_scaling.get("type"))
-                        if isinstance(rope_scaling, dict) else rope_scaling)
+                        rope_type_of(rope_scaling) if isinstance(rope_scaling, dict) else rope_scaling)
             rope_scaling = None
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
-        if rope_scaling and mt in DSA_FAMILIES:
-            rope_scaling = cls._dsa_rope_scaling(rope_scaling)
-        elif rope_scaling and rope_type_of(rope_scaling) in YARN_TYPES:
-            # YarnRoPE, as mlx-lm's initialize_rope builds it for every family (Qwen's long-context
-            # recipe: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
-            rope_scaling = cls._dsa_rope_scaling(rope_scaling, mt)
+        if rope_scaling and (mt in DSA_FAMILIES or rope_type_of(rope_scaling) in YARN_TYPES):
+            # deepseek_v32's, and YarnRoPE as mlx-lm's initialize_rope builds it for every family
+            # (Qwen's long-context recipe: {"rope_type": "yarn", "factor": 4.0, ...: 32768})
+            rope_scaling = cls._yarn_rope_scaling(rope_scaling, mt)
         elif rope_scaling:
             rtype = rope_type_of(rope_scaling)
             if rtype not in ("default", "linear", "llama3"):
@@ -321,15 +318,15 @@ class ModelConfig:
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
     @staticmethod
-    def _dsa_rope_scaling(sc, family: str = "deepseek_v32") -> dict:
+    def _yarn_rope_scaling(sc, family: str = "deepseek_v32") -> dict:
         """A rope_scaling read as mlx-lm's initialize_rope reads it ("type" before "rope_type"):
         deepseek_v32's (default, linear, or yarn / deepseek_yarn: YarnRoPE; the dict is kept even
         for "default": mlx-lm's attention applies ``mscale_all_dim`` whatever the type), and the
         yarn types of the dense families. The returned dict's "type" is the type read."""
         if not isinstance(sc, dict):
             raise CheckpointError("config.json: rope_scaling must be an object")
-        rtype = sc.get("type") or sc.get("rope_type", "default")
-        if rtype not in ("default", "linear", "yarn", "deepseek_yarn"):
+        rtype = rope_type_of(sc)
+        if rtype not in ("default", "linear", *YARN_TYPES):
             raise CheckpointError(f"{family}: unsupported rope_scaling type {rtype!r} "
                                   "(default, linear, yarn, deepseek_yarn)")
         num = (int, float)
@@ -337,7 +334,7 @@ class ModelConfig:
             f = sc.get("factor")
             if not isinstance(f, num) or isinstance(f, bool) or not f > 0:
                 raise CheckpointError(f"{family}: rope_scaling factor must be a positive number, got {f!r}")
-        if rtype in ("yarn", "deepseek_yarn"):
+        if rtype in YARN_TYPES:
             for key in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                         "mscale_all_dim"):
                 v = sc.get(key)

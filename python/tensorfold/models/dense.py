@@ -88,10 +88,12 @@ def _rope_type(cfg: ModelConfig) -> str:
 
 def rope_inv_freq(cfg: ModelConfig):
     """(inverse frequencies [head_dim / 2] float32, position scale) of make_rope's RoPE, for the
-    fused decode kernel (kernels.fused_qk_norm_rope): theta_i = (pos * scale) * inv_freq[i]."""
+    fused decode kernel (kernels.fused_qk_norm_rope): theta_i = (pos * scale) * inv_freq[i]. None
+    where that kernel cannot give it: interleaved pairs (rope_traditional; it rotates split
+    halves) and yarn (YarnRoPE scales its input too)."""
     dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    if _rope_type(cfg) in YARN_TYPES:
-        return None         # YarnRoPE scales its input too: no fused kernel (_fused_qk)
+    if cfg.rope_traditional or _rope_type(cfg) in YARN_TYPES:
+        return None
     if _rope_type(cfg) == "llama3":
         inv = 1.0 / _llama3_freqs(cfg).astype(mx.float32)
         scale = 1.0
@@ -102,26 +104,33 @@ def rope_inv_freq(cfg: ModelConfig):
     return inv, scale
 
 
-def make_rope(cfg: ModelConfig):
-    """RoPE exactly as mlx-lm's initialize_rope builds it (default, linear, llama3)."""
-    dims, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    rtype, trad = _rope_type(cfg), cfg.rope_traditional
-    if rtype in YARN_TYPES:     # mlx-lm's YarnRoPE: the input scaled by mscale, custom freqs
+def rope_of(dims: int, base: float, sc: dict | None, traditional: bool, llama3_freqs=None):
+    """RoPE over the first `dims` features exactly as mlx-lm's initialize_rope builds it: nn.RoPE
+    (default, linear), Llama3RoPE (its freqs given) or YarnRoPE (the input scaled by the mscale
+    ratio, then custom frequencies). Returns f(x, offset). Shared by every family (dsa.py)."""
+    rtype = rope_type_of(sc)
+    if rtype in YARN_TYPES:
         ms, freqs = yarn_freqs(dims, base, sc)
         mx.eval(freqs)
 
         def rope(x, offset):
             if ms != 1.0:
                 x = x.at[..., :dims].multiply(ms)
-            return mx.fast.rope(x, dims, traditional=trad, base=None, scale=1.0, offset=offset, freqs=freqs)
+            return mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0, offset=offset,
+                                freqs=freqs)
         return rope
     if rtype == "llama3":
-        freqs = _llama3_freqs(cfg)
-        return lambda x, offset: mx.fast.rope(x, dims, traditional=trad, base=None, scale=1.0,
-                                              offset=offset, freqs=freqs)
+        return lambda x, offset: mx.fast.rope(x, dims, traditional=traditional, base=None, scale=1.0,
+                                              offset=offset, freqs=llama3_freqs)
     scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
-    return lambda x, offset: mx.fast.rope(x, dims, traditional=trad, base=base, scale=scale,
+    return lambda x, offset: mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
                                           offset=offset)
+
+
+def make_rope(cfg: ModelConfig):
+    """The dense families' RoPE over head_dim (default, linear, llama3, yarn; rope_traditional)."""
+    llama3 = _llama3_freqs(cfg) if _rope_type(cfg) == "llama3" else None
+    return rope_of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_traditional, llama3)
 
 
 class Layer:
@@ -326,8 +335,8 @@ class DenseModel:
         None; with kv (the layer's KV buffers, StepCache.in_place) q alone, the key and value
         rows written into kv. TENSORFOLD_FUSED_QK=0 turns it off (MLX's rms_norm and rope,
         other bits)."""
-        if os.environ.get("TENSORFOLD_FUSED_QK") == "0" or self.cfg.rope_traditional or self.rope_freq is None:
-            return None     # the fused kernel rotates split halves by plain frequencies
+        if os.environ.get("TENSORFOLD_FUSED_QK") == "0" or self.rope_freq is None:
+            return None     # (rope_inv_freq: a RoPE the fused kernel cannot give)
         from .. import kernels
         inv, scale = self.rope_freq
         return kernels.fused_qk_norm_rope(qkv, self.cfg.num_heads, self.cfg.num_kv_heads,

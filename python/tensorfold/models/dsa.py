@@ -41,7 +41,7 @@ import mlx.core as mx
 from ..errors import CheckpointError
 from .bounded import BoundedPrefill
 from .config import ModelConfig
-from .dense import DenseModel, _out, swiglu, yarn_freqs
+from .dense import DenseModel, _out, rope_of, swiglu
 from .kv import KVCache
 from .loader import Linear, fuse_linears, take_linear, take_vector
 from ..kernels.moe import topk_deterministic
@@ -173,20 +173,7 @@ def make_dsa_rope(cfg: ModelConfig, traditional: bool):
     """RoPE over the first qk_rope_head_dim features as mlx-lm's initialize_rope builds it for
     deepseek_v32: nn.RoPE (default / linear) or YarnRoPE (yarn / deepseek_yarn: the input
     scaled by mscale / mscale_all_dim's ratio, then custom frequencies)."""
-    sc, base, rd = cfg.rope_scaling, cfg.rope_theta, cfg.qk_rope_head_dim
-    rtype = (sc.get("type") or sc.get("rope_type", "default")) if sc else "default"
-    if rtype in ("yarn", "deepseek_yarn"):
-        ms, freqs = yarn_freqs(rd, base, sc)
-        mx.eval(freqs)
-
-        def rope(x, off):
-            if ms != 1.0:
-                x = x.at[..., :rd].multiply(ms)
-            return mx.fast.rope(x, rd, traditional=traditional, base=None, scale=1.0, offset=off,
-                                freqs=freqs)
-        return rope
-    scale = 1.0 / sc["factor"] if rtype == "linear" else 1.0
-    return lambda x, off: mx.fast.rope(x, rd, traditional=traditional, base=base, scale=scale, offset=off)
+    return rope_of(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, traditional)
 
 
 class DSALayer:
