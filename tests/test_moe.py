@@ -727,10 +727,8 @@ def test_moe_helpers_read_ids_and_residuals_as_row_expert_matmul_does():
     rng = np.random.default_rng(0)
     E, D, F, R = 4, 64, 64, 4
 
-    def experts(N, Kd):
-        w = mx.array(rng.standard_normal((E * N, Kd)).astype(np.float32) * 0.05)
-        wq, s, b = mx.quantize(w, group_size=64, bits=4)
-        return (wq.reshape(E, N, -1), s.reshape(E, N, -1), b.reshape(E, N, -1), 64, 4)
+    def experts(N, Kd):             # (weight, scales, biases, group_size, bits), kernels/moe.py's Weights
+        return _experts(rng, E, N, Kd, 4, mx.float32)[:3] + (64, 4)
     gate, up, down = experts(F, D), experts(F, D), experts(D, F)
     x = mx.array(rng.standard_normal((1, D)).astype(np.float32))
     bad = mx.array([[2**32 + 1]], dtype=mx.int64)
