@@ -113,6 +113,38 @@ def test_moe_decode_launches_match_their_kernels(launches, bits):
         assert lc["threadgroup"][0] == 32 * k and lc["output_shapes"] == [(R, D)]
 
 
+def test_moe_launches_keep_the_grid_within_cuda_limits(launches):
+    """Past 65,535 (row, expert) pairs (expert kernels) or rows (expert_sum) a call is launched in
+    row pieces, each grid's y within CUDA's 65,535, the pieces covering every row once; a call
+    that fits stays one launch with its arrays as they are."""
+    R, D, F, E, k = 13108, 64, 64, 8, 5          # 65,540 pairs: two pieces of <= 13,107 rows
+    x = mx.ones((R, D), mx.bfloat16)
+    gate, up, down = _experts(E, F, D, 4), _experts(E, F, D, 4), _experts(E, D, F, 4)
+    logits = mx.zeros((R, E), mx.float32)
+    inds = mx.zeros((R, k), mx.int32)
+    h, i2, s2 = KM.route_glu(x, logits, gate, up, k, True)
+    assert h.shape == (R, k, F) and i2.shape == (R, k) and s2.shape == (R, k)
+    assert KM.expert_glu(x, gate, up, inds).shape == (R, k, F)
+    assert K.row_expert_matmul(x, *gate[:3], inds, *gate[3:]).shape == (R, k, F)
+    big = 65540
+    hs = mx.ones((big, 1, F), mx.bfloat16)
+    assert KM.expert_sum(hs, down, mx.zeros((big, 1), mx.int32), mx.ones((big, 1)),
+                         mx.ones((big, D), mx.bfloat16)).shape == (big, D)
+    by = {}
+    for lc in launches:
+        assert lc["grid"][1] <= 65535 and lc["grid"][2] <= 65535, (lc["name"], lc["grid"])
+        by.setdefault(lc["name"], []).append(lc)
+    for name in ("row_expert_qmm_glu_route", "row_expert_qmm_glu", "row_expert_qmm"):
+        assert len(by[name]) == 2 and sum(lc["grid"][1] for lc in by[name]) == R * k, name
+        _check(by[name][0])
+    assert len(by["row_expert_qmm_sum"]) == 2
+    assert sum(lc["output_shapes"][0][0] for lc in by["row_expert_qmm_sum"]) == big
+    assert [lc["inputs"][-1].shape for lc in by["row_expert_qmm_sum"]] == [(65535, D), (5, D)]
+    launches.clear()
+    KM.expert_glu(x[:16], gate, up, inds[:16])       # fits: one launch, x itself
+    assert len(launches) == 1 and launches[0]["inputs"][0].shape == (16, D)
+
+
 def test_moe_ops_take_the_composition_where_the_kernels_do_not_fit(launches):
     """k > 32 experts per token (route, expert_sum) or gate and up quantized differently
     (expert_glu): the CUDA face runs the ops' definitions instead of a kernel that cannot hold them."""

@@ -930,6 +930,8 @@ def sparse_attention(q, k, v, indices, offset, scale, stream, split: bool = True
     scale_f = _scale_array(scale)
     per_row = B * HQ * nspan * (D + 2) * 4
     group = max(1, min(M, SPARSE_SCRATCH // per_row))
+    # rows x head groups in the grid's z: at most GRID_YZ_MAX (a 2,048-row chunk is far below)
+    group = min(group, max(1, GRID_YZ_MAX // -(-G // (tc[2] if tc is not None else SPARSE_WARPS))))
     if tc is not None:
         DT, NST, HB, smem = tc
         kern = _kernel("sparse_tc", smem)
@@ -1021,6 +1023,21 @@ def qk_norm_rope(qkv, H: int, HK: int, q_norm, k_norm, eps: float, inv_freq, rop
                                       output_dtypes=[qkv.dtype, qkv.dtype], **launch)
 
 
+GRID_YZ_MAX = 65535     # CUDA's limit on a grid's y and z dimensions
+
+
+def _in_row_pieces(R: int, per_row: int, launch):
+    """launch(a, b) -> list of outputs of rows a..b-1 (leading axis), called on row pieces whose
+    grids keep y (per_row blocks a row) within GRID_YZ_MAX, the pieces' outputs joined. The
+    kernels are row-exact, so a row's bits do not depend on the piece it is in; a call that fits
+    (every decode step, a 2,048-row prefill chunk at top-8: 16,384) is one launch as before."""
+    step = max(1, GRID_YZ_MAX // per_row)
+    if R <= step:
+        return launch(0, R)
+    parts = [launch(a, min(R, a + step)) for a in range(0, R, step)]
+    return [mx.concatenate(list(outs), axis=0) for outs in zip(*parts)]
+
+
 def _expert_shape(w, scales, bits, what: str):
     """(E, N, K, quantized) of a stacked expert weight, with the CUDA faces' limits checked."""
     E, N = w.shape[0], w.shape[1]
@@ -1048,13 +1065,17 @@ def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
     x2 = x.reshape(-1, K)
     R = x2.shape[0]
     idx = indices.reshape(-1).astype(mx.int32)
-    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
     name = "row_expert_qmm" if quant else "row_expert_mm"
-    inputs = [x2, w, scales, biases, idx] if quant else [x2, w, idx]
-    out = _kernel(name, 0)(
-        inputs=inputs, template=_expert_template(x, w, scales, K, N, E, topk, group_size, bits, quant),
-        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(R * topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    tmpl = _expert_template(x, w, scales, K, N, E, topk, group_size, bits, quant)
+
+    def launch(a, b):       # rows a..b-1: blocks (column block, row x expert) in the grid
+        xa, ia = (x2, idx) if (a, b) == (0, R) else (x2[a:b], idx[a * topk:b * topk])
+        return _kernel(name, 0)(
+            inputs=[xa, w, scales, biases, ia] if quant else [xa, w, ia], template=tmpl,
+            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * topk, 1),
+            threadgroup=(GEMM_THREADS, 1, 1),
+            output_shapes=[((b - a) * topk, N)], output_dtypes=[x.dtype], stream=stream)
+    out = _in_row_pieces(R, topk, launch)[0]
     return out.reshape(*lead, topk, N)
 
 
@@ -1062,18 +1083,21 @@ def expert_glu(x, gate, up, indices, group_size, bits, stream):
     """kernels.moe.expert_glu: x [R, K], indices [R, k] -> h [R, k, N] (row_expert_*_glu)."""
     E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "expert_glu")   # shapes: kernels.moe
     R, topk = indices.shape
-    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * topk, 1)
     # the row_expert kernels read no shapes: arrays go in and out in their callers' shapes (the
     # same row-major memory as the flat [R * k, ...] the kernels index), with no reshape nodes
     # in the decode step's graph (bench/step_graph.py)
-    if quant:
-        name, inputs = "row_expert_qmm_glu", [x, *gate[:3], *up[:3], indices]
-    else:
-        name, inputs = "row_expert_mm_glu", [x, gate[0], up[0], indices]
-    return _kernel(name, 0)(
-        inputs=inputs, template=_expert_template(x, gate[0], gate[1], K, N, E, topk, group_size, bits, quant),
-        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(R, topk, N)], output_dtypes=[x.dtype], stream=stream)[0]
+    name = "row_expert_qmm_glu" if quant else "row_expert_mm_glu"
+    tmpl = _expert_template(x, gate[0], gate[1], K, N, E, topk, group_size, bits, quant)
+
+    def launch(a, b):
+        xa, ia = (x, indices) if (a, b) == (0, R) else (x[a:b], indices[a:b])
+        inputs = [xa, *gate[:3], *up[:3], ia] if quant else [xa, gate[0], up[0], ia]
+        return _kernel(name, 0)(
+            inputs=inputs, template=tmpl,
+            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * topk, 1),
+            threadgroup=(GEMM_THREADS, 1, 1),
+            output_shapes=[(b - a, topk, N)], output_dtypes=[x.dtype], stream=stream)
+    return _in_row_pieces(R, topk, launch)[0]
 
 
 def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
@@ -1082,16 +1106,21 @@ def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
     R, topk = indices.shape
     res = (residual.reshape(R, N).astype(h.dtype) if residual is not None
            else _const_array((0.0,), h.dtype))
-    if quant:                  # h [R, k, K], indices / scores [R, k] as they are (see expert_glu)
-        name, inputs = "row_expert_qmm_sum", [h, *down[:3]]
-    else:
-        name, inputs = "row_expert_mm_sum", [h, down[0]]
+    # h [R, k, K], indices / scores [R, k] as they are (see expert_glu)
+    name = "row_expert_qmm_sum" if quant else "row_expert_mm_sum"
     tmpl = _expert_template(h, down[0], down[1], K, N, E, topk, group_size, bits, quant)
-    return _kernel(name, 0)(
-        inputs=inputs + [indices, scores, res],
-        template=tmpl + [("RES", residual is not None)],
-        grid=(-(-N // 2) * 32 * topk, R, 1), threadgroup=(32 * topk, 1, 1),
-        output_shapes=[(R, N)], output_dtypes=[h.dtype], stream=stream)[0]
+    tmpl = tmpl + [("RES", residual is not None)]
+
+    def launch(a, b):           # a block a (column pair, row): rows in the grid's y
+        whole = (a, b) == (0, R)
+        ha, ia, sa = (h, indices, scores) if whole else (h[a:b], indices[a:b], scores[a:b])
+        ra = res if whole or residual is None else res[a:b]
+        inputs = [ha, *down[:3]] if quant else [ha, down[0]]
+        return _kernel(name, 0)(
+            inputs=inputs + [ia, sa, ra], template=tmpl,
+            grid=(-(-N // 2) * 32 * topk, b - a, 1), threadgroup=(32 * topk, 1, 1),
+            output_shapes=[(b - a, N)], output_dtypes=[h.dtype], stream=stream)
+    return _in_row_pieces(R, 1, launch)[0]
 
 
 def expert_glu_route(x, gate, up, logits, k, normalize, group_size, bits, stream):
@@ -1099,17 +1128,20 @@ def expert_glu_route(x, gate, up, logits, k, normalize, group_size, bits, stream
     [R, k], scores fp32 [R, k]) (row_expert_*_glu_route: moe_route + row_expert_*_glu)."""
     E, N, K, quant = _expert_shape(gate[0], gate[1], bits, "route_glu")   # shapes: kernels.moe
     R = x.shape[0]
-    grid = (-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, R * k, 1)
-    if quant:
-        name, inputs = "row_expert_qmm_glu_route", [x, *gate[:3], *up[:3], logits]
-    else:
-        name, inputs = "row_expert_mm_glu_route", [x, gate[0], up[0], logits]
+    name = "row_expert_qmm_glu_route" if quant else "row_expert_mm_glu_route"
     tmpl = _expert_template(x, gate[0], gate[1], K, N, E, k, group_size, bits, quant)
-    h, inds, scores = _kernel(name, 0)(
-        inputs=inputs, template=tmpl + [("NORM", bool(normalize))],
-        grid=grid, threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(R, k, N), (R, k), (R, k)], output_dtypes=[x.dtype, mx.int32, mx.float32],
-        stream=stream)
+    tmpl = tmpl + [("NORM", bool(normalize))]
+
+    def launch(a, b):
+        xa, la = (x, logits) if (a, b) == (0, R) else (x[a:b], logits[a:b])
+        inputs = [xa, *gate[:3], *up[:3], la] if quant else [xa, gate[0], up[0], la]
+        return _kernel(name, 0)(
+            inputs=inputs, template=tmpl,
+            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * k, 1),
+            threadgroup=(GEMM_THREADS, 1, 1),
+            output_shapes=[(b - a, k, N), (b - a, k), (b - a, k)],
+            output_dtypes=[x.dtype, mx.int32, mx.float32], stream=stream)
+    h, inds, scores = _in_row_pieces(R, k, launch)
     return h, inds, scores
 
 
