@@ -343,6 +343,24 @@ def test_moe_decode_ops_row_exact(case):
             assert np.array_equal(_bits(a[pos]), _bits(b[i])), (M, pos, i)
 
 
+def test_moe_ops_past_the_cuda_grid_limit():
+    """65,600 rows at top-5: 328,000 (row, expert) pairs and 65,600 rows, past the 65,535 blocks a
+    CUDA grid's y dimension holds (the expert kernels launch a block per pair, expert_sum one per
+    row). The CUDA face launches such calls in row pieces; every row, at a piece's edges too,
+    keeps the bits it has in a call of its own (on the CPU: the contract at a large M)."""
+    gate, up, down, x, logits, res, gs, bits, k = _moe_op_inputs(4, 65600, 12)
+    full = _moe_ops(gate, up, down, x, logits, res, gs, bits, k)
+    routed = KM.route_glu(x, logits, gate, up, k, True)
+    mx.eval(full, routed)
+    rows = [0, 13106, 13107, 65534, 65535, 65599]      # 13,107 rows x 5 = one grid's 65,535
+    sel = mx.array(rows)
+    alone = _moe_ops(gate, up, down, x[sel], logits[sel], res[sel], gs, bits, k)
+    for a, b in zip(alone, full):
+        assert np.array_equal(_bits(a), _bits(b[sel]))
+    for a, b in zip(KM.route_glu(x[sel], logits[sel], gate, up, k, True), routed):
+        assert np.array_equal(_bits(a), _bits(b[sel]))
+
+
 @pytest.mark.parametrize("case", range(len(MOE_OP_CASES)))
 def test_moe_decode_ops_equal_their_definition(case):
     """expert_glu and expert_sum equal their definitions in row_expert_matmul and MLX ops, bit
@@ -619,7 +637,12 @@ def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
     grid = 1024
     # hidden 64, intermediate 128, experts' 64 (write_checkpoint's defaults), or wider where
     # $TF_TEST_HIDDEN says (the H200: MLX's CUDA quantized matmul reads past K <= 128, testing.widened)
-    kw = dict(layout="mlx", bits=4, dtype="float32", layers=2, heads=2, kv_heads=1, head_dim=32, seed=1)
+    # float32 on the CPU; bf16 on CUDA, whose float32 attention is MLX's unfused fallback (a
+    # score matrix per layer, growing with the prompt: the MoE model's two layers in flight hold
+    # two, the dense model's one, so the difference grew 32 -> 61 MiB over 1 -> 4 cells on the
+    # H200, session 52) and whose bf16 attention is fused, as a real checkpoint's
+    dtype = "bfloat16" if K.backend_face() == "cuda" else "float32"
+    kw = dict(layout="mlx", bits=4, dtype=dtype, layers=2, heads=2, kv_heads=1, head_dim=32, seed=1)
     moe = load_model(write_checkpoint(tmp_path / "moe", **widened(dict(family="qwen3_moe", num_experts=8,
                                                                        experts_per_tok=2, **kw))))
     dense = load_model(write_checkpoint(tmp_path / "dense", **widened(dict(family="qwen3", **kw))))
