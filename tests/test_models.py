@@ -115,7 +115,7 @@ def _copy(src, dst):
     ("rope-scaling-string", "'rope_scaling' must be an object"),
     ("linear-rope-no-factor", "needs 'factor'"),
     ("tie-string", "'tie_word_embeddings' must be true or false"),
-    ("dtype-list", "unsupported dtype"),
+    ("awq", "quant_method 'awq' is not supported; convert"),
     ("index-map-list", "'weight_map' must map"),
     ("stray-bias", "o_proj.bias is not used"),
 ])
@@ -160,8 +160,8 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         cfg["rope_scaling"] = {"type": "linear"}
     elif breakage == "tie-string":
         cfg["tie_word_embeddings"] = "false"
-    elif breakage == "dtype-list":
-        cfg["torch_dtype"] = ["bfloat16"]
+    elif breakage == "awq":       # AutoAWQ's config (mlx-lm converts it on load): was "missing tensor"
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 64}
     elif breakage == "index-map-list":
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
     elif breakage == "stray-bias":      # a bias the config does not declare: never dropped silently
@@ -174,6 +174,17 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         load_model(d)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["auto", ["bfloat16"], "float"])
+def test_unknown_torch_dtype_only_warns(checkpoints, tmp_path, caplog, value):
+    """torch_dtype is read only for `info`'s estimates (the model computes in its weights'
+    dtypes): a value it does not name ("auto") is a warning, not a refusal of the checkpoint."""
+    import logging
+    d = _with(checkpoints["qwen3_hf_bf16"], tmp_path / "m", lambda c: c.update(torch_dtype=value))
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        assert load_model(d).dtype == mx.bfloat16
+    assert "torch_dtype" in caplog.text
 
 
 def test_unknown_path():
@@ -373,6 +384,33 @@ def test_rope_variants_equal_mlx_lm(checkpoints, tmp_path, src, edit):
     base = load_model(checkpoints[src])
     plain = base.forward(mx.array([ids]), base.new_cache(), exact=False, all_logits=True)
     assert mx.abs(plain.astype(mx.float32) - rows.astype(mx.float32)).max().item() > 0.01
+
+
+MIXED_DTYPE_CASES = {   # checkpoint, which of its float tensors are stored as float32
+    "llama norms": ("llama_hf_llama3_rope", lambda k: "norm" in k),
+    "qwen3 4-bit q/k norms": ("qwen3_mlx_4bit", lambda k: "q_norm" in k or "k_norm" in k),
+    "llama v_proj": ("llama_hf_llama3_rope", lambda k: "v_proj" in k),
+    "qwen3_moe 4-bit norms": ("qwen3_moe_mlx_4bit", lambda k: "norm" in k),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_DTYPE_CASES))
+def test_mixed_float_dtypes_equal_mlx_lm(checkpoints, tmp_path, case):
+    """A bf16 checkpoint with some float32 tensors (norms, as a transformers-5 checkpoint that
+    mlx_lm.convert did not cast keeps them): MLX's ops promote q, k, v and the residual stream to
+    float32, and mlx-lm's cache keeps them so. The cache was the embedding's bf16, which rounded
+    them (logits up to 0.07 off, no error). Prefill equals mlx-lm bit for bit; the row-exact
+    decode stays close."""
+    src, pick = MIXED_DTYPE_CASES[case]
+
+    def weights(w):
+        for k in list(w):
+            if pick(k) and w[k].dtype == mx.bfloat16:
+                w[k] = w[k].astype(mx.float32)
+    d = _with(checkpoints[src], tmp_path / "mixed", edit_weights=weights)
+    ours, rows = _equal_mlx_lm(d)
+    assert ours.dtype == mx.float32 and load_model(checkpoints[src]).dtype == mx.bfloat16
+    _exact_decode_close(ours, rows)
 
 
 def test_llama_sliding_window_layers_are_refused(checkpoints, tmp_path):

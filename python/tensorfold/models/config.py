@@ -134,6 +134,17 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def trained_positions(self) -> int:
+        """The context the model is made for: max_position_embeddings, or under yarn factor x
+        original_max_position_embeddings where that is more (Qwen's long-context recipe adds yarn
+        and leaves max_position_embeddings at the original 40,960)."""
+        sc = self.rope_scaling or {}
+        if rope_type_of(sc) == "yarn" and sc.get("factor"):
+            scaled = int(sc["factor"] * sc.get("original_max_position_embeddings", self.max_position))
+            return max(self.max_position, scaled)
+        return self.max_position
+
+    @property
     def is_dsa(self) -> bool:
         return self.family in DSA_FAMILIES
 
@@ -253,8 +264,16 @@ class ModelConfig:
                         opt_num(k, None, rope_scaling)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CheckpointError(f"unsupported dtype {dtype!r}")
+            # only `info`'s estimates read it (the model computes in its weights' dtypes)
+            log.warning("config.json: torch_dtype %r is not one of %s; estimates assume bfloat16",
+                        dtype, "/".join(DTYPES))
+            dtype = "bfloat16"
         quant = raw.get("quantization")
+        qc = raw.get("quantization_config")
+        if quant is None and isinstance(qc, dict) and qc.get("quant_method"):
+            # AWQ, GPTQ, bitsandbytes, FP8, ...: not MLX affine (mlx-community's "quantization")
+            raise CheckpointError(f"quantization_config quant_method {qc['quant_method']!r} is not "
+                                  "supported; convert the checkpoint with mlx_lm.convert first")
         if quant is not None:
             cls._check_quant(quant)
         family = FAMILIES[mt]

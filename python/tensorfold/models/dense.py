@@ -251,8 +251,13 @@ class DenseModel:
         self.rope_freq = rope_inv_freq(cfg)     # the same RoPE for the fused decode kernel
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        # the activation dtype: what the embedding produces
-        self.dtype = (self.embed.scales.dtype if self.embed.quantized else self.embed.weight.dtype)
+        # the activation dtype (the KV cache's): what the embedding produces, promoted as MLX's ops
+        # promote it through the layers' weights (mlx-lm's forward: a float32 norm beside bf16
+        # weights makes q, k, v and the residual stream float32, and its cache float32; a bf16 cache
+        # rounded them, session 52). bf16 with fp16 promotes to float32 too.
+        emb = self.embed.scales.dtype if self.embed.quantized else self.embed.weight.dtype
+        floats = {a.dtype for ly in self.layers for a in self._stream_arrays(ly)} | {emb}
+        self.dtype = emb if len(floats) == 1 else mx.float32
 
     def _make_layer(self, cfg: ModelConfig, weights: dict, i: int) -> Layer:
         return Layer(cfg, weights, i)
@@ -283,6 +288,16 @@ class DenseModel:
     def _layer_arrays(self, ly) -> list[mx.array]:
         """A layer's weights that are not in its linears (norms)."""
         return [a for a in (ly.in_norm, ly.post_norm, ly.q_norm, ly.k_norm) if a is not None]
+
+    def _stream_arrays(self, ly) -> list[mx.array]:
+        """A layer's float arrays whose dtype MLX's ops carry into q, k, v and the residual stream
+        (norms, the attention and MLP linears; a family's router only picks experts)."""
+        out = self._layer_arrays(ly)
+        for lin in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down):
+            if lin is not None:
+                w = None if lin.quantized else lin.weight
+                out += [a for a in (w, lin.scales, lin.biases, lin.bias) if a is not None]
+        return out
 
     def _attention(self, ly: Layer, i: int, x, cache: KVCache, exact: bool, residual=None):
         """The attention block's output, plus `residual` where given (the layer's residual add;

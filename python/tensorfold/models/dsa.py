@@ -262,6 +262,11 @@ class DSAModel(BoundedPrefill, DenseModel):
     def _layer_linears(self, ly: DSALayer) -> list[Linear]:
         return ly.linears()
 
+    def _stream_arrays(self, ly: DSALayer) -> list[mx.array]:
+        # deepseek_v32 keeps the embedding's dtype: its float32 router biases (and an indexer's
+        # float32 parts, where a checkpoint has them) do not reach the residual stream's dtype
+        return []
+
     def _layer_arrays(self, ly: DSALayer) -> list[mx.array]:
         out = [ly.in_norm, ly.post_norm, ly.q_a_norm, ly.kv_a_norm, ly.k_norm_w, ly.k_norm_b]
         out += ly.embed_q.arrays() + ly.unembed_out.arrays()

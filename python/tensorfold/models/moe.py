@@ -202,6 +202,13 @@ class MoEModel(BoundedPrefill, DenseModel):
         lins = super()._linears()
         return lins + [ly.moe.router for ly in self.layers if getattr(ly, "moe", None) is not None]
 
+    def _stream_arrays(self, ly) -> list[mx.array]:
+        out = super()._stream_arrays(ly)
+        m = getattr(ly, "moe", None)
+        for e in (m.gate, m.up, m.down) if m is not None else ():
+            out += [e.scales, e.biases] if e.quantized else [e.weight]
+        return out
+
     def parameters(self) -> list[mx.array]:
         out = super().parameters()
         for ly in self.layers:
