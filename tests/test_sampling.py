@@ -150,3 +150,39 @@ def test_tiny_temperatures_sample_the_best_ids():
             assert sample(tied, trial, 7, SamplingParams(temperature=T)) in pair
     huge = np.array([3e38, -3e38, 1.0, 3e38], dtype=np.float32)       # float32's range, T < 1
     assert sample(huge, 0, 0, SamplingParams(temperature=1e-300)) in (0, 3)
+
+
+def test_stop_matcher_holds_back_exactly_the_longest_stop_prefix():
+    """StopMatcher emits text as soon as it cannot be the start of a stop string: the held tail is
+    the longest one that is a proper prefix of some stop string. Checked against the direct
+    definition on random texts over a small alphabet (many partial matches), fed in random pieces."""
+    from tensorfold.engine.stops import StopMatcher
+
+    def reference(stops, pieces):
+        out, held = [], ""
+        for p in pieces:
+            held += p
+            hits = [i for s in stops if (i := held.find(s)) >= 0]
+            if hits:
+                out.append(held[:min(hits)])
+                return "".join(out), True
+            keep = max([n for s in stops for n in range(1, min(len(s) - 1, len(held)) + 1)
+                        if held.endswith(s[:n])], default=0)
+            out.append(held[:len(held) - keep])
+            held = held[len(held) - keep:]
+        return "".join(out) + held, False
+
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choice(list("aab\u00e9"), int(rng.integers(1, 6)))) for _ in range(int(rng.integers(1, 4)))]
+        text = "".join(rng.choice(list("aab\u00e9c"), int(rng.integers(0, 30))))
+        cuts = sorted(rng.integers(0, len(text) + 1, int(rng.integers(0, 6))).tolist())
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        m, got, stopped = StopMatcher(stops), [], False
+        for p in pieces:
+            t, stopped = m.push(p)
+            got.append(t)
+            if stopped:
+                break
+        got = "".join(got) + ("" if stopped else m.flush())
+        assert (got, stopped) == reference(stops, pieces), (stops, pieces)

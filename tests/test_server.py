@@ -326,7 +326,16 @@ BAD = [
      "max_completion_tokens", None),
     ("huge max_tokens", "/v1/chat/completions", _msg(max_tokens=10**9), 400, "max_tokens", None),
     ("max_tokens wrong type", "/v1/chat/completions", _msg(max_tokens="ten"), 400, "max_tokens", None),
+    ("max_tokens wrong type beside max_completion_tokens", "/v1/chat/completions",
+     _msg(max_tokens="ten", max_completion_tokens=3), 400, "max_tokens", None),
     ("n > 1", "/v1/chat/completions", _msg(n=2), 400, "n", None),
+    # completions' logprobs 0 asks for each sampled token's logprob (OpenAI): not given, so refused
+    ("completions logprobs 0", "/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs",
+     "unsupported_parameter"),
+    # each stop string is searched after every token on the engine's thread (100,000 of them:
+    # 110 ms a token, for every queued request too)
+    ("too many stop strings", "/v1/chat/completions", _msg(stop=[f"Q{i}" for i in range(17)]), 400, "stop", None),
+    ("stop string too long", "/v1/completions", {"prompt": "x", "stop": "s" * 1025}, 400, "stop", None),
     ("json nested too deeply", "/v1/chat/completions", '{"messages": ' + "[" * 5000 + "]" * 5000 + "}", 400,
      None, "invalid_json"),
     ("lone surrogate", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud83d"}]}', 400,

@@ -21,13 +21,17 @@ class StopMatcher:
             i = min(h[0] for h in hits)
             out, self.held = self.held[:i], ""
             return out, True
-        keep = 0
+        # hold back the longest tail of the text that starts some stop string (shorter than it):
+        # only positions holding that string's first character are tried
+        keep, held = 0, self.held
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.held)), 0, -1):
-                if self.held.endswith(s[:n]):
-                    keep = max(keep, n)
+            i = held.find(s[0], max(0, len(held) - len(s) + 1))
+            while i >= 0 and len(held) - i > keep:
+                if s.startswith(held[i:]):
+                    keep = len(held) - i
                     break
-        cut = len(self.held) - keep
+                i = held.find(s[0], i + 1)
+        cut = len(held) - keep
         out, self.held = self.held[:cut], self.held[cut:]
         return out, False
 
