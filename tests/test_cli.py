@@ -128,22 +128,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(p, port, log_path):
+    deadline = time.monotonic() + 120
+    while True:
+        assert p.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.1)
+
+
+def _stop(p):
+    p.terminate()
+    try:
+        p.wait(20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def test_serve_a_hugging_face_id_by_its_name(tmp_path):
+    """`tensorfold serve org/name` (here from a Hugging Face cache, offline) serves the model as
+    org/name: its snapshot directory is a commit hash, which /v1/models and every reply's `model`
+    showed, and a request naming org/name got 404."""
+    import shutil
+
+    from tensorfold.cli import embedded_model_path
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tinycode-4bit"
+    shutil.copytree(embedded_model_path(), repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    p = subprocess.Popen(CMD + ["serve", "acme/tinycode-4bit", "--port", str(port), "--snapshot-dir", "none"],
+                         stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _wait_healthy(p, port, tmp_path / "serve.log")
+        base = f"http://127.0.0.1:{port}/v1"
+        assert [m["id"] for m in httpx.get(f"{base}/models").json()["data"]] == ["acme/tinycode-4bit"]
+        r = httpx.post(f"{base}/completions", json={"model": "acme/tinycode-4bit", "prompt": "def ",
+                                                     "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "acme/tinycode-4bit", r.text
+    finally:
+        _stop(p)
+        log.close()
+
+
 def test_serve_embedded_model_answers_with_code(tmp_path):
     import openai   # a test dependency: missing it must fail, not skip
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
     p = subprocess.Popen(CMD + ["serve", "--port", str(port), "--snapshot-dir", str(tmp_path / "snaps")], stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+        _wait_healthy(p, port, tmp_path / "serve.log")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tinycode-4bit"]
         r = client.chat.completions.create(
@@ -151,12 +193,7 @@ def test_serve_embedded_model_answers_with_code(tmp_path):
             messages=[{"role": "user", "content": "Show the function dumps from json."}])
         assert "def dumps" in r.choices[0].message.content, r.choices[0].message.content
     finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        _stop(p)
         log.close()
     out = (tmp_path / "serve.log").read_text()
     first = out.strip().splitlines()[0]

@@ -330,6 +330,30 @@ def test_max_tokens_and_context_limit(checkpoints):
         assert e.value.code == "context_length_exceeded" and e.value.param == next(iter(kw))
 
 
+def test_context_past_max_position(checkpoints, tmp_path, caplog):
+    """An explicit context past max_position_embeddings is taken, with a warning (it was cut to
+    max_position_embeddings silently); under yarn the default is factor x the original
+    positions (Qwen's recipe leaves max_position_embeddings at the original)."""
+    import json
+    import logging
+    import shutil
+    src = checkpoints["qwen3_mlx_4bit"]
+    mp = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        assert Engine(src, context=mp * 2).context_length == mp * 2
+    assert "past the" in caplog.text
+    d = tmp_path / "yarn"
+    shutil.copytree(src, d)
+    c = json.loads((d / "config.json").read_text())
+    c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": mp}
+    (d / "config.json").write_text(json.dumps(c))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        assert Engine(d).context_length == 4 * mp
+        assert Engine(d, context=3 * mp).context_length == 3 * mp
+    assert "past the" not in caplog.text
+
+
 def test_out_of_range_generation_config_defaults_are_ignored(checkpoints, tmp_path, caplog):
     """generation_config.json's top_k -1 means off (as a request's); a value out of range is
     ignored with a warning. Before, every request that left it unset got a 400 naming

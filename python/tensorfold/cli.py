@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log level")
     g = s.add_argument_group("model")
     g.add_argument("--context", type=int, default=None,
-                   help="context length in tokens (default: the model's)")
+                   help="context length in tokens (default: the model's max_position_embeddings, or "
+                        "yarn's factor x its original positions; more is taken, with a warning)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="enable the model's thinking mode by default (requests may override with "
                         "chat_template_kwargs.enable_thinking; default: the chat template's)")
@@ -228,6 +229,9 @@ def cmd_serve(a) -> int:
     if ptx is not None:
         log.info("compiled CUDA kernels kept in %s (MLX_PTX_CACHE_DIR)", ptx)
     path, embedded = resolve_model(a.model)
+    # a Hugging Face id is the model's name (its snapshot directory is named by a commit hash,
+    # which clients never send: they got 404 model_not_found for the id they asked to serve)
+    hf_id = a.model if not embedded and not Path(a.model).expanduser().exists() else None
     if embedded:
         log.info("no MODEL given: serving the embedded default model %s (%s) from %s",
                  EMBEDDED_NAME, EMBEDDED_ABOUT, path)
@@ -265,7 +269,8 @@ def cmd_serve(a) -> int:
     api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY") or None
     defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     max_tokens=a.max_tokens, thinking=a.thinking)
-    app = create_app(worker, model_name=a.name, api_key=api_key, defaults=defaults,
+    app = create_app(worker, model_name=a.name or hf_id, aliases=(hf_id,) if hf_id else (),
+                     api_key=api_key, defaults=defaults,
                      max_body=None if a.max_request_mib is None else max(1, int(a.max_request_mib * 2**20)))
     log.info("model %s: context %d tokens, drafting %s, prompt snapshots on disk: %s; OpenAI API at "
              "http://%s:%d/v1%s", app.state.model_name, eng.context_length,

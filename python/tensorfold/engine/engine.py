@@ -66,7 +66,14 @@ class Engine:
                             len(short), ", ".join(short[:4]) + (", ..." if len(short) > 4 else ""))
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         cfg = self.model.cfg
-        self.context_length = min(context or cfg.max_position, cfg.max_position)
+        # an explicit context past the model's positions is the user's to ask for (mlx-lm sets no
+        # limit): taken, with a warning; it was cut to max_position_embeddings without a word
+        self.context_length = context or cfg.trained_positions
+        if self.context_length > cfg.trained_positions:
+            log.warning("context %d tokens is past the %d positions this model is made for "
+                        "(max_position_embeddings%s): replies past them may degrade",
+                        self.context_length, cfg.trained_positions,
+                        ", yarn" if cfg.trained_positions > cfg.max_position else "")
         self.thinking = thinking
         self.mode = prefill_mode
         self.draft_width = draft_width
