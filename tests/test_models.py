@@ -446,6 +446,28 @@ def test_mixed_recipe_null_group_sizes_load_as_mlx_lm_does(checkpoints, tmp_path
         load_model(bad)
 
 
+def test_quantized_module_without_its_own_entry_reads_its_tensors(checkpoints, tmp_path):
+    """A 4-bit group-64 checkpoint whose lm_head is 8-bit group 32 with no lm_head entry in
+    config.json: mlx-lm 0.32 takes such a module's bits and group size from its tensors
+    (infer_quant_config), and so does the loader now (it refused the checkpoint). Tensors of no
+    supported quantization are still refused."""
+    src = checkpoints["qwen3_mlx_4bit"]
+    q = json.loads((src / "config.json").read_text())["quantization"]
+    assert "lm_head" not in q and (q["group_size"], q["bits"]) == (64, 4)
+
+    def head8(w):
+        full = mx.dequantize(w["lm_head.weight"], w["lm_head.scales"], w["lm_head.biases"], 64, 4)
+        w["lm_head.weight"], w["lm_head.scales"], w["lm_head.biases"] = mx.quantize(full, 32, 8)
+    d = _with(src, tmp_path / "head8", edit_weights=head8)
+    ours, _ = _equal_mlx_lm(d)
+    assert (ours.lm_head.group_size, ours.lm_head.bits) == (32, 8)
+
+    def head7(w):          # 7-bit widths (no such MLX affine quantization)
+        w["lm_head.weight"] = mx.zeros((w["lm_head.weight"].shape[0], ours.cfg.hidden_size * 7 // 32), mx.uint32)
+    with pytest.raises(CheckpointError, match="no supported quantization"):
+        load_model(_with(src, tmp_path / "head7", edit_weights=head7))
+
+
 def test_info_leaves_modules_nn_quantize_skips_unquantized(tmp_path):
     """mlx-lm's convert quantizes a module only where its input width is a multiple of the group
     size (nn.quantize's rule) and writes no entry for the others: `info` reports them as float."""

@@ -421,6 +421,26 @@ class ModelConfig:
             if gs not in SUPPORTED_GROUPS:
                 raise CheckpointError(f"unsupported quantization group_size {gs!r} for {name}")
 
+    def quant_of_stored(self, module: str, in_dim: int, weight, scales):
+        """(group_size, bits) of a module the checkpoint stores quantized, as mlx-lm 0.32 loads it:
+        its own entry in config.json's quantization, or else what the tensors' widths say
+        (mlx_lm.utils.infer_quant_config: the top-level values are not read for it, so an 8-bit
+        lm_head without an entry of its own is 8-bit). None where the config has no quantization
+        or sets the module false."""
+        q = self.quantization
+        own = q.get(module) if q else None
+        if not q or own is False:
+            return None
+        if isinstance(own, dict):
+            return _quant_entry(own)
+        cols = scales.shape[-1]
+        gs = in_dim // cols if cols and in_dim % cols == 0 else None
+        bits = weight.shape[-1] * 32 // in_dim if in_dim and weight.shape[-1] * 32 % in_dim == 0 else None
+        if gs not in SUPPORTED_GROUPS or bits not in SUPPORTED_BITS:
+            raise CheckpointError(f"{self.path}: {module}'s tensors (weight {tuple(weight.shape)}, scales "
+                                  f"{tuple(scales.shape)}) are no supported quantization of {in_dim} inputs")
+        return gs, bits
+
     def quant_for(self, module: str):
         """(group_size, bits) for a module path like 'model.layers.0.mlp.down_proj', or None.
 

@@ -96,7 +96,7 @@ def _take_multilinear(cfg: ModelConfig, w: dict, name: str, shape) -> MultiLinea
         if weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
             raise CheckpointError(f"{cfg.path}: {name}.weight has unsupported dtype {weight.dtype}")
         return MultiLinear(weight)
-    q = cfg.quant_for(name)
+    q = cfg.quant_of_stored(name, in_dim, weight, scales)
     if q is None:
         raise CheckpointError(f"{cfg.path}: {name} is quantized but config.json has no quantization for it")
     gs, bits = q

@@ -90,7 +90,7 @@ def take_linear(cfg: ModelConfig, weights: dict, name: str, *, bias: bool = Fals
         if w.dtype not in (mx.bfloat16, mx.float16, mx.float32):
             raise CheckpointError(f"{cfg.path}: {name}.weight has unsupported dtype {w.dtype}")
         return Linear(w, bias=b, shape=(out_dim, in_dim))
-    q = cfg.quant_for(name)
+    q = cfg.quant_of_stored(name, in_dim, w, scales)
     if q is None:
         raise CheckpointError(f"{cfg.path}: {name} is quantized but config.json has no quantization for it")
     gs, bits = q

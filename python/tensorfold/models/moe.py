@@ -146,7 +146,7 @@ def take_experts(cfg: ModelConfig, w: dict, layer: int, proj: str) -> Experts:
         if weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
             raise CheckpointError(f"{cfg.path}: {name}.weight has unsupported dtype {weight.dtype}")
         return Experts(weight, shape=(E, out_dim, in_dim))
-    q = cfg.quant_for(name)
+    q = cfg.quant_of_stored(name, in_dim, weight, scales)
     if q is None:
         raise CheckpointError(f"{cfg.path}: {name} is quantized but config.json has no quantization for it")
     gs, bits = q
