@@ -226,6 +226,35 @@ def test_stop_strings_drafted_equals_serial(tinycode_path):
         assert a[2].finish_reason == "stop"
 
 
+def test_drafter_starts_each_request_afresh_on_the_decode_kernels(tinycode_path):
+    """--drafter's DraftModel is one object across requests. A request whose drafts kept missing
+    silenced it to an absolute token count, so later, shorter requests never asked it (on the
+    CPU, "echo this code" drafted 8 tokens instead of 108). And its steps went through MLX's own
+    one-row forward: drafted 11 tok/s against 300 serial there. Now each request starts with the
+    drafter's state reset, and past the prompt's catch-up it runs only the decode kernels."""
+    mode = PrefillMode(ops="kernels")
+    eng = Engine(tinycode_path, drafter=tinycode_path, snapshot_dir=None, prefill_mode=mode)
+    dm = eng.drafter
+    calls = []
+    fwd = dm.model.forward
+
+    def recording(ids, cache, *, exact, **kw):
+        calls.append((ids.shape[1], exact))
+        return fwd(ids, cache, exact=exact, **kw)
+    dm.model.forward = recording
+    short = dict(prompt="import os\n\ndef walk(", max_tokens=60)
+    eng.generate_text(prompt="def dumps(", max_tokens=300, sampling=SamplingParams(temperature=3.0, seed=1))
+    assert dm.misses >= 4 or dm.silent_until > 100      # that request silenced the drafter
+    calls.clear()
+    t, ids, st = eng.generate_text(**short)
+    fresh = Engine(tinycode_path, drafter=tinycode_path, snapshot_dir=None, prefill_mode=mode)
+    want = fresh.generate_text(**short)[2]
+    assert (st.drafted, st.accepted) == (want.drafted, want.accepted) and st.accepted > 20
+    assert ids == eng.generate_text(**short, draft=False)[1]
+    # the prompt's catch-up may take MLX's forward (one grid-sized call); nothing else does
+    assert [c for c in calls[1:] if not c[1]] == [] and calls, calls
+
+
 def test_fresh_equals_restored_grid_point(checkpoints):
     """Prefill of a sequence == the same sequence prefilled after restoring a grid-point snapshot."""
     mode = PrefillMode(grid=GRID)

@@ -365,6 +365,7 @@ class Engine:
             if draft and self.drafts_enabled:
                 proposers.append(ContextCopy())
                 if self.drafter is not None:
+                    self.drafter.reset()        # shared across requests: its cache and state
                     proposers.append(self.drafter)
         elif not (draft and (self.drafts_enabled or self.row_exact is None)):
             proposers = []
