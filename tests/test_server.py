@@ -332,6 +332,12 @@ BAD = [
     # completions' logprobs 0 asks for each sampled token's logprob (OpenAI): not given, so refused
     ("completions logprobs 0", "/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs",
      "unsupported_parameter"),
+    # vLLM's extensions asking for something this server does not do (they were ignored)
+    ("min_tokens asked", "/v1/chat/completions", _msg(min_tokens=5), 400, "min_tokens", "unsupported_parameter"),
+    ("stop_token_ids asked", "/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, 400, "stop_token_ids",
+     "unsupported_parameter"),
+    ("ignore_eos asked", "/v1/chat/completions", _msg(ignore_eos=True), 400, "ignore_eos", "unsupported_parameter"),
+    ("typical_p asked", "/v1/chat/completions", _msg(typical_p=0.5), 400, "typical_p", "unsupported_parameter"),
     # each stop string is searched after every token on the engine's thread (100,000 of them:
     # 110 ms a token, for every queued request too)
     ("too many stop strings", "/v1/chat/completions", _msg(stop=[f"Q{i}" for i in range(17)]), 400, "stop", None),
@@ -432,7 +438,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(srv):
     base = _msg(temperature=0.0)
     neutral = dict(logprobs=False, top_logprobs=0, logit_bias={}, presence_penalty=0.0,
                    frequency_penalty=0, repetition_penalty=1.0, response_format={"type": "text"},
-                   tools=[], tool_choice="none", n=1)
+                   tools=[], tool_choice="none", n=1, min_tokens=0, stop_token_ids=[], ignore_eos=False,
+                   typical_p=1.0)
     a, b = srv.post("/v1/chat/completions", base), srv.post("/v1/chat/completions", {**base, **neutral})
     assert a.status_code == b.status_code == 200, b.text
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]

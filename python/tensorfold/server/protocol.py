@@ -192,6 +192,11 @@ _UNSUPPORTED = {
     "echo": lambda v: v is None or v is False or _is(v, 0),
     "best_of": lambda v: v is None or _is(v, 1),
     "suffix": lambda v: v is None or v == "",
+    # vLLM's extensions that clients send to OpenAI-compatible servers (top_k and min_p are served)
+    "min_tokens": lambda v: v is None or _is(v, 0),
+    "stop_token_ids": lambda v: v is None or v == [],
+    "ignore_eos": lambda v: v is None or v is False,
+    "typical_p": lambda v: v is None or _is(v, 1),
 }
 
 
