@@ -1337,6 +1337,28 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
         | tee "$out/test_kcache.log" | tail -25
     COLD_SET=threads timeout ${LIMIT2:-200} python3 bench/gpu_cold_start.py 32 2>&1 | tee "$out/cold_start_workers.txt"
     ;;
+  s52a)     # session 52: the CUDA kernel suites on today's code (session 51's wrapper checks, tf_zmax, id reads ran only
+            # in the tests they touch): test_kernels / test_sparse_attention / test_moe / test_compiled_step / launches
+    SUITE=${SUITE:-"tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py tests/test_compiled_step.py tests/test_cuda_launches.py"} \
+        PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
+    ;;
+  s52d)     # session 52: what s52a's limit cut (its ids against the ones it ran, bench/s52_ran.txt), the MoE peak test
+            # with bf16 on CUDA (fused attention: float32's unfused score matrices grew with the prompt)
+    collect tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py tests/test_compiled_step.py \
+        tests/test_cuda_launches.py | sort -u | comm -23 - <(sort -u bench/s52_ran.txt) > "$out/s52d.ids"
+    collect tests/test_moe.py -k peak_memory_flat >> "$out/s52d.ids"
+    collect tests/test_models.py -k "mixed_float" >> "$out/s52d.ids"
+    IDS="$out/s52d.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-300} bash "$0" suite
+    ;;
+  s52b)     # session 52: issue 3's tables on today's code (the attention faces took tf_zmax in session 51, untimed since):
+            # the 4-bit GEMMs flushed and rotated (s43a, one round), the attention at 1k-32k keys, 1 and 16 rows
+    RUNS=1 ATTN_KEYS=${ATTN_KEYS:-1024,2048,4096,8192,16384,32768} ALIMIT=${ALIMIT:-240} bash "$0" s43a
+    ;;
+  s52c)     # session 52: the engine suites (drafted == serial, resumed == fresh, the grid, compiled step) on today's
+            # code, deepseek_v32's test_dsa.py beside them
+    { engine_ids; collect tests/test_dsa.py; } > "$out/s52c.ids"
+    IDS="$out/s52c.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
+    ;;
   s51)      # session 51 (its last half hour): tf_zmax, the -inf chunk rule, on the CUDA face (the attention tests, the
             # -inf test at 1 / 5 / 16 rows in fp32 and bf16; the sparse suite), the wrappers' shape checks, the MoE id
             # reads, the RoPE variants (traditional, yarn) against mlx-lm, the grid-chunk and shared-dir cache tests;

@@ -627,9 +627,9 @@ def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
     for ANY family (the dense one included) -- a property of MLX's CPU attention, not of the
     MLP. So the measure is differential: (peak - weights - KV) of the MoE model minus the same
     quantity for a dense qwen3 model with the identical attention (same seed, shapes, grid).
-    That difference must stay flat: within 2 MiB across 1 -> 4 cells (one chunk's MoE
-    activations are ~2-4 MiB here and a per-chunk leak would add >= 3 of them; measured
-    drift is ~0.5 MiB, allocator rounding). grid=1024 instead of 2048 keeps the CPU time
+    That difference must stay flat: within 2 MiB from 2 to 4 cells, and no more at 1 (one
+    chunk's MoE activations are ~2-4 MiB here and a per-chunk leak would add >= 2 of them;
+    measured drift on the CPU is ~0.5 MiB, allocator rounding). grid=1024 instead of 2048 keeps the CPU time
     down (the quadratic CPU attention dominates); the memory structure is the same."""
     from tensorfold.engine.prefill import PrefillMode, prefill
 
@@ -662,7 +662,10 @@ def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
         if name == "moe":
             assert m.last_queue.max_in_flight <= 2
     diff = [(excess["moe", c] - excess["dense", c]) / 2**20 for c in (1, 2, 4)]
-    assert max(diff) - min(diff) < 2.0, (diff, excess)
+    # flat with the prompt's length: 4 cells within 2 MiB of 2, and 1 cell not above them (on the
+    # H200, session 52, bf16 through gather_qmm: 4.9 / 10.5 / 10.5 MiB -- a one-chunk prompt has
+    # no next chunk's layers in flight beside its last ones)
+    assert abs(diff[2] - diff[1]) < 2.0 and diff[0] < diff[1] + 2.0, (diff, excess)
 
 
 # ---------------------------------------------------------------- loading, config, info
