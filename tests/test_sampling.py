@@ -154,17 +154,20 @@ def test_tiny_temperatures_sample_the_best_ids():
 
 def test_stop_matcher_holds_back_exactly_the_longest_stop_prefix():
     """StopMatcher emits text as soon as it cannot be the start of a stop string: the held tail is
-    the longest one that is a proper prefix of some stop string. Checked against the direct
-    definition on random texts over a small alphabet (many partial matches), fed in random pieces."""
+    the longest one that is a proper prefix of some stop string; the reply ends at the stop
+    completed first in the text, whatever the pieces (the earliest start made "ret" + "urn" and
+    "return" end differently with the stops "return" and "u"). Checked against the direct
+    definitions on random texts over a small alphabet (many partial matches), fed in random
+    pieces, and against the text fed whole."""
     from tensorfold.engine.stops import StopMatcher
 
     def reference(stops, pieces):
         out, held = [], ""
         for p in pieces:
             held += p
-            hits = [i for s in stops if (i := held.find(s)) >= 0]
+            hits = [(i + len(s), i) for s in stops if (i := held.find(s)) >= 0]
             if hits:
-                out.append(held[:min(hits)])
+                out.append(held[:min(hits)[1]])
                 return "".join(out), True
             keep = max([n for s in stops for n in range(1, min(len(s) - 1, len(held)) + 1)
                         if held.endswith(s[:n])], default=0)
@@ -186,3 +189,7 @@ def test_stop_matcher_holds_back_exactly_the_longest_stop_prefix():
                 break
         got = "".join(got) + ("" if stopped else m.flush())
         assert (got, stopped) == reference(stops, pieces), (stops, pieces)
+        assert (got, stopped) == reference(stops, [text]), (stops, pieces)     # however it was cut
+    m = StopMatcher(["return", "u"])
+    assert m.push("x = ret") == ("x = ", False) and m.push("urn 1") == ("ret", True)
+    assert StopMatcher(["return", "u"]).push("x = return 1") == ("x = ret", True)

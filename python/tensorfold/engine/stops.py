@@ -1,7 +1,8 @@
 """Stop strings found on the detokenized text, across token boundaries.
 
 Text that could still be the start of a stop string is held back, so nothing past a stop
-string is ever emitted."""
+string is ever emitted. The reply ends at the stop string that is completed first in the text (the
+earliest end; of two ending together, the longer), wherever the tokens' boundaries fall."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ class StopMatcher:
         if not self.stops:
             return text, False
         self.held += text
-        hits = [(i, s) for s in self.stops if (i := self.held.find(s)) >= 0]
+        # a stop's first occurrence is also its earliest end; across stops the earliest end wins
+        # (the earliest start would depend on how much text one push brought: "ret" + "urn" and
+        # "return" ended at "u" and at "return" with the stops "return" and "u")
+        hits = [(i + len(s), i) for s in self.stops if (i := self.held.find(s)) >= 0]
         if hits:
-            i = min(h[0] for h in hits)
+            i = min(hits)[1]
             out, self.held = self.held[:i], ""
             return out, True
         # hold back the longest tail of the text that starts some stop string (shorter than it):
