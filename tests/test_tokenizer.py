@@ -490,3 +490,39 @@ def test_encode_is_the_backends_encode_and_lets_the_gil_go(tinycode_path, spm, t
         done.wait(0.001)
     th.join()
     assert len(ticks) >= 20, len(ticks)
+
+
+def test_saved_truncation_and_padding_do_not_cut_or_pad_prompts(tinycode_path, tmp_path):
+    """A tokenizer.json saved with truncation / padding (a fine-tune script's last setting; the
+    tokenizers backend applies it to every encode) cut a chat prompt mid-message, before its
+    assistant header, and padded short prompts with pad ids. transformers turns both off unless a
+    call asks for them; so does Tokenizer.from_dir."""
+    for f in ("tokenizer_config.json", "generation_config.json", "config.json", "chat_template.jinja"):
+        if (tinycode_path / f).is_file():
+            shutil.copy(tinycode_path / f, tmp_path / f)
+    tj = json.loads((tinycode_path / "tokenizer.json").read_text())
+    tj["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    tj["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                     "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    plain, saved = Tokenizer.from_dir(tinycode_path), Tokenizer.from_dir(tmp_path)
+    msgs = [{"role": "user", "content": "Show the function dumps from json, with every argument."}]
+    text = plain.apply_chat_template(msgs)
+    assert saved.apply_chat_template(msgs) == text
+    assert saved.encode(text) == plain.encode(text) and len(plain.encode(text)) > 8
+    for p in ("Hello", "x " * 100):
+        assert saved.encode_prompt(p) == plain.encode_prompt(p)
+
+
+def test_null_message_keys_are_dropped_before_the_template(tmp_path):
+    """OpenAI clients send "tool_calls": null on plain assistant turns; Llama 3's template tests
+    `'tool_calls' in message` and iterated None (a 400). transformers drops null keys first."""
+    llama3_like = ("{% for m in messages %}{{ m.role }}: {% if 'tool_calls' in m %}"
+                   "{% for c in m.tool_calls %}[call]{% endfor %}{% else %}{{ m.content }}{% endif %}\n"
+                   "{% endfor %}{% if documents is not none %}DOCS{% endif %}")
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "l", template=llama3_like))
+    msgs = [{"role": "user", "content": "hi", "name": None},
+            {"role": "assistant", "content": "hello", "tool_calls": None},
+            {"role": "user", "content": "again"}]
+    # (trim_blocks, as transformers: the newline after a block tag goes)
+    assert t.apply_chat_template(msgs, add_generation_prompt=False) == "user: hiassistant: hellouser: again"

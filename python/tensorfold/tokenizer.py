@@ -129,7 +129,9 @@ def _normalized(m: dict) -> dict:
     parts joined into one string (real templates such as Qwen3's render list content as ''),
     a missing content as '', and tool-call arguments sent as a JSON string (OpenAI's wire
     format) parsed, so that a template's `tojson` does not encode them twice."""
-    m = dict(m)
+    # keys set to null dropped, as transformers does (OpenAI clients send "tool_calls": null;
+    # Llama 3's template tests `'tool_calls' in message` and then iterates it)
+    m = {k: v for k, v in m.items() if v is not None}
     c = m.get("content")
     if isinstance(c, list):
         m["content"] = "".join(part["text"] for part in c)
@@ -239,6 +241,10 @@ class Tokenizer:
             tok = _HFTokenizer.from_file(str(tj))
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
             raise ValueError(f"{tj}: cannot read the tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        # a tokenizer.json saved with truncation or padding (a fine-tune script's last setting) would
+        # cut or pad every prompt: transformers turns both off unless asked, and so does this
+        tok.no_truncation()
+        tok.no_padding()
         tcfg = _read_json(path / "tokenizer_config.json")
         gcfg = _read_json(path / "generation_config.json")
         mcfg = _read_json(path / "config.json")
@@ -372,6 +378,7 @@ class Tokenizer:
         ctx: dict[str, Any] = {
             "messages": msgs,
             "tools": tools,
+            "documents": None,          # transformers passes it (None without documents)
             "add_generation_prompt": bool(add_generation_prompt),
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
