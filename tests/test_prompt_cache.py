@@ -262,6 +262,34 @@ def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path):
     assert (text, ids) == fresh[:2]
 
 
+def test_system_block_pinned_where_the_template_refuses_system_alone(model_path, tmp_path):
+    """Qwen3's template raises "No user query found in messages" for system messages alone, so the
+    system block's length came out 0 and it was never pinned; it is now measured with an empty
+    user turn after it. Resumed from the pinned block == fresh."""
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(model_path, d)
+    (d / "chat_template.jinja").write_text(
+        "{%- set ns = namespace(user=false) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- set ns.user = true %}{%- endif %}{%- endfor %}"
+        "{%- if not ns.user %}{{ raise_exception('No user query found in messages.') }}{%- endif %}"
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    snap = tmp_path / "snaps"
+    system = {"role": "system", "content": _words(60, 1)}
+    eng = Engine(d, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
+    eng.disk.flush()
+    pinned = [e for e in eng.disk.entries if e.pinned]
+    assert len(pinned) == 1 and len(pinned[0].tokens) >= GRID
+    msgs = [system, {"role": "user", "content": "something else entirely"}]
+    text, ids, st = eng.generate_text(messages=msgs, max_tokens=6, sampling=P)
+    assert st.cached_tokens >= len(pinned[0].tokens)
+    fresh = Engine(d, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        messages=msgs, max_tokens=6, sampling=P)
+    assert (text, ids) == fresh[:2]
+
+
 def test_memory_store_lru_pinned_last():
     kv = lambda n: [(mx.zeros((1, 1, n, 8)), mx.zeros((1, 1, n, 8)))]
     one = 2 * 16 * 8 * 4

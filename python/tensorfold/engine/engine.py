@@ -292,10 +292,18 @@ class Engine:
             n += 1
         if n == 0:
             return 0
-        try:
-            text = self.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False,
-                                                      enable_thinking=enable_thinking, tools=tools)
-        except (ValueError, RecursionError):
+        text = None
+        # the system messages alone; a template that refuses them (Qwen3's raises "No user query
+        # found in messages": its system block was never pinned) with an empty user turn after them
+        # (the common prefix below stops inside that turn)
+        for tail in ([], [{"role": "user", "content": ""}]):
+            try:
+                text = self.tokenizer.apply_chat_template(messages[:n] + tail, add_generation_prompt=False,
+                                                          enable_thinking=enable_thinking, tools=tools)
+                break
+            except (ValueError, RecursionError):
+                continue
+        if text is None:
             return 0
         from ..cache.memory import common_prefix
         return common_prefix(np.asarray(self.tokenizer.encode(text)), np.asarray(ids))
