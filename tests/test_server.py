@@ -226,6 +226,24 @@ def test_enable_thinking_is_passed_to_the_template(srv):
     assert off.usage.prompt_tokens > on.usage.prompt_tokens    # "<think>\n\n</think>\n\n" added
 
 
+def test_chat_template_kwargs_reach_the_template(srv):
+    """chat_template_kwargs other than enable_thinking (DeepSeek-V3.1's `thinking`, ...) reach the
+    template as mlx-lm's server passes them (they were dropped: the request was served without
+    them); the variables the server sets itself are refused."""
+    tok = srv.engine.tokenizer
+    saved = tok.chat_template
+    tok.chat_template, tok._compiled = saved + "{% if custom_flag %}A B C D E F{% endif %}", None
+    try:
+        plain = srv.chat(max_tokens=2)
+        flagged = srv.chat(max_tokens=2, extra_body={"chat_template_kwargs": {"custom_flag": True}})
+        assert flagged.usage.prompt_tokens > plain.usage.prompt_tokens
+    finally:
+        tok.chat_template, tok._compiled = saved, None
+    for key in ("messages", "bos_token", "add_generation_prompt", "not an identifier"):
+        _check_error(srv.post("/v1/chat/completions", _msg(chat_template_kwargs={key: 1})), 400,
+                     f"chat_template_kwargs.{key}")
+
+
 # -- exactness through HTTP ------------------------------------------------------------------------
 
 def test_drafted_equals_serial(srv):
@@ -753,7 +771,7 @@ class PreparingEngine(ScriptedEngine):
         super().__init__(*a, **kw)
         self.prep_delay, self.prepared_tags, self.entered = prep_delay, [], []
 
-    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None):
+    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None, template_kwargs=None):
         from tensorfold.engine import Prompt
         tag = messages[-1]["content"] if messages else prompt
         self.entered.append(tag[:20])
@@ -893,6 +911,12 @@ def test_a_stalled_body_gets_a_408():
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
             c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"messages\"")
-            reply = c.recv(4096).decode()
+            reply = b""
+            while b"request_timeout" not in reply:        # headers and body may come apart
+                part = c.recv(4096)
+                if not part:
+                    break
+                reply += part
+            reply = reply.decode()
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
         assert eng.started == [] and chat_text(s.chat(max_tokens=1)) == "ok"

@@ -169,13 +169,17 @@ class Engine:
         return out
 
     # ---- prompt -----------------------------------------------------------------------------
-    def prompt_ids(self, messages=None, prompt=None, enable_thinking=None, tools=None) -> list[int]:
-        return self.prepare(messages, prompt, enable_thinking, tools).ids
+    def prompt_ids(self, messages=None, prompt=None, enable_thinking=None, tools=None,
+                   template_kwargs=None) -> list[int]:
+        return self.prepare(messages, prompt, enable_thinking, tools, template_kwargs).ids
 
-    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None) -> Prompt:
+    def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None,
+                template_kwargs=None) -> Prompt:
         """The request's prompt, tokenized and checked (RequestError on bad input). Thread-safe:
         it reads only the tokenizer and the config, so a server calls it on a thread of its own
-        and the engine's thread never tokenizes a large prompt."""
+        and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
+        for the chat template (a request's chat_template_kwargs)."""
+        tkw = dict(template_kwargs or {})
         if (messages is None) == (prompt is None):
             raise RequestError("give exactly one of messages or prompt", param="messages")
         if messages is not None:
@@ -184,7 +188,7 @@ class Engine:
             think = self.thinking if enable_thinking is None else enable_thinking
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          enable_thinking=think, tools=tools)
+                                                          enable_thinking=think, tools=tools, **tkw)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
             except RecursionError:      # a template walking a value nested past Python's stack
@@ -192,7 +196,7 @@ class Engine:
                                    param="messages") from None
             ids = self.tokenizer.encode(text)
             self._check_fits(len(ids), True)
-            pin_at = self.system_prefix_len(messages, ids, think, tools) // self.mode.grid * self.mode.grid
+            pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
@@ -285,7 +289,7 @@ class Engine:
             raise PrefillCancelled
         return cache, logits, cached
 
-    def system_prefix_len(self, messages, ids, enable_thinking=None, tools=None) -> int:
+    def system_prefix_len(self, messages, ids, enable_thinking=None, tools=None, template_kwargs=None) -> int:
         """Tokens of the prompt before the first non-system message (0 if none)."""
         n = 0
         while n < len(messages) and isinstance(messages[n], dict) and messages[n].get("role") in ("system", "developer"):
@@ -299,7 +303,8 @@ class Engine:
         for tail in ([], [{"role": "user", "content": ""}]):
             try:
                 text = self.tokenizer.apply_chat_template(messages[:n] + tail, add_generation_prompt=False,
-                                                          enable_thinking=enable_thinking, tools=tools)
+                                                          enable_thinking=enable_thinking, tools=tools,
+                                                          **(template_kwargs or {}))
                 break
             except (ValueError, RecursionError):
                 continue

@@ -208,14 +208,17 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
+            if req.template_kwargs:
+                kwargs["template_kwargs"] = req.template_kwargs
         else:
             kwargs.update(prompt=req.prompt)
         prepare = getattr(worker.engine, "prepare", None)
         if prepare is not None:
             # tokenized off the engine's thread (the tokenizer lets the GIL go): a large prompt
             # holds up neither the engine's thread nor the other requests (tokenizing.py)
-            fut = tokenize.submit(prepare, (kwargs.pop("messages", None), kwargs.pop("prompt", None),
-                                            kwargs.pop("enable_thinking", None)), body_size)
+            args = (kwargs.pop("messages", None), kwargs.pop("prompt", None), kwargs.pop("enable_thinking", None))
+            tkw = kwargs.pop("template_kwargs", None)
+            fut = tokenize.submit(prepare, args + ((None, tkw) if tkw else ()), body_size)
             try:
                 while not (await asyncio.wait({fut}, timeout=0.1))[0]:
                     if worker.closing:
@@ -228,6 +231,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             kwargs["prepared"] = fut.result()
             if await request.is_disconnected():
                 raise _Gone             # the client left while its prompt was tokenized
+        elif kwargs.pop("template_kwargs", None):
+            raise RequestError("chat_template_kwargs other than enable_thinking need an engine "
+                               "that renders prompts itself", param="chat_template_kwargs")
         job = worker.submit(kwargs, chat=kind == "chat")
         watcher = asyncio.create_task(watch(request, job))
         try:

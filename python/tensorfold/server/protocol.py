@@ -24,6 +24,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     enable_thinking: bool | None = None
+    template_kwargs: dict | None = None         # chat_template_kwargs other than enable_thinking
     draft: bool = True
 
 
@@ -168,6 +169,10 @@ def _stop(v) -> list[str] | None:
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 
+# the chat template's variables the server sets itself (tokenizer.Tokenizer.apply_chat_template)
+TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                          "pad_token", "unk_token", "raise_exception", "strftime_now"})
+
 
 # OpenAI fields this server does not implement, each with a test of "asks for nothing": a request
 # that asks for one gets a 400 naming it instead of a reply that silently lacks it (no logprobs,
@@ -275,6 +280,13 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         if not isinstance(ctk, dict):
             raise _bad("chat_template_kwargs", "expected an object.")
         r.enable_thinking = _bool(ctk, "enable_thinking", None, "chat_template_kwargs.enable_thinking")
+        # the others reach the template as they are (DeepSeek-V3.1's `thinking`, ...), as mlx-lm's
+        # server passes them; they were dropped, and the request served without them
+        other = {k: v for k, v in ctk.items() if k != "enable_thinking"}
+        for k in other:
+            if not k.isidentifier() or k in TEMPLATE_OWN:
+                raise _bad(f"chat_template_kwargs.{k}", "is not a template variable a request may set.")
+        r.template_kwargs = other or None
     r.draft = _bool(data, "draft", True)
     return r
 
