@@ -526,3 +526,47 @@ def test_null_message_keys_are_dropped_before_the_template(tmp_path):
             {"role": "user", "content": "again"}]
     # (trim_blocks, as transformers: the newline after a block tag goes)
     assert t.apply_chat_template(msgs, add_generation_prompt=False) == "user: hiassistant: hellouser: again"
+
+
+DSV32_CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "b", "reasoning_content": "r1"}, {"role": "user", "content": "c 你好 😀"}],
+    [{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": "", "reasoning_content": "call it",
+      "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": '{"city": "Paris", "days": 2}'}},
+                     {"type": "function", "function": {"name": "alt", "arguments": '{"q": [1, 2]}'}}]},
+     {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "ok"}],
+    [{"role": "developer", "content": "use metric units"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": "why"}],
+]
+
+
+@pytest.mark.parametrize("case", range(len(DSV32_CONVERSATIONS)))
+def test_chat_template_type_deepseek_v32_renders_as_mlx_lm(tinycode_path, tmp_path, case):
+    """tokenizer_config.json's "chat_template_type": "deepseek_v32" (mlx-lm's Python template for
+    DeepSeek-V3.2, whose checkpoints ship no Jinja one): chat requests got a 400 "no chat template"
+    (or the Jinja one, where mlx-lm takes the Python one). The text equals mlx-lm's, thinking on,
+    off and unset, with and without the generation prompt."""
+    import copy
+
+    from mlx_lm.chat_templates import deepseek_v32 as ref
+    for f in ("tokenizer.json", "generation_config.json", "config.json"):
+        shutil.copy(tinycode_path / f, tmp_path / f)
+    cfg = json.loads((tinycode_path / "tokenizer_config.json").read_text())
+    cfg.update(chat_template_type="deepseek_v32", chat_template="{{ 'jinja' }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.has_chat_template and t.has_thinking_toggle
+    msgs = DSV32_CONVERSATIONS[case]
+    for think in (None, True, False):
+        for gen in (True, False):
+            kw = {} if think is None else {"enable_thinking": think}
+            try:
+                want = ref.apply_chat_template(copy.deepcopy(msgs), add_generation_prompt=gen, **kw)
+            except AssertionError:      # mlx-lm refuses it (an assistant turn past the last user one
+                with pytest.raises(ValueError):    # without reasoning in thinking mode, ...)
+                    t.apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=think)
+                continue
+            assert t.apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=think) == want, (think, gen)

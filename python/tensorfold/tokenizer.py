@@ -13,11 +13,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger("tensorfold")
 
 __all__ = [
     "Tokenizer",
@@ -209,6 +212,7 @@ class Tokenizer:
         tokenizer: _HFTokenizer,
         *,
         chat_template: str | None = None,
+        template_fn=None,
         eos_ids: Iterable[int] = (),
         bos_ids: Iterable[int] = (),
         bos_token: str | None = None,
@@ -218,6 +222,7 @@ class Tokenizer:
     ):
         self._tok = tokenizer
         self.chat_template = chat_template
+        self.template_fn = template_fn      # chat_templates.TEMPLATES[chat_template_type], over the Jinja one
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
@@ -259,6 +264,16 @@ class Tokenizer:
                 # some repos ship chat_template.json {"chat_template": ...}
                 template = _pick_template(_read_json(path / "chat_template.json").get("chat_template"))
 
+        # mlx-lm's chat_template_type: a template written in Python, used before a Jinja one
+        template_fn = None
+        ttype = tcfg.get("chat_template_type")
+        if ttype is not None:
+            from .chat_templates import TEMPLATES
+            template_fn = TEMPLATES.get(ttype) if isinstance(ttype, str) else None
+            if template_fn is None:
+                log.warning("tokenizer_config.json: chat_template_type %r is not one this server has (%s); "
+                            "ignored", ttype, ", ".join(TEMPLATES))
+
         eos_token = _token_content(tcfg.get("eos_token"))
         bos_token = _token_content(tcfg.get("bos_token"))
         pad_token = _token_content(tcfg.get("pad_token"))
@@ -273,6 +288,7 @@ class Tokenizer:
         return cls(
             tok,
             chat_template=template,
+            template_fn=template_fn,
             eos_ids=eos,
             bos_ids=bos,
             bos_token=bos_token,
@@ -339,15 +355,17 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
+        return bool(self.chat_template) or self.template_fn is not None
 
     @property
     def has_thinking_toggle(self) -> bool:
+        if self.template_fn is not None:
+            return True
         return bool(self.chat_template) and "enable_thinking" in self.chat_template
 
     @property
     def think_tags(self) -> tuple[str, str] | None:
-        t = self.chat_template or ""
+        t = "<think></think>" if self.template_fn is not None else (self.chat_template or "")
         if (
             self.token_to_id("<think>") is not None
             and self.token_to_id("</think>") is not None
@@ -365,6 +383,14 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **kwargs: Any,
     ) -> str:
+        if self.template_fn is not None:
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError("tools must be a list")
+            try:
+                return self.template_fn(validate_messages(messages), add_generation_prompt=add_generation_prompt,
+                                        enable_thinking=enable_thinking, tools=tools, **kwargs)
+            except (TypeError, KeyError, AttributeError, IndexError) as e:
+                raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from None
         if not self.chat_template:
             raise ValueError("this model has no chat template (no chat_template.jinja or "
                              "tokenizer_config.json chat_template); use a completions request instead")
