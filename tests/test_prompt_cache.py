@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -171,6 +172,54 @@ def test_other_prefill_mode_or_kernels_miss(model_path, tmp_path, monkeypatch):
     assert rebuilt.generate_text(messages=msgs, max_tokens=4, sampling=P)[2].cached_tokens == 0
 
 
+def test_key_covers_the_python_code_not_the_build_id(tmp_path, monkeypatch):
+    """kernel_hash covers TensorFold's Python sources (a model's RoPE fix changed KV bits under the
+    same key: a new version resumed an old version's snapshots, and replied other bytes than
+    fresh), leaves out the extension's build id (each rebuild of the same sources differs only in
+    those 20 bytes, and orphaned every snapshot), and the key names the backend."""
+    import tensorfold.cache.key as key
+    root = tmp_path / "site" / "tensorfold"
+    (root / "models").mkdir(parents=True)
+    (root / "data").mkdir()
+    (root / "cache").mkdir()
+    (root / "models" / "dense.py").write_text("theta = 1e6\n")
+    (root / "data" / "big.txt").write_text("the embedded model")
+    so = bytearray(b"\x7fELF" + bytes(60)) + key._BUILD_ID + bytes(range(20)) + b"code"
+    (root / "_ext.so").write_bytes(bytes(so))
+    monkeypatch.setattr(key, "__file__", str(root / "cache" / "key.py"))
+
+    def h():
+        key.kernel_hash.cache_clear()
+        return key.kernel_hash()
+    base = h()
+    so[len(so) - 24:len(so) - 4] = bytes(range(100, 120))        # another build id: same key
+    (root / "_ext.so").write_bytes(bytes(so))
+    assert h() == base
+    (root / "_ext.so").write_bytes(bytes(so[:-4]) + b"CODE")      # other machine code: another key
+    assert h() != base
+    (root / "_ext.so").write_bytes(bytes(so))
+    (root / "data" / "big.txt").write_text("not read")             # the embedded model is not code
+    assert h() == base
+    (root / "models" / "dense.py").write_text("theta = 1e4\n")     # a model's code: another key
+    assert h() != base
+    key.kernel_hash.cache_clear()
+    (tmp_path / "config.json").write_text("{}")
+    a = key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False)
+    monkeypatch.setattr(key.mx, "default_device", lambda: type("D", (), {"type": "gpu"})())
+    assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != a
+
+
+def test_damaged_weights_memo_is_ignored(model_path, tmp_path, monkeypatch):
+    """A memo nested past Python's stack ('[' x 100,000) made the server refuse to start, the
+    error naming the model; it is ignored and the weights hashed again."""
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "memo"))
+    (tmp_path / "memo").mkdir()
+    (tmp_path / "memo" / "weights-sha256.json").write_text("[" * 100000)
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=tmp_path / "snaps", drafts=False)
+    assert eng.wait_disk_key()
+    assert list((tmp_path / "memo").iterdir()) == [tmp_path / "memo" / "weights-sha256.json"]
+
+
 def _corrupt(f, how):
     data = bytearray(f.read_bytes())
     if how == "truncate":
@@ -236,7 +285,11 @@ def test_kill_during_write_leaves_nothing_reused(tmp_path):
     snap = tmp_path / "snaps"
     r = subprocess.run([sys.executable, "-c", KILL, str(snap)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 137, r.stderr
-    assert [f.name for f in snap.iterdir() if f.name.startswith(".tmp-")]
+    tmps = [f for f in snap.iterdir() if f.name.startswith(".tmp-")]
+    assert tmps
+    assert DiskStore(snap).entries == [] and all(f.exists() for f in tmps)   # as fresh as a live write
+    for f in tmps:
+        os.utime(f, (time.time() - 120, time.time() - 120))
     store = DiskStore(snap)
     assert store.entries == []
     assert list(snap.iterdir()) == []
@@ -468,11 +521,25 @@ def test_disk_store_failures_lose_nothing_saved(tmp_path, monkeypatch, caplog):
     orphan = d / f".tmp-{os.getpid()}-2-y.safetensors"
     live.write_bytes(b"in progress")
     orphan.write_bytes(b"left by a killed writer with this pid")
+    old = time.time() - 2 * disk_mod.ABANDONED_AFTER
+    for f in (live, orphan):
+        os.utime(f, (old, old))
     with open(live, "rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)       # as the writer holds it
         store = DiskStore(d)
         assert live.exists() and not orphan.exists()
     assert DiskStore(d).entries == [] and not live.exists()      # released: abandoned
+    # a file just made, its writer's lock not yet taken (the window between open and flock): kept
+    young = d / ".tmp-1-1-z.safetensors"
+    young.write_bytes(b"just opened")
+    assert DiskStore(d).entries == [] and young.exists()
+    young.unlink()
+    # a FIFO named as a snapshot: never opened (the open blocked the engine for ever)
+    os.mkfifo(d / "x.safetensors")
+    os.mkfifo(d / ".tmp-9-9-x.safetensors")
+    assert DiskStore(d).entries == []
+    (d / "x.safetensors").unlink()
+    (d / ".tmp-9-9-x.safetensors").unlink()
     kv = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
 
     def full(_fd):

@@ -1,8 +1,8 @@
 """The prompt-cache key: a hash of everything that changes the bits of a snapshot.
 
-Model identity (config.json and the weight files' contents), MLX version, TensorFold version, the
-kernel sources (and the compiled extension), the activation dtype and the prefill mode. A snapshot
-saved under another key is never reused.
+Model identity (config.json and the weight files' contents), MLX version, the backend, TensorFold's
+code (its Python sources, the kernel sources and the compiled extension), the activation dtype and
+the prefill mode. A snapshot saved under another key is never reused.
 
 The weight files are hashed whole (sha256): two checkpoints of one shape that differ anywhere
 (a fine-tune of a few layers, a file replaced in place) must not share snapshots. A file's hash
@@ -42,7 +42,7 @@ def _read_memo() -> dict:
     try:
         memo = json.loads(_memo_file().read_text())
         return memo if isinstance(memo, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):     # a damaged memo: the weights are hashed again
         return {}
 
 
@@ -87,13 +87,16 @@ def file_hashes(files: list[Path]) -> list[str]:
         if len(memo) > _MEMO_MAX:
             memo = dict(list(memo.items())[-_MEMO_MAX:])
         memo_f = _memo_file()
+        tmp = memo_f.with_name(f".{memo_f.name}.{os.getpid()}")
         try:
             memo_f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_f.with_name(f".{memo_f.name}.{os.getpid()}")
             tmp.write_text(json.dumps(memo))
             os.replace(tmp, memo_f)
         except OSError:
-            pass                                 # hashed again next time
+            try:                                 # hashed again next time; no file left behind
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
         if time.perf_counter() - t0 > 2:
             log.info("weights hashed in %.1f s", time.perf_counter() - t0)
     return out
@@ -128,16 +131,35 @@ def _weights_identity(h, path: Path, whole: bool = True) -> None:
                 h.update(fh.read(_SAMPLE))
 
 
+# ELF note header of the linker's build id (namesz 4, descsz 20, NT_GNU_BUILD_ID, "GNU\0"): 20 bytes
+# that differ at every build of the same sources
+_BUILD_ID = b"\x04\x00\x00\x00\x14\x00\x00\x00\x03\x00\x00\x00GNU\x00"
+
+
+def _without_build_id(data: bytes) -> bytes:
+    i = data.find(_BUILD_ID)
+    if i < 0:
+        return data
+    j = i + len(_BUILD_ID)
+    return data[:j] + bytes(20) + data[j + 20:]
+
+
 @functools.lru_cache(maxsize=1)
 def kernel_hash() -> str:
-    """Hash of the native extension binary and the shipped GPU kernel sources."""
+    """Hash of TensorFold's code: its Python sources (a model's or a kernel wrapper's change can
+    change a snapshot's bits: a new version resumed an old version's KV, session 52), the native
+    extension (its build id left out: each rebuild of the same sources orphaned every snapshot) and
+    the shipped GPU kernel sources."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for f in sorted(root.glob("_ext*")) + sorted((root / "_kernels").rglob("*")) + \
-            sorted((root.parent.parent / "csrc").rglob("*") if (root.parent.parent / "csrc").is_dir() else []):
+    py = sorted(f for f in root.rglob("*.py") if "data" not in f.relative_to(root).parts)
+    csrc = root.parent.parent / "csrc"
+    for f in sorted(root.glob("_ext*")) + py + sorted((root / "_kernels").rglob("*")) + \
+            sorted(csrc.rglob("*") if csrc.is_dir() else []):
         if f.is_file():
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+            h.update(str(f.relative_to(f.parents[1])).encode())
+            data = f.read_bytes()
+            h.update(_without_build_id(data) if f.name.startswith("_ext") else data)
     return h.hexdigest()
 
 
@@ -149,7 +171,7 @@ def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = No
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
     _weights_identity(h, path, whole)
-    parts = {"mlx": mx.__version__, "tensorfold": __version__,
+    parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device().type),
              "kernels": kernels if kernels is not None else kernel_hash(),
              "dtype": dtype, "prefill": mode_key}
     h.update(json.dumps(parts, sort_keys=True).encode())
