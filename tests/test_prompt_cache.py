@@ -220,6 +220,35 @@ def test_damaged_weights_memo_is_ignored(model_path, tmp_path, monkeypatch):
     assert list((tmp_path / "memo").iterdir()) == [tmp_path / "memo" / "weights-sha256.json"]
 
 
+def test_slow_chunks_save_their_grid_point_before_the_next_chunk(model_path, tmp_path, monkeypatch):
+    """Where a chunk takes SAVE_SLOW_CHUNKS_S or more (a quantized model's MLX prefill on a CPU:
+    ~100 s), a grid point's snapshot is queued when it is reached: a shutdown during the next
+    chunk (one MLX evaluation, which the server cannot wait out) kept nothing of a 2,963-token
+    prompt. Here the next chunk fails; the grid point is on disk, and resuming from it == fresh."""
+    monkeypatch.setattr(Engine, "SAVE_SLOW_CHUNKS_S", 0.0, raising=False)
+    snap = tmp_path / "snaps"
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    ids = [10 + (i * 7) % 300 for i in range(3 * GRID + 5)]
+    fwd, calls = eng.model.forward, []
+
+    def dies_on_the_second_chunk(x, cache, **kw):
+        calls.append(x.shape[1])
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return fwd(x, cache, **kw)
+    monkeypatch.setattr(eng.model, "forward", dies_on_the_second_chunk)
+    with pytest.raises(RuntimeError):
+        eng.generate_text(prompt=ids, max_tokens=3, sampling=P)
+    eng.disk.flush()
+    assert [len(e.tokens) for e in DiskStore(snap).entries] == [GRID]
+    again = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    got = again.generate_text(prompt=ids, max_tokens=6, sampling=P)
+    assert got[2].cached_tokens == GRID
+    fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
+        prompt=ids, max_tokens=6, sampling=P)
+    assert got[:2] == fresh[:2]
+
+
 def _corrupt(f, how):
     data = bytearray(f.read_bytes())
     if how == "truncate":

@@ -50,6 +50,10 @@ def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0) -> str | Non
 
 
 class Engine:
+    # a grid point reached after a chunk at least this long is saved at once (_prefill); the
+    # server waits this long for the engine at shutdown (server/worker.py)
+    SAVE_SLOW_CHUNKS_S = 10.0
+
     def __init__(self, model_path, *, drafter=None, drafts: bool = True, context: int | None = None,
                  prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
                  thinking: bool | None = None, prefill_mode: PrefillMode = PrefillMode(),
@@ -271,19 +275,28 @@ class Engine:
                 log.warning("could not restore a prompt-cache snapshot (%s); prefilling from the start", e)
                 cache = self.model.new_cache()
         cached = cache.offset
-        points = []
+        points, saved = [], {pin_at}
+        last = [time.perf_counter()]
 
         def on_grid_point(p):
             points.append(p)
+            now = time.perf_counter()
+            slow, last[0] = now - last[0] >= self.SAVE_SLOW_CHUNKS_S, now
             if p == pin_at and p > cached:
                 self._save(ids, cache, p, pinned=True)   # the conversation's system block
+            elif slow and p > cached:
+                # chunks this slow (a quantized model's MLX prefill on a CPU: ~100 s): the grid point
+                # is saved now, not when the prompt is done, so a shutdown that cannot wait for the
+                # next chunk (a chunk is one MLX evaluation) keeps it
+                self._save(ids, cache, p, pinned=False)
+                saved.add(p)
 
         try:
             logits = prefill(self.model, cache, ids, self.mode, on_grid_point, progress, reserve=rows,
                              cancel=cancel)
         except PrefillCancelled:
             logits = None
-        if points and points[-1] > cached and points[-1] != pin_at:
+        if points and points[-1] > cached and points[-1] not in saved:
             self._save(ids, cache, points[-1], pinned=False)   # the prompt's last grid point
         if logits is None:
             raise PrefillCancelled
