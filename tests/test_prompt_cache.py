@@ -536,6 +536,36 @@ def test_large_weights_are_hashed_in_the_background(model_path, tmp_path, monkey
     assert again[2].cached_tokens > 0 and again[:2] == first[:2]
 
 
+def test_weights_replaced_while_hashed_keep_the_disk_off(model_path, tmp_path, monkeypatch, caplog):
+    """Weights replaced in place (same shapes, other bytes) after they were loaded, while the
+    background hash runs: the key came out as the new file's, and the old weights' KV was saved
+    under it, for an engine on the new weights to resume (logits up to 12.5 off fresh). Now the
+    stamps at hashing are checked against those at load: the disk stays off, with a warning."""
+    import logging
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(model_path, d)
+    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "fresh-memo"))
+    monkeypatch.setattr(Engine, "DISK_KEY_SYNC_BYTES", 0)
+    import tensorfold.cache.key as key
+    gate, real = __import__("threading").Event(), key.file_hashes
+
+    def held(files):
+        gate.wait(30)
+        return real(files)
+    monkeypatch.setattr(key, "file_hashes", held)
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        eng = Engine(d, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=tmp_path / "snaps", drafts=False)
+        w = dict(mx.load(str(d / "model.safetensors")))
+        name = next(k for k in w if k.endswith("norm.weight"))
+        w[name] = w[name] * 2
+        mx.save_safetensors(str(d / "new.safetensors"), w, metadata={"format": "mlx"})
+        os.replace(d / "new.safetensors", d / "model.safetensors")
+        gate.set()
+        assert not eng.wait_disk_key(30)
+    assert "changed since they were loaded" in caplog.text
+
+
 def test_disk_store_failures_lose_nothing_saved(tmp_path, monkeypatch, caplog):
     """A store opened on the same directory leaves a temporary file that a live writer holds alone
     (it used to delete the first server's write under way), and removes one nobody holds, whatever

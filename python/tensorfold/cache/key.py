@@ -63,6 +63,18 @@ def _weight_files(path: Path) -> list[Path]:
         return []
 
 
+def weight_stamps(model_path) -> dict:
+    """{file: (size, inode, mtime, ctime)} of the checkpoint's weight files: the same stamps when
+    the key is hashed as when the weights were loaded say the key is of the loaded bytes."""
+    out = {}
+    for f in _weight_files(Path(model_path)):
+        try:
+            out[str(f)] = _stamp(f.stat())
+        except OSError:
+            out[str(f)] = None
+    return out
+
+
 def unhashed_bytes(model_path) -> int:
     """Bytes of the checkpoint's weight files whose sha256 the memo does not hold yet."""
     memo = _read_memo()

@@ -60,6 +60,8 @@ class Engine:
                  draft_width: int = 8):
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
+        from ..cache.key import weight_stamps
+        self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
         self.model = load_model(self.model_path)
         if kernels.mlx_runs_on_cuda():
             short = mlx_cuda_qmm_overreads(self.model.cfg)
@@ -124,9 +126,18 @@ class Engine:
     def _start_disk_key(self) -> None:
         from ..cache.key import unhashed_bytes
 
+        from ..cache.key import weight_stamps
+
         def work():
             try:
-                self.disk_key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)
+                key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)
+                if weight_stamps(self.model_path) != self._loaded_stamps:
+                    # replaced since they were loaded (the hash of a large checkpoint takes minutes):
+                    # the key would be the new bytes', the KV the old ones'
+                    log.warning("the weight files changed since they were loaded: prompt-cache "
+                                "snapshots stay in memory only (restart to use the disk again)")
+                else:
+                    self.disk_key = key
             except OSError as e:
                 log.warning("cannot hash the weights (%s): prompt-cache snapshots stay in memory only", e)
             self._disk_key_ready.set()
