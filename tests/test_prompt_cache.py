@@ -324,7 +324,23 @@ def test_kill_during_write_leaves_nothing_reused(tmp_path):
     assert list(snap.iterdir()) == []
 
 
-def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path):
+# Qwen3's template raises "No user query found in messages" for system messages alone: the system
+# block's length came out 0 and it was never pinned; it is measured with an empty user turn after it
+REFUSES_SYSTEM_ALONE = (
+    "{%- set ns = namespace(user=false) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.user = true %}{%- endif %}{%- endfor %}"
+    "{%- if not ns.user %}{{ raise_exception('No user query found in messages.') }}{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.mark.parametrize("template", ["own", "refuses system alone"])
+def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path, template):
+    if template != "own":
+        import shutil
+        shutil.copytree(model_path, tmp_path / "m")
+        model_path = tmp_path / "m"
+        (model_path / "chat_template.jinja").write_text(REFUSES_SYSTEM_ALONE)
     snap = tmp_path / "snaps"
     system = {"role": "system", "content": _words(60, 1)}
     eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
@@ -340,34 +356,6 @@ def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path):
     text, ids, st = eng2.generate_text(messages=msgs, max_tokens=6, sampling=P)
     assert st.cached_tokens == len(pinned[0].tokens)
     fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
-        messages=msgs, max_tokens=6, sampling=P)
-    assert (text, ids) == fresh[:2]
-
-
-def test_system_block_pinned_where_the_template_refuses_system_alone(model_path, tmp_path):
-    """Qwen3's template raises "No user query found in messages" for system messages alone, so the
-    system block's length came out 0 and it was never pinned; it is now measured with an empty
-    user turn after it. Resumed from the pinned block == fresh."""
-    import shutil
-    d = tmp_path / "m"
-    shutil.copytree(model_path, d)
-    (d / "chat_template.jinja").write_text(
-        "{%- set ns = namespace(user=false) %}{%- for m in messages %}{%- if m.role == 'user' %}"
-        "{%- set ns.user = true %}{%- endif %}{%- endfor %}"
-        "{%- if not ns.user %}{{ raise_exception('No user query found in messages.') }}{%- endif %}"
-        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-    snap = tmp_path / "snaps"
-    system = {"role": "system", "content": _words(60, 1)}
-    eng = Engine(d, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
-    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
-    eng.disk.flush()
-    pinned = [e for e in eng.disk.entries if e.pinned]
-    assert len(pinned) == 1 and len(pinned[0].tokens) >= GRID
-    msgs = [system, {"role": "user", "content": "something else entirely"}]
-    text, ids, st = eng.generate_text(messages=msgs, max_tokens=6, sampling=P)
-    assert st.cached_tokens >= len(pinned[0].tokens)
-    fresh = Engine(d, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
         messages=msgs, max_tokens=6, sampling=P)
     assert (text, ids) == fresh[:2]
 
@@ -511,20 +499,29 @@ def test_same_shapes_other_weights_do_not_share_snapshots(tmp_path):
     assert again.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens > 0
 
 
-def test_large_weights_are_hashed_in_the_background(model_path, tmp_path, monkeypatch):
-    """Weights the memo does not know past DISK_KEY_SYNC_BYTES are hashed on a thread: the engine
-    serves at once (memory snapshots only), and uses the disk from when the key is known."""
-    snap = tmp_path / "snaps"
-    msgs = _prime(model_path, snap)
+def _hash_in_background_held(tmp_path, monkeypatch):
+    """Engines made now hash their weights on a thread (no memo, no size threshold) that waits for
+    the returned event before it hashes."""
+    import threading
+
+    import tensorfold.cache.key as key
     monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "fresh-memo"))     # nothing known
     monkeypatch.setattr(Engine, "DISK_KEY_SYNC_BYTES", 0)
-    import tensorfold.cache.key as key
-    gate, real = __import__("threading").Event(), key.file_hashes
+    gate, real = threading.Event(), key.file_hashes
 
     def held(files):
         gate.wait(30)
         return real(files)
     monkeypatch.setattr(key, "file_hashes", held)
+    return gate
+
+
+def test_large_weights_are_hashed_in_the_background(model_path, tmp_path, monkeypatch):
+    """Weights the memo does not know past DISK_KEY_SYNC_BYTES are hashed on a thread: the engine
+    serves at once (memory snapshots only), and uses the disk from when the key is known."""
+    snap = tmp_path / "snaps"
+    msgs = _prime(model_path, snap)
+    gate = _hash_in_background_held(tmp_path, monkeypatch)
     eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
     assert eng.disk_key is None
     first = eng.generate_text(messages=msgs, max_tokens=4, sampling=P)
@@ -545,15 +542,7 @@ def test_weights_replaced_while_hashed_keep_the_disk_off(model_path, tmp_path, m
     import shutil
     d = tmp_path / "m"
     shutil.copytree(model_path, d)
-    monkeypatch.setenv("TENSORFOLD_CACHE_DIR", str(tmp_path / "fresh-memo"))
-    monkeypatch.setattr(Engine, "DISK_KEY_SYNC_BYTES", 0)
-    import tensorfold.cache.key as key
-    gate, real = __import__("threading").Event(), key.file_hashes
-
-    def held(files):
-        gate.wait(30)
-        return real(files)
-    monkeypatch.setattr(key, "file_hashes", held)
+    gate = _hash_in_background_held(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="tensorfold"):
         eng = Engine(d, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=tmp_path / "snaps", drafts=False)
         w = dict(mx.load(str(d / "model.safetensors")))
