@@ -205,7 +205,7 @@ def test_key_covers_the_python_code_not_the_build_id(tmp_path, monkeypatch):
     key.kernel_hash.cache_clear()
     (tmp_path / "config.json").write_text("{}")
     a = key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False)
-    monkeypatch.setattr(key.mx, "default_device", lambda: type("D", (), {"type": "gpu"})())
+    monkeypatch.setattr(key.mx, "default_device", lambda: "Device(gpu, 0)")
     assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != a
 
 

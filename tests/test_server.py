@@ -127,6 +127,9 @@ def test_health_and_models(srv):
     models = srv.client.models.list()
     assert [m.id for m in models.data] == ["tiny-qwen3"]
     assert srv.client.models.retrieve("tiny-qwen3").id == "tiny-qwen3"
+    auth = {"Authorization": f"Bearer {KEY}"}           # HEAD as on /health (it was a 405)
+    for path in ("/v1/models", "/v1/models/tiny-qwen3"):
+        assert httpx.head(srv.base + path, headers=auth, timeout=10).status_code == 200
 
 
 def test_chat_shape_usage_and_tensorfold_block(srv):

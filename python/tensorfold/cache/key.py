@@ -183,7 +183,7 @@ def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = No
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
     _weights_identity(h, path, whole)
-    parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device().type),
+    parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device()),
              "kernels": kernels if kernels is not None else kernel_hash(),
              "dtype": dtype, "prefill": mode_key}
     h.update(json.dumps(parts, sort_keys=True).encode())

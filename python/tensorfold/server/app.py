@@ -170,12 +170,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         return {"status": "ok", "model": name, "context_length": ctx,
                 "busy": worker.current is not None, **worker.stats, "tokenizing": tokenize.pending}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         check_key(request)
         return {"object": "list", "data": [_model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(model: str, request: Request):
         check_key(request)
         if not model:                           # /v1/models/
