@@ -124,9 +124,7 @@ class Engine:
     DISK_KEY_SYNC_BYTES = 512 << 20
 
     def _start_disk_key(self) -> None:
-        from ..cache.key import unhashed_bytes
-
-        from ..cache.key import weight_stamps
+        from ..cache.key import unhashed_bytes, weight_stamps
 
         def work():
             try:
