@@ -29,6 +29,12 @@ def _user_turn(text: str) -> str:
     return f"<｜User｜>{text}<｜Assistant｜>"
 
 
+def _response_format(m: dict) -> str:
+    rf = m.get("response_format")
+    return ("\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+            + _json(rf)) if rf else ""
+
+
 def _dsml_call(call: dict) -> str:
     fn = call.get("function") or {}
     args = fn.get("arguments")
@@ -59,18 +65,11 @@ def deepseek_v32(messages: list[dict], add_generation_prompt: bool = True,
         role, content = m.get("role"), m.get("content")
         opens = THINK if thinking and i == last_user else END_THINK
         if role == "system":
-            out.append(content or "")
-            if m.get("response_format"):
-                out.append("\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema "
-                           "to reply:\n" + _json(m["response_format"]))
+            out.append((content or "") + _response_format(m))
         elif role == "developer":
             if not content:
                 raise ValueError(f"messages[{i}]: a developer message needs content")
-            text = ""
-            if m.get("response_format"):
-                text += ("\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema "
-                         "to reply:\n" + _json(m["response_format"]))
-            out.append(_user_turn(text + f"\n\n# The user's message is: {content}") + opens)
+            out.append(_user_turn(_response_format(m) + f"\n\n# The user's message is: {content}") + opens)
         elif role == "user":
             out.append(_user_turn(content) + opens)
         elif role == "tool":

@@ -156,6 +156,12 @@ def _normalized(m: dict) -> dict:
     return m
 
 
+# the chat template's variables this tokenizer sets itself (apply_chat_template's context and the
+# environment's functions): a request's chat_template_kwargs may not set them (server/protocol.py)
+TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                          "pad_token", "unk_token", "raise_exception", "strftime_now"})
+
+
 def _generation_tag():
     """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker, used by templates
     written for training masks): renders its body."""

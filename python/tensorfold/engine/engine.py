@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.disk import DiskStore, read_tensors, to_mlx
-from ..cache.key import cache_key
+from ..cache.key import cache_key, unhashed_bytes, weight_stamps
 from ..cache.memory import SnapshotStore
 from ..errors import RequestError
 from ..models import load_model
@@ -60,7 +60,6 @@ class Engine:
                  draft_width: int = 8):
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
-        from ..cache.key import weight_stamps
         self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
         self.model = load_model(self.model_path)
         if kernels.mlx_runs_on_cuda():
@@ -124,8 +123,6 @@ class Engine:
     DISK_KEY_SYNC_BYTES = 512 << 20
 
     def _start_disk_key(self) -> None:
-        from ..cache.key import unhashed_bytes, weight_stamps
-
         def work():
             try:
                 key = cache_key(self.model_path, str(self.model.dtype), self.mode.key)

@@ -1027,14 +1027,16 @@ GRID_YZ_MAX = 65535     # CUDA's limit on a grid's y and z dimensions
 
 
 def _in_row_pieces(R: int, per_row: int, launch):
-    """launch(a, b) -> list of outputs of rows a..b-1 (leading axis), called on row pieces whose
-    grids keep y (per_row blocks a row) within GRID_YZ_MAX, the pieces' outputs joined. The
-    kernels are row-exact, so a row's bits do not depend on the piece it is in; a call that fits
-    (every decode step, a 2,048-row prefill chunk at top-8: 16,384) is one launch as before."""
+    """launch(cut, n) -> the outputs (rows on the leading axis) of n rows, where cut(arr, per=1)
+    gives arr's rows of the piece (per rows of arr a row); called on row pieces whose grids keep
+    y (per_row blocks a row) within GRID_YZ_MAX, the pieces' outputs joined. The kernels are
+    row-exact, so a row's bits do not depend on the piece it is in; a call that fits (every decode
+    step, a 2,048-row prefill chunk at top-8: 16,384) is one launch of the arrays as they are."""
     step = max(1, GRID_YZ_MAX // per_row)
     if R <= step:
-        return launch(0, R)
-    parts = [launch(a, min(R, a + step)) for a in range(0, R, step)]
+        return launch(lambda arr, per=1: arr, R)
+    parts = [launch(lambda arr, per=1, a=a: arr[a * per:min(R, a + step) * per], min(R, a + step) - a)
+             for a in range(0, R, step)]
     return [mx.concatenate(list(outs), axis=0) for outs in zip(*parts)]
 
 
@@ -1068,13 +1070,12 @@ def expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
     name = "row_expert_qmm" if quant else "row_expert_mm"
     tmpl = _expert_template(x, w, scales, K, N, E, topk, group_size, bits, quant)
 
-    def launch(a, b):       # rows a..b-1: blocks (column block, row x expert) in the grid
-        xa, ia = (x2, idx) if (a, b) == (0, R) else (x2[a:b], idx[a * topk:b * topk])
+    def launch(cut, n):     # blocks (column block, row x expert) in the grid
         return _kernel(name, 0)(
-            inputs=[xa, w, scales, biases, ia] if quant else [xa, w, ia], template=tmpl,
-            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * topk, 1),
+            inputs=[cut(x2), w, scales, biases, cut(idx, topk)] if quant else [cut(x2), w, cut(idx, topk)],
+            template=tmpl, grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, n * topk, 1),
             threadgroup=(GEMM_THREADS, 1, 1),
-            output_shapes=[((b - a) * topk, N)], output_dtypes=[x.dtype], stream=stream)
+            output_shapes=[(n * topk, N)], output_dtypes=[x.dtype], stream=stream)
     out = _in_row_pieces(R, topk, launch)[0]
     return out.reshape(*lead, topk, N)
 
@@ -1089,15 +1090,19 @@ def expert_glu(x, gate, up, indices, group_size, bits, stream):
     name = "row_expert_qmm_glu" if quant else "row_expert_mm_glu"
     tmpl = _expert_template(x, gate[0], gate[1], K, N, E, topk, group_size, bits, quant)
 
-    def launch(a, b):
-        xa, ia = (x, indices) if (a, b) == (0, R) else (x[a:b], indices[a:b])
-        inputs = [xa, *gate[:3], *up[:3], ia] if quant else [xa, gate[0], up[0], ia]
+    def launch(cut, n):
         return _kernel(name, 0)(
-            inputs=inputs, template=tmpl,
-            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * topk, 1),
+            inputs=_glu_inputs(cut(x), gate, up, cut(indices), quant), template=tmpl,
+            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, n * topk, 1),
             threadgroup=(GEMM_THREADS, 1, 1),
-            output_shapes=[(b - a, topk, N)], output_dtypes=[x.dtype], stream=stream)
+            output_shapes=[(n, topk, N)], output_dtypes=[x.dtype], stream=stream)
     return _in_row_pieces(R, topk, launch)[0]
+
+
+def _glu_inputs(x, gate, up, last, quant):
+    """The row_expert_*_glu(_route) kernels' inputs: x, gate's and up's arrays, then the ids (or
+    the router's logits)."""
+    return [x, *gate[:3], *up[:3], last] if quant else [x, gate[0], up[0], last]
 
 
 def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
@@ -1111,15 +1116,12 @@ def expert_sum(h, down, indices, scores, residual, group_size, bits, stream):
     tmpl = _expert_template(h, down[0], down[1], K, N, E, topk, group_size, bits, quant)
     tmpl = tmpl + [("RES", residual is not None)]
 
-    def launch(a, b):           # a block a (column pair, row): rows in the grid's y
-        whole = (a, b) == (0, R)
-        ha, ia, sa = (h, indices, scores) if whole else (h[a:b], indices[a:b], scores[a:b])
-        ra = res if whole or residual is None else res[a:b]
-        inputs = [ha, *down[:3]] if quant else [ha, down[0]]
+    def launch(cut, n):         # a block a (column pair, row): rows in the grid's y
+        weights = [*down[:3]] if quant else [down[0]]
         return _kernel(name, 0)(
-            inputs=inputs + [ia, sa, ra], template=tmpl,
-            grid=(-(-N // 2) * 32 * topk, b - a, 1), threadgroup=(32 * topk, 1, 1),
-            output_shapes=[(b - a, N)], output_dtypes=[h.dtype], stream=stream)
+            inputs=[cut(h), *weights, cut(indices), cut(scores), res if residual is None else cut(res)],
+            template=tmpl, grid=(-(-N // 2) * 32 * topk, n, 1), threadgroup=(32 * topk, 1, 1),
+            output_shapes=[(n, N)], output_dtypes=[h.dtype], stream=stream)
     return _in_row_pieces(R, 1, launch)[0]
 
 
@@ -1132,14 +1134,12 @@ def expert_glu_route(x, gate, up, logits, k, normalize, group_size, bits, stream
     tmpl = _expert_template(x, gate[0], gate[1], K, N, E, k, group_size, bits, quant)
     tmpl = tmpl + [("NORM", bool(normalize))]
 
-    def launch(a, b):
-        xa, la = (x, logits) if (a, b) == (0, R) else (x[a:b], logits[a:b])
-        inputs = [xa, *gate[:3], *up[:3], la] if quant else [xa, gate[0], up[0], la]
+    def launch(cut, n):
         return _kernel(name, 0)(
-            inputs=inputs, template=tmpl,
-            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, (b - a) * k, 1),
+            inputs=_glu_inputs(cut(x), gate, up, cut(logits), quant), template=tmpl,
+            grid=(-(-N // GEMM_COLS_PER_BLOCK) * GEMM_THREADS, n * k, 1),
             threadgroup=(GEMM_THREADS, 1, 1),
-            output_shapes=[(b - a, k, N), (b - a, k), (b - a, k)],
+            output_shapes=[(n, k, N), (n, k), (n, k)],
             output_dtypes=[x.dtype, mx.int32, mx.float32], stream=stream)
     h, inds, scores = _in_row_pieces(R, k, launch)
     return h, inds, scores

@@ -208,8 +208,6 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
-            if req.template_kwargs:
-                kwargs["template_kwargs"] = req.template_kwargs
         else:
             kwargs.update(prompt=req.prompt)
         prepare = getattr(worker.engine, "prepare", None)
@@ -217,7 +215,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             # tokenized off the engine's thread (the tokenizer lets the GIL go): a large prompt
             # holds up neither the engine's thread nor the other requests (tokenizing.py)
             args = (kwargs.pop("messages", None), kwargs.pop("prompt", None), kwargs.pop("enable_thinking", None))
-            tkw = kwargs.pop("template_kwargs", None)
+            tkw = req.template_kwargs if kind == "chat" else None
             fut = tokenize.submit(prepare, args + ((None, tkw) if tkw else ()), body_size)
             try:
                 while not (await asyncio.wait({fut}, timeout=0.1))[0]:
@@ -231,7 +229,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             kwargs["prepared"] = fut.result()
             if await request.is_disconnected():
                 raise _Gone             # the client left while its prompt was tokenized
-        elif kwargs.pop("template_kwargs", None):
+        elif kind == "chat" and req.template_kwargs:
             raise RequestError("chat_template_kwargs other than enable_thinking need an engine "
                                "that renders prompts itself", param="chat_template_kwargs")
         job = worker.submit(kwargs, chat=kind == "chat")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..engine.types import SamplingParams
 from ..errors import RequestError
+from ..tokenizer import TEMPLATE_OWN
 
 ROLES = ("system", "developer", "user", "assistant", "tool")    # the chat template's (tokenizer.VALID_ROLES)
 
@@ -168,10 +169,6 @@ def _stop(v) -> list[str] | None:
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
-
-# the chat template's variables the server sets itself (tokenizer.Tokenizer.apply_chat_template)
-TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
-                          "pad_token", "unk_token", "raise_exception", "strftime_now"})
 
 
 # OpenAI fields this server does not implement, each with a test of "asks for nothing": a request
