@@ -497,3 +497,44 @@ def test_stop_completed_by_a_byte_run_at_the_last_token_is_a_stop(tmp_path):
         assert (t2, st.finish_reason, len(ids2)) == (want, "stop", hit + 2), draft
     with pytest.raises(RequestError):
         eng.generate_text(prompt=prompt, max_tokens=4, sampling=SamplingParams(temperature=float("nan")))
+
+
+def _on_a_thread_of_its_own(fn, timeout: float = 300):
+    """fn() on a new thread, which is then parked rather than ended: a thread that used MLX and
+    ends before the process does may make the exit abort (MLX's per-thread compile cache torn
+    down after its thread; server.worker.EngineWorker.stop says more)."""
+    import threading
+
+    box, done = {}, threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+        done.set()
+        threading.Event().wait()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(timeout), "the thread did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_an_engine_on_another_thread_after_one_on_this_thread(checkpoints):
+    """MLX's streams are per thread: an array left unevaluated in a module-level cache by an engine
+    on one thread could not be evaluated on another ("There is no Stream(cpu, 0) in current
+    thread"): the first step's fences, cached for the compiled step, failed every request of a
+    server (whose engine runs on a thread of its own) started in a process that had run an
+    engine before, e.g. tests/test_moe.py then tests/test_server.py."""
+    from tensorfold.models import dense
+
+    for first in ("qwen3_moe_mlx_4bit", "qwen3_mlx_4bit"):    # the MoE engine left the fences unevaluated
+        dense._fence0.cache_clear()
+        Engine(checkpoints[first])                              # its start-up row check runs steps
+        path, prompt = checkpoints["qwen3_mlx_4bit"], list(range(3, 43))   # past a grid point: a snapshot
+
+        def reply():
+            return Engine(path, prefill_mode=PrefillMode(grid=16)).generate_text(prompt=prompt, max_tokens=6)[1]
+        assert _on_a_thread_of_its_own(reply) == reply(), first

@@ -351,13 +351,35 @@ def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path, template)
     # a new engine warms the pinned block in the background; another user's chat reuses it
     eng2 = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
     eng2.warm_up_async().join(timeout=60)
-    assert pinned[0].path in eng2._warm
+    assert eng2.snapshots.holds(eng2.cache_key, pinned[0].tokens)
     msgs = [system, {"role": "user", "content": "something else entirely"}]
     text, ids, st = eng2.generate_text(messages=msgs, max_tokens=6, sampling=P)
     assert st.cached_tokens == len(pinned[0].tokens)
     fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(
         messages=msgs, max_tokens=6, sampling=P)
     assert (text, ids) == fresh[:2]
+
+
+def test_warm_up_is_held_inside_the_memory_budget(model_path, tmp_path):
+    """The pinned blocks read at start go into the memory store, under --prompt-cache-gib: they
+    were held in a table of their own beside a full store (up to twice the budget), and a full
+    store of unpinned entries gives way to them."""
+    snap = tmp_path / "snaps"
+    system = {"role": "system", "content": _words(60, 1)}
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
+    eng.disk.flush()
+    pinned = [e for e in eng.disk.entries if e.pinned]
+    assert len(pinned) == 1
+    size = pinned[0].nbytes
+    eng2 = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False,
+                  prompt_cache_gib=1.5 * size / 2**30)
+    filler = [(mx.zeros((1, 1, 8, size // 64)), mx.zeros((1, 1, 8, size // 64)))]   # size bytes
+    assert eng2.snapshots.add("other", np.arange(8), filler) is not None
+    eng2.warm_up_async().join(timeout=60)
+    assert eng2.snapshots.holds(eng2.cache_key, pinned[0].tokens)
+    assert not eng2.snapshots.holds("other", np.arange(8))
+    assert eng2.snapshots.nbytes <= eng2.snapshots.max_bytes
 
 
 def test_memory_store_lru_pinned_last():
@@ -629,7 +651,7 @@ def test_unusable_snapshot_dir_and_tiny_memory_budget(model_path, tmp_path, capl
     tiny = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False,
                   prompt_cache_gib=1e-9)
     tiny.warm_up_async().join(timeout=60)
-    assert tiny._warm == {}
+    assert len(tiny.snapshots) == 0
     text, ids, st = tiny.generate_text(messages=msgs, max_tokens=6, sampling=P)
     assert st.cached_tokens > 0 and len(tiny.snapshots) == 0
     fresh = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False).generate_text(

@@ -39,11 +39,22 @@ class SnapshotStore:
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: "OrderedDict[int, Entry]" = OrderedDict()
         self._next = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()     # the engine's thread and the warm-up's add entries
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def pinned_nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.pinned)
+
+    def holds(self, key: str, tokens) -> bool:
+        """An entry of this key with exactly these tokens is stored."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        with self._lock:
+            return any(e.key == key and np.array_equal(e.tokens, tokens) for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,6 +79,11 @@ class SnapshotStore:
         if nbytes > self.max_bytes:
             return None
         with self._lock:
+            for eid, e in self._entries.items():     # the same snapshot again (read twice from disk)
+                if e.key == key and np.array_equal(e.tokens, tokens):
+                    e.pinned = e.pinned or pinned
+                    self._entries.move_to_end(eid)
+                    return e
             # an entry whose tokens are a prefix of this one is superseded (unless pinned)
             for eid in [i for i, e in self._entries.items()
                         if e.key == key and not e.pinned and len(e.tokens) <= len(tokens)

@@ -99,7 +99,6 @@ class Engine:
         self._disk_key_ready = threading.Event()
         if self.disk is not None:
             self._start_disk_key()
-        self._warm: dict = {}          # disk path -> tensors read by the warm-up thread
         self._warm_thread = None
         self.generation_defaults = self._read_generation_defaults()
         self.drafter = None
@@ -242,14 +241,8 @@ class Engine:
             for gd, d in best:
                 if gd <= g:
                     break
-                try:
-                    tensors = self._warm.pop(d.path, None) or read_tensors(d)
-                    kv = to_mlx(tensors)
-                    if len(kv) != self.model.cfg.num_layers:
-                        raise ValueError(f"{len(kv)} layers, the model has {self.model.cfg.num_layers}")
-                except Exception as e:  # noqa: BLE001 - a damaged file is ignored, whatever it holds
-                    log.warning("ignoring snapshot %s: %s: %s", d.path.name, type(e).__name__, e)
-                    self.disk.drop(d)
+                kv = self._read_snapshot(d)
+                if kv is None:
                     continue
                 added = self.snapshots.add(self.cache_key, d.tokens, kv, pinned=d.pinned, source="disk")
                 # too large for the memory budget: this request still resumes from it
@@ -257,6 +250,18 @@ class Engine:
         if entry is None or g == 0:
             return None, 0
         return [(k[..., :g, :], v[..., :g, :]) for k, v in entry.kv], g
+
+    def _read_snapshot(self, d):
+        """A disk snapshot's KV as MLX arrays, or None (a damaged file: ignored and dropped)."""
+        try:
+            kv = to_mlx(read_tensors(d))
+            if len(kv) != self.model.cfg.num_layers:
+                raise ValueError(f"{len(kv)} layers, the model has {self.model.cfg.num_layers}")
+            return kv
+        except Exception as e:  # noqa: BLE001 - a damaged file is ignored, whatever it holds
+            log.warning("ignoring snapshot %s: %s: %s", d.path.name, type(e).__name__, e)
+            self.disk.drop(d)
+            return None
 
     def _save(self, ids, cache, p: int, pinned: bool) -> None:
         snap = cache.snapshot(p)
@@ -333,23 +338,33 @@ class Engine:
         return common_prefix(np.asarray(self.tokenizer.encode(text)), np.asarray(ids))
 
     def warm_up_async(self):
-        """Read this key's saved system blocks from disk in a background thread (numpy only, no
-        MLX): requests never wait for it; a prompt that needs a block before it is read reads it."""
+        """Read this key's saved system blocks from disk into the memory store in a background
+        thread: requests never wait for it; a prompt that needs a block before it is read reads it.
+        They go into the store itself, under --prompt-cache-gib (read into a side table until
+        session 53, they were held beside a full store: up to twice the budget). The arrays are
+        evaluated here, so that no graph made on this thread reaches the engine's (MLX's streams
+        are per thread), and the thread drops its streams before it ends."""
         if self.disk is None:
             return None
 
         def work():
-            if not self.wait_disk_key():
-                return
-            budget = self.snapshots.max_bytes       # the newest first, as many as memory would keep
-            for d in sorted(self.disk.candidates(self.disk_key), key=lambda d: -d.created):
-                if d.pinned and d.path not in self._warm and d.nbytes <= budget:
-                    try:
-                        self._warm[d.path] = read_tensors(d)
+            try:
+                if not self.wait_disk_key():
+                    return
+                # the newest first, as many as memory keeps beside the pinned entries it has (a
+                # pinned entry is evicted after every unpinned one)
+                budget = self.snapshots.max_bytes - self.snapshots.pinned_nbytes()
+                for d in sorted(self.disk.candidates(self.disk_key), key=lambda d: -d.created):
+                    if not d.pinned or d.nbytes > budget or self.snapshots.holds(self.cache_key, d.tokens):
+                        continue
+                    kv = self._read_snapshot(d)
+                    if kv is None:
+                        continue
+                    mx.eval(kv)
+                    if self.snapshots.add(self.cache_key, d.tokens, kv, pinned=True, source="disk"):
                         budget -= d.nbytes
-                    except Exception as e:  # noqa: BLE001 - a damaged file is ignored
-                        log.warning("ignoring snapshot %s: %s: %s", d.path.name, type(e).__name__, e)
-                        self.disk.drop(d)
+            finally:
+                mx.clear_streams()
 
         self._warm_thread = threading.Thread(target=work, name="tensorfold-warmup", daemon=True)
         self._warm_thread.start()

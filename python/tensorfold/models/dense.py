@@ -167,8 +167,13 @@ def _fence0(dtype) -> mx.array:
     """The first step's fences (StepCache.in_place). In the dtype of the fences the step returns
     (the attention output's, the model's dtype): with another dtype the compiled step would be
     traced twice per KV capacity, once for the first step and again for the second (the H200,
-    session 46: float32 here against bf16 returned)."""
-    return mx.zeros((1,), dtype)
+    session 46: float32 here against bf16 returned). Evaluated here: MLX's streams are per thread,
+    and an unevaluated array made on one thread cannot be evaluated on another ("There is no
+    Stream(cpu, 0) in current thread": an engine built on the main thread left it for the
+    server's engine thread)."""
+    a = mx.zeros((1,), dtype)
+    mx.eval(a)
+    return a
 
 
 def kernels_row_attention(q, kb, vb, off, scale):
