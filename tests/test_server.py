@@ -350,9 +350,18 @@ BAD = [
     ("max_tokens wrong type beside max_completion_tokens", "/v1/chat/completions",
      _msg(max_tokens="ten", max_completion_tokens=3), 400, "max_tokens", None),
     ("n > 1", "/v1/chat/completions", _msg(n=2), 400, "n", None),
-    # completions' logprobs 0 asks for each sampled token's logprob (OpenAI): not given, so refused
-    ("completions logprobs 0", "/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs",
-     "unsupported_parameter"),
+    # logprobs: chat takes a boolean and top_logprobs 0..20 beside it, completions a count 0..20
+    ("top_logprobs without logprobs", "/v1/chat/completions", _msg(top_logprobs=5), 400, "top_logprobs", None),
+    ("top_logprobs past 20", "/v1/chat/completions", _msg(logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     None),
+    ("top_logprobs wrong type", "/v1/chat/completions", _msg(logprobs=True, top_logprobs="5"), 400,
+     "top_logprobs", None),
+    ("chat logprobs a count", "/v1/chat/completions", _msg(logprobs=3), 400, "logprobs", None),
+    ("completions logprobs true", "/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", None),
+    ("completions logprobs past 20", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ("completions logprobs negative", "/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", None),
+    ("completions top_logprobs", "/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs",
+     None),
     # vLLM's extensions asking for something this server does not do (they were ignored)
     ("min_tokens asked", "/v1/chat/completions", _msg(min_tokens=5), 400, "min_tokens", "unsupported_parameter"),
     ("stop_token_ids asked", "/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, 400, "stop_token_ids",
@@ -395,9 +404,6 @@ BAD = [
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("n > 1 on completions", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n", None),
     # fields OpenAI has and this server does not implement: refused, never silently dropped
-    ("logprobs asked", "/v1/chat/completions", _msg(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("top_logprobs asked", "/v1/chat/completions", _msg(top_logprobs=5), 400, "top_logprobs",
-     "unsupported_parameter"),
     ("logit_bias asked", "/v1/chat/completions", _msg(logit_bias={"5": 10}), 400, "logit_bias",
      "unsupported_parameter"),
     ("presence_penalty asked", "/v1/chat/completions", _msg(presence_penalty=0.5), 400, "presence_penalty",
@@ -412,8 +418,6 @@ BAD = [
      _msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools",
      "unsupported_parameter"),
     ("tool_choice required", "/v1/chat/completions", _msg(tool_choice="required"), 400, "tool_choice",
-     "unsupported_parameter"),
-    ("completion logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs",
      "unsupported_parameter"),
     ("echo asked", "/v1/completions", {"prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
     ("best_of asked", "/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
@@ -451,6 +455,51 @@ def test_tool_arguments_nested_past_the_stack_are_kept_as_text(srv):
     for stream in (False, True):
         r = srv.post("/v1/chat/completions", dict(body, stream=stream))
         assert r.status_code == 200 and "Internal" not in r.text, r.text[:200]
+
+
+def test_logprobs_chat_and_completions(srv):
+    """logprobs through the official client: streamed == not streamed, drafted == serial; chat gives
+    token / logprob / bytes / top_logprobs entries, completions OpenAI's legacy lists."""
+    c = srv.client
+    kw = dict(model=srv.name, max_tokens=12, temperature=0.0)
+    full = c.chat.completions.create(messages=USER, logprobs=True, top_logprobs=3, **kw)
+    entries = [e.model_dump() for e in full.choices[0].logprobs.content]
+    assert len(entries) == full.usage.completion_tokens
+    for e in entries:
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert tops[0] == {k: e[k] for k in ("token", "bytes", "logprob")}          # greedy: the most likely
+        assert e["logprob"] <= 0
+        try:                        # a token that is part of a character is named by its bytes
+            assert e["token"] == bytes(e["bytes"]).decode()
+        except UnicodeDecodeError:
+            assert e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in e["bytes"])
+    streamed = [e.model_dump() for ch in c.chat.completions.create(messages=USER, logprobs=True, top_logprobs=3,
+                                                                    stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == entries
+    serial = c.chat.completions.create(messages=USER, logprobs=True, top_logprobs=3, extra_body={"draft": False},
+                                       **kw)
+    assert [e.model_dump() for e in serial.choices[0].logprobs.content] == entries
+    none = c.chat.completions.create(messages=USER, logprobs=True, **kw)      # top_logprobs 0
+    assert [(e.token, e.logprob, e.top_logprobs) for e in none.choices[0].logprobs.content] == \
+        [(e["token"], e["logprob"], []) for e in entries]
+    assert c.chat.completions.create(messages=USER, **kw).choices[0].logprobs is None
+
+    prompt = "def add(a, b):"
+    comp = c.completions.create(prompt=prompt, logprobs=2, **kw)
+    lp = comp.choices[0].logprobs
+    n = comp.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == v and len(top) <= 3
+    chunks = list(c.completions.create(prompt=prompt, logprobs=2, stream=True, **kw))
+    got = {k: [x for ch in chunks if ch.choices[0].logprobs for x in getattr(ch.choices[0].logprobs, k)]
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert got == {k: getattr(lp, k) for k in got}
+    zero = c.completions.create(prompt=prompt, logprobs=0, **kw).choices[0].logprobs
+    assert zero.tokens == lp.tokens and zero.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(srv):

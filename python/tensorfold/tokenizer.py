@@ -210,6 +210,43 @@ def _compile_template(source: str):
 # --------------------------------------------------------------------------------------------------
 
 
+def _gpt2_byte_table() -> dict[str, int]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies), inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _gpt2_byte_table()
+
+
+def _decoder_kind(tok: _HFTokenizer) -> str:
+    """"bytelevel" (GPT-2 style), "metaspace" (SentencePiece style: '\u2581' decoded as a space) or
+    "other", from tokenizer.json's decoder."""
+    d = tok.decoder
+    if d is None:
+        return "other"
+    try:
+        spec = json.loads(d.__getstate__())
+    except Exception:  # noqa: BLE001 - an unknown decoder: tokens are decoded alone
+        return "other"
+    parts = (spec.get("decoders") or []) if spec.get("type") == "Sequence" else [spec]
+    types = {p.get("type") for p in parts if isinstance(p, dict)}
+    if "ByteLevel" in types:
+        return "bytelevel"
+    if "Metaspace" in types or any(p.get("type") == "Replace" and p.get("content") == " "
+                                   and (p.get("pattern") or {}).get("String") == "\u2581"
+                                   for p in parts if isinstance(p, dict)):
+        return "metaspace"
+    return "other"
+
+
 class Tokenizer:
     """A `tokenizers` tokenizer plus the model directory's chat template and special ids."""
 
@@ -338,6 +375,35 @@ class Tokenizer:
             t = self._tok.id_to_token(int(token_id)) or ""
             b = cache[token_id] = len(t) == 6 and t.startswith("<0x") and t.endswith(">")
         return b
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in decoded text (a reply's logprobs name tokens by them):
+        a byte-level BPE token's characters mapped back to bytes (GPT-2's table), a byte-fallback
+        token's byte (<0xE2>), a SentencePiece piece with its '▁' as spaces, an added token's
+        text. A token that is part of a UTF-8 character has that part only. Other decoders: the
+        token decoded alone."""
+        cache = self.__dict__.setdefault("_bytes_of_id", {})
+        b = cache.get(token_id)
+        if b is None:
+            b = cache[token_id] = self._token_bytes(int(token_id))
+        return b
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        t = self._tok.id_to_token(token_id)
+        if t is None:
+            return b""
+        if token_id in self.added_ids:
+            return t.encode()
+        kind = self.__dict__.get("_decoder_kind")
+        if kind is None:
+            kind = self._decoder_kind = _decoder_kind(self._tok)
+        if kind == "bytelevel" and all(c in _BYTE_OF for c in t):
+            return bytes(_BYTE_OF[c] for c in t)
+        if self.is_byte_token(token_id):
+            return bytes([int(t[3:5], 16)])
+        if kind == "metaspace":
+            return t.replace("\u2581", " ").encode()
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

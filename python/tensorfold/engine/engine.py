@@ -30,6 +30,7 @@ from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
 from .sampling import greedy_device, prompt_seed, sample
+from .logprobs import MAX_TOP, token_logprob
 from .stops import StopMatcher
 from .types import GenerationEvent, GenerationStats, Prompt, SamplingParams
 
@@ -375,14 +376,20 @@ class Engine:
                  sampling: SamplingParams | None = None, stop=None, draft: bool = True,
                  enable_thinking=None, tools=None, cancel=None, progress=None,
                  ignore_eos: bool = False, proposers: list[Proposer] | None = None,
-                 prepared: Prompt | None = None):
+                 prepared: Prompt | None = None, logprobs: int | None = None):
         """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
-        as prepare() made it (then messages, prompt, enable_thinking and tools are not read)."""
+        as prepare() made it (then messages, prompt, enable_thinking and tools are not read).
+        logprobs: None, or n in 0..20: each event carries its tokens' logprobs with the n most
+        likely alternatives (engine/logprobs.py)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP):
+            raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP}, got {logprobs!r}",
+                               param="logprobs")
         if isinstance(stop, str):
             stop = [stop]
         if prepared is None:
@@ -444,13 +451,22 @@ class Engine:
                 return text + tail + stopper.flush(), "stop" if stopped else "length"
             return text, None
 
-        first = sample(np.asarray(logits.astype(mx.float32)), seed, n_prompt, p)
+        def lps(rows, toks):
+            """The tokens' logprobs (each from its own row), when the request asks for them."""
+            if logprobs is None:
+                return None
+            return [token_logprob(rows[j].reshape(-1), t, logprobs) for j, t in enumerate(toks)]
+
+        row0 = np.asarray(logits.astype(mx.float32))
+        first = sample(row0, seed, n_prompt, p)
         tokens.append(first)
         text, finish = accept(first)
         stats.ttft_s = time.perf_counter() - t0
-        yield GenerationEvent(text=text, token_ids=[first])
+        yield GenerationEvent(text=text, token_ids=[first], logprobs=lps([row0], [first]))
 
-        greedy_pipeline = p.temperature <= 0.0 and self._pipeline
+        # the pipelined greedy steps never read the logits back: a request for logprobs takes the
+        # host loop below (the same tokens)
+        greedy_pipeline = p.temperature <= 0.0 and self._pipeline and logprobs is None
         if finish is None and not proposers and greedy_pipeline:
             finish = yield from self._decode_pipelined(cache, tokens, reply, max_tokens, accept, cancel)
 
@@ -505,7 +521,7 @@ class Engine:
                     break
             if who is not None:     # accepted drafts that are in the reply (a stop may end it sooner)
                 stats.accepted += min(n_acc, len(new))
-            yield GenerationEvent(text="".join(pieces), token_ids=new)
+            yield GenerationEvent(text="".join(pieces), token_ids=new, logprobs=lps(rows, new))
 
         now = time.perf_counter()
         stats.completion_tokens = len(reply)

@@ -50,3 +50,4 @@ class GenerationEvent:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # None while running; "stop" | "length" at the end
     stats: GenerationStats | None = None  # set on the final event
+    logprobs: list | None = None       # generate(logprobs=n): a logprobs.TokenLogprob per token id

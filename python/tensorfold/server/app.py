@@ -205,6 +205,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         req = parse_request(data, kind, context_length=ctx)
         kwargs = dict(max_tokens=req.max_tokens or int(opts.get("max_tokens") or ctx),
                       sampling=sampling_with_defaults(req, data, opts), stop=req.stop, draft=req.draft)
+        if req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
@@ -246,7 +248,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if first[0] in ("gone", "end"):
             watcher.cancel()
             return Response(status_code=499)    # the client left before anything was generated
-        reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage)
+        reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
+                             tokenizer=getattr(worker.engine, "tokenizer", None))
         splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
         if req.stream:
             return StreamingResponse(stream(job, first, reply, splitter, req.include_usage, watcher),
@@ -258,7 +261,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             watcher.cancel()
 
     async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter):
-        reasoning, content, finish, stats = [], [], None, None
+        reasoning, content, finish, stats, lps = [], [], None, None, None
         while True:
             kind, ev = item
             if kind == "error":
@@ -268,6 +271,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             r, c = splitter.feed(ev.text, final=ev.finish_reason is not None)
             reasoning.append(r)
             content.append(c)
+            if ev.logprobs is not None:
+                lps = (lps or []) + ev.logprobs
             finish = ev.finish_reason or finish
             stats = ev.stats or stats
             item = await job.items.get()
@@ -277,7 +282,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         reasoning.append(r)
         content.append(c)
         _log_done(reply.kind, stats, finish)
-        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats))
+        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats, lps))
 
     async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, include_usage: bool,
                      watcher: asyncio.Task):
@@ -295,9 +300,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 finish = ev.finish_reason or finish
                 stats = ev.stats or stats
                 r, c = splitter.feed(ev.text, final=finish is not None)
-                if r or c:
-                    yield sse(reply.chunk(content=c or None, reasoning=r or None) if reply.kind == "chat"
-                              else reply.chunk(content=c))
+                if r or c or ev.logprobs:
+                    # a token whose text is held back (a stop string's start, part of a character)
+                    # still has its logprobs sent with it, in a chunk of empty text
+                    yield sse(reply.chunk(content=c or ("" if ev.logprobs else None), reasoning=r or None,
+                                          logprobs=ev.logprobs) if reply.kind == "chat"
+                              else reply.chunk(content=c, logprobs=ev.logprobs))
                 if finish is not None:
                     yield sse(reply.chunk(finish=finish, stats=stats))
                     if include_usage:

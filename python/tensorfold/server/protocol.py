@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..engine.logprobs import MAX_TOP
 from ..engine.types import SamplingParams
 from ..errors import RequestError
 from ..tokenizer import TEMPLATE_OWN
@@ -27,6 +28,7 @@ class Request:
     enable_thinking: bool | None = None
     template_kwargs: dict | None = None         # chat_template_kwargs other than enable_thinking
     draft: bool = True
+    logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
 
 
 def parse_json(body: bytes) -> dict:
@@ -172,8 +174,8 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 
 
 # OpenAI fields this server does not implement, each with a test of "asks for nothing": a request
-# that asks for one gets a 400 naming it instead of a reply that silently lacks it (no logprobs,
-# no tool calls, other sampling than asked). Their neutral values (false, 0, 1, {}, [], "none",
+# that asks for one gets a 400 naming it instead of a reply that silently lacks it (no tool
+# calls, other sampling than asked). Their neutral values (false, 0, 1, {}, [], "none",
 # "text") are accepted, since many clients send them by default.
 def _is(v, n) -> bool:
     """v is the number n (a JSON boolean is not a number here)."""
@@ -181,8 +183,6 @@ def _is(v, n) -> bool:
 
 
 _UNSUPPORTED = {
-    "logprobs": lambda v: v is None or v is False or _is(v, 0),     # chat: a boolean; completions: a count
-    "top_logprobs": lambda v: v is None or _is(v, 0),
     "logit_bias": lambda v: v is None or v == {},
     "presence_penalty": lambda v: v is None or _is(v, 0),
     "frequency_penalty": lambda v: v is None or _is(v, 0),
@@ -205,8 +205,7 @@ _UNSUPPORTED = {
 def _refuse_unsupported(data: dict, kind: str) -> None:
     for key, neutral in _UNSUPPORTED.items():
         v = data.get(key)
-        if neutral(v) and not (key == "logprobs" and kind == "completion" and v is not None and v is not False):
-            # (completions' logprobs 0 asks for the sampled tokens' logprobs: not neutral there)
+        if neutral(v):
             continue
         hint = ("; this server samples with temperature, top_p, top_k, min_p and seed"
                 if key.endswith(("penalty", "bias")) else "")
@@ -285,7 +284,32 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
                 raise _bad(f"chat_template_kwargs.{k}", "is not a template variable a request may set.")
         r.template_kwargs = other or None
     r.draft = _bool(data, "draft", True)
+    r.logprobs = _logprobs(data, kind)
     return r
+
+
+def _logprobs(data: dict, kind: str) -> int | None:
+    """How many alternatives a token's logprobs come with, or None (none asked). Chat: `logprobs`
+    true, with `top_logprobs` 0..20; completions: `logprobs` 0..20 (OpenAI's legacy field; false
+    or null is none)."""
+    def count(key: str) -> int:
+        n = _int(data, key)
+        if not 0 <= n <= MAX_TOP:
+            raise _bad(key, f"must be from 0 to {MAX_TOP}, got {n}.")
+        return n
+
+    if kind == "chat":
+        on = _bool(data, "logprobs", False)
+        top = count("top_logprobs") if data.get("top_logprobs") is not None else None
+        if top and not on:
+            raise _bad("top_logprobs", "needs 'logprobs': true.")
+        return (top or 0) if on else None
+    if data.get("top_logprobs") not in (None, 0):
+        raise _bad("top_logprobs", "is a chat field; completions take 'logprobs': n.")
+    v = data.get("logprobs")
+    if v is None or v is False:
+        return None
+    return count("logprobs")
 
 
 def sampling_with_defaults(req: Request, data: dict, defaults: dict) -> SamplingParams:

@@ -31,36 +31,79 @@ def tensorfold_block(stats: GenerationStats | None) -> dict:
             "token_hash": s.token_hash}
 
 
+def token_str(b: bytes) -> str:
+    """A token's text for a logprobs entry: its bytes as UTF-8, or, where they are part of a
+    character, "bytes:" and the bytes escaped (as OpenAI names such tokens); `bytes` has them raw."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
 class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, usage_field: bool = False):
+    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None):
         """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
-        streams it; the usage chunk at the end has the counts)."""
+        streams it; the usage chunk at the end has the counts). tokenizer: names the tokens of
+        the logprobs (a request that asks for them)."""
         self.kind = kind
         self.model = model
         self.usage_field = usage_field
+        self.tokenizer = tokenizer
+        self.text_offset = 0            # completions' logprobs: where the next token starts
         self.id = new_id(kind)
         self.created = int(time.time())
+
+    def _entry(self, token_id: int, logprob: float) -> tuple[str, dict]:
+        b = self.tokenizer.token_bytes(token_id)
+        s = token_str(b)
+        return s, {"token": s, "logprob": logprob, "bytes": list(b)}
+
+    def logprobs(self, lps) -> dict | None:
+        """The `logprobs` of a choice for these engine TokenLogprobs (None: none asked). Chat:
+        {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}; completions
+        (OpenAI's legacy form): {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
+        the top dicts holding the n most likely tokens and the sampled one."""
+        if lps is None:
+            return None
+        if self.kind == "chat":
+            content = []
+            for lp in lps:
+                _, e = self._entry(lp.id, lp.logprob)
+                e["top_logprobs"] = [self._entry(i, v)[1] for i, v in lp.top]
+                content.append(e)
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            s, _ = self._entry(lp.id, lp.logprob)
+            top = {self._entry(i, v)[0]: v for i, v in lp.top}
+            top.setdefault(s, lp.logprob)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(s)
+        return out
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, content: str, reasoning: str | None, finish: str | None, stats) -> dict:
+    def full(self, content: str, reasoning: str | None, finish: str | None, stats, logprobs=None) -> dict:
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content}
             if reasoning:
                 msg["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": msg, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             out = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             out = self._head("text_completion")
         out.update(choices=[choice], usage=usage(stats), tensorfold=tensorfold_block(stats))
         return out
 
     def chunk(self, *, content: str | None = None, reasoning: str | None = None, role: bool = False,
-              finish: str | None = None, stats=None) -> dict:
+              finish: str | None = None, stats=None, logprobs=None) -> dict:
         if self.kind == "chat":
             delta = {}
             if role:
@@ -69,10 +112,11 @@ class ReplyBuilder:
                 delta["content"] = content
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish}
             out = self._head("text_completion")
         out["choices"] = [choice]
         if self.usage_field:

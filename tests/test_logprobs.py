@@ -1,0 +1,107 @@
+"""Logprobs of generated tokens: the model's raw distribution, a pure function of each token's
+logits row, so drafted == serial and resumed == fresh hold for them bit for bit (engine/logprobs.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tensorfold.engine import Engine, PrefillMode, SamplingParams
+from tensorfold.engine.logprobs import FLOOR, log_softmax, token_logprob, top_ids
+
+
+def test_log_softmax_and_the_top_ids():
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal(1000).astype(np.float32) * 4
+    row[[7, 300, 999]] = row.max() + 1          # three equal maxima
+    lp = log_softmax(row)
+    x = row.astype(np.float64)
+    assert np.allclose(lp, x - np.logaddexp.reduce(x), rtol=0, atol=1e-12)
+    top = top_ids(lp, 5)
+    assert list(top[:3]) == [7, 300, 999]          # ties: the lower id first
+    assert list(top[3:]) == list(np.argsort(-lp, kind="stable")[3:5])
+    assert len(top_ids(lp, 0)) == 0 and len(top_ids(lp, 5000)) == 1000
+    t = token_logprob(row, 42, 3)
+    assert t.id == 42 and t.logprob == float(lp[42]) and [i for i, _ in t.top] == [7, 300, 999]
+    # no infinities or NaN reach JSON: -9999.0 (OpenAI's value for no measurable probability)
+    masked = row.copy()
+    masked[42] = -np.inf
+    assert token_logprob(masked, 42, 0).logprob == FLOOR
+    assert token_logprob(np.full(8, -np.inf, np.float32), 3, 2).logprob == FLOOR
+    broken = token_logprob(np.array([0.0, np.nan, 1.0], np.float32), 2, 3)
+    assert broken.logprob == FLOOR and all(v == FLOOR for _, v in broken.top)
+    assert all(math.isfinite(v) for _, v in token_logprob(row, 1, 20).top)
+
+
+def _run(eng, prompt, *, n=3, draft=True, temperature=0.0, max_tokens=40, logprobs=True):
+    evs = list(eng.generate(prompt=prompt, max_tokens=max_tokens, draft=draft, logprobs=n if logprobs else None,
+                            sampling=SamplingParams(temperature=temperature, seed=5)))
+    toks = [t for ev in evs for t in ev.token_ids]
+    lps = [lp for ev in evs if ev.logprobs for lp in ev.logprobs]
+    for ev in evs:
+        assert ev.logprobs is None if not logprobs else len(ev.logprobs or []) == len(ev.token_ids)
+    return toks, lps, evs[-1].stats
+
+
+REPEAT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_drafted_equal_serial(tinycode_path, temperature):
+    """A verify round's rows give each token the logprobs a one-row step gives (the real model, so
+    that drafts are accepted); the tokens are those of a request without logprobs (the greedy
+    pipeline, which never reads the logits, is left for the host loop)."""
+    eng = Engine(tinycode_path, snapshot_dir=None)
+    drafted = _run(eng, REPEAT, temperature=temperature)
+    serial = _run(eng, REPEAT, temperature=temperature, draft=False)
+    assert drafted[2].accepted > 0
+    assert drafted[0] == serial[0] and drafted[1] == serial[1]
+    assert _run(eng, REPEAT, temperature=temperature, logprobs=False)[0] == drafted[0]
+    assert [lp.id for lp in drafted[1]] == drafted[0]
+    for lp in drafted[1]:
+        assert len(lp.top) == 3 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        if temperature == 0.0:      # greedy: the sampled token is the most likely one
+            assert lp.top[0] == (lp.id, lp.logprob)
+
+
+def test_logprobs_resumed_equal_fresh(checkpoints):
+    """A turn resumed from a grid-point snapshot gives the logprobs a fresh engine gives."""
+    path, mode = checkpoints["qwen3_mlx_4bit"], PrefillMode(grid=16)
+    eng = Engine(path, prefill_mode=mode, snapshot_dir=None)
+    first = list(range(5, 45))
+    toks, _, _ = _run(eng, first, max_tokens=8, n=2)
+    second = first + toks + list(range(50, 60))
+    resumed = _run(eng, second, max_tokens=8, n=2)
+    assert resumed[2].cached_tokens > 0
+    fresh = _run(Engine(path, prefill_mode=mode, snapshot_dir=None), second, max_tokens=8, n=2)
+    assert fresh[2].cached_tokens == 0
+    assert resumed[:2] == fresh[:2]
+
+
+def test_logprobs_argument_is_checked(checkpoints):
+    from tensorfold.errors import RequestError
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], snapshot_dir=None)
+    for bad in (-1, 21, 2.0, True, "3"):
+        with pytest.raises(RequestError) as e:
+            list(eng.generate(prompt=[5, 6, 7], max_tokens=2, logprobs=bad))
+        assert e.value.param == "logprobs"
+
+
+def test_token_bytes(tinycode_path, tmp_path):
+    """The bytes a logprobs entry gives each token: joined, they are the decoded text (byte-level
+    BPE, a character split over tokens included; SentencePiece pieces with byte fallback, where the
+    decoder strips the first space; added tokens as typed)."""
+    from tensorfold.tokenizer import Tokenizer
+    from test_tokenizer import _spm_dir
+
+    tok = Tokenizer.from_dir(tinycode_path)
+    text = "def f(x):\n    return 'é€😀'  # ok\t<|im_end|>"
+    ids = tok.encode(text)
+    assert any(len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == tok.decode(ids).encode() == text.encode()
+    spm = Tokenizer.from_dir(_spm_dir(tmp_path / "spm"))
+    ids = spm.encode("The quick é€ brown")
+    assert any(spm.is_byte_token(i) for i in ids)
+    assert b"".join(spm.token_bytes(i) for i in ids) == b" " + spm.decode(ids).encode()
