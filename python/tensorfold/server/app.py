@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import RequestError
 from .protocol import parse_json, parse_request, sampling_with_defaults
 from .reasoning import ReasoningSplitter
+from .tools import ToolCallSplitter, tool_format
 from .responses import ReplyBuilder, error_body, sse
 from .tokenizing import TokenizePool
 from .worker import EngineWorker, Job
@@ -210,6 +211,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
+            if req.tools and tool_format(getattr(worker.engine, "tokenizer", None)) is None:
+                raise RequestError("Unsupported parameter: 'tools': this model's chat template has no tool-call "
+                                   "format this server parses (it parses Hermes / Qwen <tool_call> JSON).",
+                                   param="tools", code="unsupported_parameter")
         else:
             kwargs.update(prompt=req.prompt)
         prepare = getattr(worker.engine, "prepare", None)
@@ -218,7 +223,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             # holds up neither the engine's thread nor the other requests (tokenizing.py)
             args = (kwargs.pop("messages", None), kwargs.pop("prompt", None), kwargs.pop("enable_thinking", None))
             tkw = req.template_kwargs if kind == "chat" else None
-            fut = tokenize.submit(prepare, args + ((None, tkw) if tkw else ()), body_size)
+            fut = tokenize.submit(prepare, args + ((req.tools, tkw) if tkw or req.tools else ()), body_size)
             try:
                 while not (await asyncio.wait({fut}, timeout=0.1))[0]:
                     if worker.closing:
@@ -234,6 +239,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         elif kind == "chat" and req.template_kwargs:
             raise RequestError("chat_template_kwargs other than enable_thinking need an engine "
                                "that renders prompts itself", param="chat_template_kwargs")
+        elif req.tools:
+            kwargs["tools"] = req.tools
         job = worker.submit(kwargs, chat=kind == "chat")
         watcher = asyncio.create_task(watch(request, job))
         try:
@@ -251,17 +258,18 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
                              tokenizer=getattr(worker.engine, "tokenizer", None))
         splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
+        tools = ToolCallSplitter(bool(req.tools))       # after the reasoning split, on the content
         if req.stream:
-            return StreamingResponse(stream(job, first, reply, splitter, req.include_usage, watcher),
+            return StreamingResponse(stream(job, first, reply, splitter, tools, req.include_usage, watcher),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return await collect(job, first, reply, splitter)
+            return await collect(job, first, reply, splitter, tools)
         finally:
             watcher.cancel()
 
-    async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter):
-        reasoning, content, finish, stats, lps = [], [], None, None, None
+    async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter):
+        reasoning, content, finish, stats, lps, calls = [], [], None, None, None, []
         while True:
             kind, ev = item
             if kind == "error":
@@ -269,8 +277,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if kind != "event":
                 break
             r, c = splitter.feed(ev.text, final=ev.finish_reason is not None)
+            c, new = tools.feed(c, final=ev.finish_reason is not None)
             reasoning.append(r)
             content.append(c)
+            calls += new
             if ev.logprobs is not None:
                 lps = (lps or []) + ev.logprobs
             finish = ev.finish_reason or finish
@@ -279,14 +289,19 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if kind == "gone":
             return Response(status_code=499)
         r, c = splitter.feed("", final=True)
+        c, new = tools.feed(c, final=True)
         reasoning.append(r)
         content.append(c)
+        calls += new
+        finish = "tool_calls" if calls and finish == "stop" else finish
         _log_done(reply.kind, stats, finish)
-        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats, lps))
+        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats, lps,
+                                       tool_calls=calls if tools.enabled else None))
 
-    async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, include_usage: bool,
+    async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter,
+                     include_usage: bool,
                      watcher: asyncio.Task):
-        finish, stats, done = None, None, False
+        finish, stats, done, made_calls = None, None, False, False
         try:
             if reply.kind == "chat":
                 yield sse(reply.chunk(role=True, content=""))
@@ -300,13 +315,17 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 finish = ev.finish_reason or finish
                 stats = ev.stats or stats
                 r, c = splitter.feed(ev.text, final=finish is not None)
-                if r or c or ev.logprobs:
+                first_call = tools.calls
+                c, calls = tools.feed(c, final=finish is not None)
+                made_calls = made_calls or bool(calls)
+                if r or c or ev.logprobs or calls:
                     # a token whose text is held back (a stop string's start, part of a character)
                     # still has its logprobs sent with it, in a chunk of empty text
                     yield sse(reply.chunk(content=c or ("" if ev.logprobs else None), reasoning=r or None,
-                                          logprobs=ev.logprobs) if reply.kind == "chat"
-                              else reply.chunk(content=c, logprobs=ev.logprobs))
+                                          logprobs=ev.logprobs, tool_calls=calls, first_call=first_call)
+                              if reply.kind == "chat" else reply.chunk(content=c, logprobs=ev.logprobs))
                 if finish is not None:
+                    finish = "tool_calls" if made_calls and finish == "stop" else finish
                     yield sse(reply.chunk(finish=finish, stats=stats))
                     if include_usage:
                         yield sse(reply.usage_chunk(stats))

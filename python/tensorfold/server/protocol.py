@@ -29,6 +29,7 @@ class Request:
     template_kwargs: dict | None = None         # chat_template_kwargs other than enable_thinking
     draft: bool = True
     logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
+    tools: list | None = None                   # chat: the tools the template renders (tool_choice "auto")
 
 
 def parse_json(body: bytes) -> dict:
@@ -202,10 +203,13 @@ _UNSUPPORTED = {
 }
 
 
+_CHAT_SERVED = frozenset({"tools", "tool_choice"})     # chat serves them (_tools); completions do not
+
+
 def _refuse_unsupported(data: dict, kind: str) -> None:
     for key, neutral in _UNSUPPORTED.items():
         v = data.get(key)
-        if neutral(v):
+        if neutral(v) or (kind == "chat" and key in _CHAT_SERVED):
             continue
         hint = ("; this server samples with temperature, top_p, top_k, min_p and seed"
                 if key.endswith(("penalty", "bias")) else "")
@@ -285,7 +289,35 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         r.template_kwargs = other or None
     r.draft = _bool(data, "draft", True)
     r.logprobs = _logprobs(data, kind)
+    if kind == "chat":
+        r.tools = _tools(data)
     return r
+
+
+def _tools(data: dict) -> list | None:
+    """The request's tools in OpenAI's form ([{"type": "function", "function": {"name", ...}}]), or
+    None where none are given or tool_choice is "none". A choice the server cannot enforce
+    ("required", a named function: it would need constrained decoding) is refused."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise RequestError(f"Unsupported parameter: 'tool_choice' {json.dumps(choice)[:60]} is not supported by "
+                           "this server (it takes \"auto\" and \"none\").", param="tool_choice",
+                           code="unsupported_parameter")
+    if tools is None or tools == [] or choice == "none":
+        if tools is not None and not isinstance(tools, list):
+            raise _bad("tools", "expected an array.")
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "expected an array.")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}]", 'expected {"type": "function", "function": {...}}.')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{i}].function.name", "expected a non-empty string.")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _bad(f"tools[{i}].function.parameters", "expected an object (a JSON Schema).")
+    return tools
 
 
 def _logprobs(data: dict, kind: str) -> int | None:

@@ -89,9 +89,15 @@ class ReplyBuilder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, content: str, reasoning: str | None, finish: str | None, stats, logprobs=None) -> dict:
+    def full(self, content: str, reasoning: str | None, finish: str | None, stats, logprobs=None,
+             tool_calls: list | None = None) -> dict:
+        """tool_calls: None where the request had no tools; with calls made, a content of nothing
+        but whitespace is null, as OpenAI sends it."""
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content}
+            if tool_calls:
+                msg["content"] = content if content.strip() else None
+                msg["tool_calls"] = tool_calls
             if reasoning:
                 msg["reasoning_content"] = reasoning
             choice = {"index": 0, "message": msg, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
@@ -103,7 +109,9 @@ class ReplyBuilder:
         return out
 
     def chunk(self, *, content: str | None = None, reasoning: str | None = None, role: bool = False,
-              finish: str | None = None, stats=None, logprobs=None) -> dict:
+              finish: str | None = None, stats=None, logprobs=None, tool_calls=None, first_call: int = 0) -> dict:
+        """tool_calls: calls completed in this chunk, each sent whole, numbered (`index`) from
+        first_call in the order of the reply."""
         if self.kind == "chat":
             delta = {}
             if role:
@@ -112,6 +120,8 @@ class ReplyBuilder:
                 delta["content"] = content
             if reasoning:
                 delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = [dict(c, index=first_call + k) for k, c in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             out = self._head("chat.completion.chunk")
         else:
