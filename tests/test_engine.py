@@ -538,3 +538,34 @@ def test_an_engine_on_another_thread_after_one_on_this_thread(checkpoints):
         def reply():
             return Engine(path, prefill_mode=PrefillMode(grid=16)).generate_text(prompt=prompt, max_tokens=6)[1]
         assert _on_a_thread_of_its_own(reply) == reply(), first
+
+
+@pytest.mark.parametrize("name", ["qwen3_mlx_4bit", "qwen3_hf_bf16", "qwen3_moe_mlx_4bit", "deepseek_v32_mlx_4bit"])
+def test_an_engine_built_on_one_thread_serves_on_another(checkpoints, name):
+    """create_app(Engine(...)) builds the engine on the main thread and serves it on the worker's:
+    weights left as graphs (lazy loads, slices of fused projections) and memory-only snapshots
+    left as slices belonged to the building thread's stream, and every request on the other
+    thread failed ("There is no Stream(cpu, 0) in current thread"). Now a turn on another thread
+    resumes from this thread's snapshot and equals a fresh engine's."""
+    path, mode = checkpoints[name], PrefillMode(grid=16)
+    eng = Engine(path, prefill_mode=mode)               # built here; its row check ran here
+    first = list(range(3, 43))
+    reply = eng.generate_text(prompt=first, max_tokens=4)[1]
+    second = first + reply + [5, 6, 7]
+    there = _on_a_thread_of_its_own(lambda: eng.generate_text(prompt=second, max_tokens=6))
+    assert there[2].cached_tokens > 0
+    assert there[1] == Engine(path, prefill_mode=mode).generate_text(prompt=second, max_tokens=6)[1]
+
+
+def test_a_prepared_prompt_is_checked_against_this_engine(checkpoints):
+    """A Prompt made by another engine (a larger vocabulary) was run as it was: ids past the
+    embedding were gathered out of bounds (MLX does not check), a reply that changed run to run."""
+    from tensorfold.engine import Prompt
+    from tensorfold.errors import RequestError
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], drafts=False)
+    V = eng.model.cfg.vocab_size
+    for ids in ([5, V, 6], [5, -1]):
+        with pytest.raises(RequestError) as e:
+            list(eng.generate(prepared=Prompt(ids=ids, chat=False), max_tokens=2))
+        assert e.value.param == "prompt"
+    assert eng.generate_text(prepared=Prompt(ids=[5, V - 1, 6], chat=False), max_tokens=2)[1]

@@ -382,6 +382,25 @@ def test_warm_up_is_held_inside_the_memory_budget(model_path, tmp_path):
     assert eng2.snapshots.nbytes <= eng2.snapshots.max_bytes
 
 
+def test_memory_snapshots_hold_what_they_count(model_path):
+    """A memory-only snapshot (no snapshot directory) was a lazy slice of its request's KV buffer,
+    which it kept alive: the store counted 0.16 MB and held 13 MB (50x a 256 KiB budget). Now it
+    is evaluated into its own arrays when saved."""
+    import gc
+    budget = 256 << 10
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), drafts=False, prompt_cache_gib=budget / 2**30)
+
+    def active():
+        gc.collect()
+        mx.synchronize()
+        return mx.get_active_memory()
+    base = active()
+    for i in range(12):
+        eng.generate_text(prompt=[3 + i, 7 + i] + list(range(10, 10 + GRID + 4)), max_tokens=200)
+    assert 0 < eng.snapshots.nbytes <= budget
+    assert active() - base <= eng.snapshots.nbytes + (64 << 10)
+
+
 def test_memory_store_lru_pinned_last():
     kv = lambda n: [(mx.zeros((1, 1, n, 8)), mx.zeros((1, 1, n, 8)))]
     one = 2 * 16 * 8 * 4

@@ -205,26 +205,31 @@ class Engine:
                 raise RequestError("messages are nested too deeply for the chat template",
                                    param="messages") from None
             ids = self.tokenizer.encode(text)
-            self._check_fits(len(ids), True)
+            self._check_prompt(ids, True)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            vocab = self.model.cfg.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise RequestError(f"token ids must be in [0, {vocab})", param="prompt")
         else:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
-        self._check_fits(len(ids), False)
+        self._check_prompt(ids, False)
         return Prompt(ids=ids, chat=False)
 
-    def _check_fits(self, n_prompt: int, chat: bool) -> None:
-        """The prompt and at least one generated token fit the context (checked by prepare, so
-        that a server answers at once, and again by generate for a Prompt made elsewhere)."""
+    def _check_prompt(self, ids, chat: bool) -> None:
+        """Every id is a row of the embedding (MLX's gather does not check: an id past it read other
+        memory, a reply that changed from run to run) and the prompt and at least one generated
+        token fit the context. Checked by prepare, so that a server answers at once, and again by
+        generate for a Prompt made elsewhere (another engine's, with a larger vocabulary)."""
+        vocab = self.model.cfg.vocab_size
+        if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
+            raise RequestError(f"token ids must be in [0, {vocab})" + (
+                " (the chat template's text tokenized to ids past the model's embedding)" if chat else ""),
+                param="messages" if chat else "prompt")
+        n_prompt = len(ids)
         if n_prompt + 1 > self.context_length:
             raise RequestError(
                 f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
@@ -266,6 +271,10 @@ class Engine:
 
     def _save(self, ids, cache, p: int, pinned: bool) -> None:
         snap = cache.snapshot(p)
+        # evaluated now, memory-only snapshots too: left as slices of the request's KV buffers they
+        # held every buffer alive (the store counted 0.16 MB and held 13 MB) and could not be
+        # evaluated by a request on another thread (MLX's streams are per thread)
+        mx.eval(snap)
         self.snapshots.add(self.cache_key, ids[:p], snap, pinned=pinned)
         if self._disk_on:
             try:
@@ -396,7 +405,7 @@ class Engine:
             prepared = self.prepare(messages, prompt, enable_thinking, tools)
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
-        self._check_fits(n_prompt, chat)
+        self._check_prompt(ids, chat)
         if max_tokens is None or max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+
 from .config import ModelConfig
 from .dense import DenseModel
 from .loader import load_weights
@@ -14,12 +16,19 @@ __all__ = ["ModelConfig", "DenseModel", "MoEModel", "DSAModel", "load_model"]
 
 
 def load_model(path) -> DenseModel:
-    """Load a checkpoint directory (config validated first, weights mapped lazily).
+    """Load a checkpoint directory (config validated first, then the weights, evaluated).
 
     Dispatches on model_type: llama / qwen2 / qwen3 -> DenseModel, qwen3_moe -> MoEModel,
     deepseek_v32 -> DSAModel."""
     cfg = ModelConfig.from_dir(Path(path))
     weights = load_weights(cfg.path)
     if cfg.is_dsa:
-        return DSAModel(cfg, weights)
-    return MoEModel(cfg, weights) if cfg.is_moe else DenseModel(cfg, weights)
+        model = DSAModel(cfg, weights)
+    else:
+        model = MoEModel(cfg, weights) if cfg.is_moe else DenseModel(cfg, weights)
+    # evaluated here, on the loading thread (as mlx-lm's load does): a weight left as a graph (a
+    # lazy load, a slice of a fused projection, a cast) belongs to this thread's stream, and MLX's
+    # streams are per thread, so an engine built on one thread failed every request served on
+    # another ("There is no Stream(cpu, 0) in current thread": create_app(Engine(...)))
+    mx.eval(model.parameters())
+    return model
