@@ -406,12 +406,12 @@ BAD = [
     # fields OpenAI has and this server does not implement: refused, never silently dropped
     ("logit_bias asked", "/v1/chat/completions", _msg(logit_bias={"5": 10}), 400, "logit_bias",
      "unsupported_parameter"),
-    ("presence_penalty asked", "/v1/chat/completions", _msg(presence_penalty=0.5), 400, "presence_penalty",
-     "unsupported_parameter"),
-    ("frequency_penalty asked", "/v1/chat/completions", _msg(frequency_penalty=-1), 400, "frequency_penalty",
-     "unsupported_parameter"),
-    ("repetition_penalty asked", "/v1/chat/completions", _msg(repetition_penalty=1.1), 400,
-     "repetition_penalty", "unsupported_parameter"),
+    ("presence_penalty past 2", "/v1/chat/completions", _msg(presence_penalty=2.5), 400, "presence_penalty", None),
+    ("frequency_penalty below -2", "/v1/completions", {"prompt": "a", "frequency_penalty": -3}, 400,
+     "frequency_penalty", None),
+    ("repetition_penalty 0", "/v1/chat/completions", _msg(repetition_penalty=0), 400, "repetition_penalty", None),
+    ("repetition_penalty a string", "/v1/chat/completions", _msg(repetition_penalty="1.1"), 400,
+     "repetition_penalty", None),
     ("json mode asked", "/v1/chat/completions", _msg(response_format={"type": "json_object"}), 400,
      "response_format", "unsupported_parameter"),
     ("tools on completions", "/v1/completions",
@@ -974,3 +974,27 @@ def test_a_stalled_body_gets_a_408():
             reply = reply.decode()
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
         assert eng.started == [] and chat_text(s.chat(max_tokens=1)) == "ok"
+
+
+def test_an_engine_built_on_the_main_thread(ckpt):
+    """create_app takes an Engine built by the caller (the docstring's first form): its requests run
+    on the worker's thread, which failed them all with a 500 ("There is no Stream(cpu, 0) in current
+    thread") while the engine's weights were graphs of the main thread's stream."""
+    from tensorfold.engine import Engine
+    app = create_app(Engine(str(ckpt)), api_key=KEY)
+    with running(app) as port:
+        s = Server(port, app, app.state.worker)
+        assert s.chat(max_tokens=3).choices[0].finish_reason in ("stop", "length")
+        assert s.complete(list(range(5, 60)), max_tokens=3).choices[0].text is not None
+
+
+def test_penalties_through_the_client(srv):
+    """presence / frequency / repetition penalties are served (they were refused): drafted == serial,
+    and they change the reply."""
+    kw = dict(max_tokens=16, temperature=0.0, presence_penalty=1.0, frequency_penalty=1.5,
+              extra_body={"repetition_penalty": 1.5})
+    a = srv.chat(**kw)
+    b = srv.chat(**{**kw, "extra_body": {"repetition_penalty": 1.5, "draft": False}})
+    assert chat_text(a) == chat_text(b) and a.model_extra["tensorfold"]["token_hash"] == b.model_extra["tensorfold"]["token_hash"]
+    assert a.model_extra["tensorfold"]["token_hash"] != \
+        srv.chat(max_tokens=16, temperature=0.0).model_extra["tensorfold"]["token_hash"]

@@ -31,13 +31,15 @@ from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
 from .sampling import greedy_device, prompt_seed, sample
 from .logprobs import MAX_TOP, token_logprob
+from .penalties import Penalties
 from .stops import StopMatcher
 from .types import GenerationEvent, GenerationStats, Prompt, SamplingParams
 
 log = logging.getLogger("tensorfold")
 
 
-def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0) -> str | None:
+def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
+                    frequency_penalty=0.0, repetition_penalty=1.0) -> str | None:
     """The name of the first sampling parameter out of range (NaN included), or None."""
     if not temperature >= 0:
         return "temperature"
@@ -47,6 +49,12 @@ def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0) -> str | Non
         return "top_k"
     if not 0 <= min_p <= 1:
         return "min_p"
+    if not -2 <= presence_penalty <= 2:
+        return "presence_penalty"
+    if not -2 <= frequency_penalty <= 2:
+        return "frequency_penalty"
+    if not 0 < repetition_penalty < float("inf"):
+        return "repetition_penalty"
     return None
 
 
@@ -164,7 +172,7 @@ class Engine:
                 g = {}
             if not isinstance(g, dict):
                 g = {}
-            for k in ("temperature", "top_p", "top_k", "min_p"):
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
                 v = g.get(k)
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
                     continue
@@ -392,7 +400,8 @@ class Engine:
         likely alternatives (engine/logprobs.py)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
-        bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p)
+        bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
+                              p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -443,10 +452,13 @@ class Engine:
         finish = None
         t_first = None
 
+        pen = Penalties.of(p, ids)
+
         def accept(tok: int):
             """Append one generated token; returns (event text, finish reason or None)."""
             nonlocal t_first
             reply.append(tok)
+            pen.push(tok)
             if t_first is None:
                 t_first = time.perf_counter()
             if tok in eos:
@@ -467,15 +479,15 @@ class Engine:
             return [token_logprob(rows[j].reshape(-1), t, logprobs) for j, t in enumerate(toks)]
 
         row0 = np.asarray(logits.astype(mx.float32))
-        first = sample(row0, seed, n_prompt, p)
+        first = sample(pen.apply(row0), seed, n_prompt, p)
         tokens.append(first)
         text, finish = accept(first)
         stats.ttft_s = time.perf_counter() - t0
         yield GenerationEvent(text=text, token_ids=[first], logprobs=lps([row0], [first]))
 
-        # the pipelined greedy steps never read the logits back: a request for logprobs takes the
-        # host loop below (the same tokens)
-        greedy_pipeline = p.temperature <= 0.0 and self._pipeline and logprobs is None
+        # the pipelined greedy steps never read the logits back: a request for logprobs or with
+        # penalties takes the host loop below (the same tokens)
+        greedy_pipeline = p.temperature <= 0.0 and self._pipeline and logprobs is None and not pen.active
         if finish is None and not proposers and greedy_pipeline:
             finish = yield from self._decode_pipelined(cache, tokens, reply, max_tokens, accept, cancel)
 
@@ -509,7 +521,7 @@ class Engine:
             base = len(tokens)
             out, n_acc = [], 0
             for j in range(len(feed)):
-                s = sample(rows[j], seed, base + j, p)
+                s = sample(pen.apply(rows[j], out), seed, base + j, p)   # out == drafts[:j] here
                 out.append(s)
                 if j < len(drafts) and drafts[j] == s:
                     n_acc += 1

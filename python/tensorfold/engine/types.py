@@ -12,6 +12,9 @@ class SamplingParams:
     top_k: int = 0                # 0 = off
     min_p: float = 0.0
     seed: int | None = None       # None: hash of the prompt's token ids
+    presence_penalty: float = 0.0     # engine/penalties.py (vLLM's definitions)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # 1 = off
 
 
 @dataclass(frozen=True)

@@ -185,9 +185,6 @@ def _is(v, n) -> bool:
 
 _UNSUPPORTED = {
     "logit_bias": lambda v: v is None or v == {},
-    "presence_penalty": lambda v: v is None or _is(v, 0),
-    "frequency_penalty": lambda v: v is None or _is(v, 0),
-    "repetition_penalty": lambda v: v is None or _is(v, 1),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
     "tools": lambda v: v is None or v == [],
     "functions": lambda v: v is None or v == [],
@@ -211,8 +208,8 @@ def _refuse_unsupported(data: dict, kind: str) -> None:
         v = data.get(key)
         if neutral(v) or (kind == "chat" and key in _CHAT_SERVED):
             continue
-        hint = ("; this server samples with temperature, top_p, top_k, min_p and seed"
-                if key.endswith(("penalty", "bias")) else "")
+        hint = ("; this server samples with temperature, top_p, top_k, min_p, seed and the penalties"
+                if key.endswith("bias") else "")
         raise RequestError(f"Unsupported parameter: '{key}' is not supported by this server "
                            f"(got {json.dumps(v)[:60]}){hint}.", param=key, code="unsupported_parameter")
 
@@ -262,6 +259,13 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     mp = _number(data, "min_p", lo=0.0, hi=1.0)
     if mp is not None:
         s.min_p = mp
+    for key in ("presence_penalty", "frequency_penalty"):        # OpenAI's range
+        v = _number(data, key, lo=-2.0, hi=2.0)
+        if v is not None:
+            setattr(s, key, v)
+    rp = _number(data, "repetition_penalty", lo=0.0, lo_open=True)
+    if rp is not None:
+        s.repetition_penalty = rp
     seed = _int(data, "seed")
     if seed is not None:
         if not -2**63 <= seed < 2**63:      # sampling keys a seed by its low 64 bits: 2**64 was 0
@@ -347,7 +351,7 @@ def _logprobs(data: dict, kind: str) -> int | None:
 def sampling_with_defaults(req: Request, data: dict, defaults: dict) -> SamplingParams:
     """Fill the fields the request did not set from the server defaults."""
     s = req.sampling
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if data.get(name) is None and defaults.get(name) is not None:
             setattr(s, name, type(getattr(SamplingParams(), name))(defaults[name]))
     return s

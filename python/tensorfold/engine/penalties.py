@@ -1,0 +1,56 @@
+"""Presence, frequency and repetition penalties, as vLLM defines them (OpenAI's two, and the
+Hugging Face repetition penalty).
+
+Applied to the raw logits row before the temperature and the filters, in vLLM's order:
+- repetition r (1 = off): a token seen in the prompt or the reply so far has its logit divided by r
+  where positive, multiplied by r where not;
+- then frequency f and presence p (0 = off): logit -= f * count + p * (count > 0), count = the token's
+  occurrences in the reply so far (not the prompt).
+
+The counts at a position are the reply's tokens before it, whichever call computes the row: row j of
+a verify round counts the drafts before it, which are the tokens a serial step at that position has
+seen. So drafted == serial holds with penalties, and the token stays a pure function of (logits,
+seed, position, the tokens before it). Computed in float64 on the host (engine/sampling.py takes the
+row from there); a request with penalties takes the host loop, not the pipelined greedy steps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Penalties:
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, prompt=()):
+        self.presence, self.frequency, self.repetition = float(presence), float(frequency), float(repetition)
+        self.active = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+        self.counts: dict[int, int] = {}
+        self.prompt = np.unique(np.asarray(prompt, dtype=np.int64)) if self.repetition != 1.0 else None
+
+    @classmethod
+    def of(cls, sampling, prompt) -> "Penalties":
+        return cls(sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, prompt)
+
+    def push(self, token: int) -> None:
+        """A token joins the reply."""
+        if self.active:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+    def apply(self, row: np.ndarray, before=()) -> np.ndarray:
+        """The penalised row (float64) for the next position; `before`: reply tokens not pushed yet
+        that precede it (a verify round's earlier drafts). The row itself when nothing is on."""
+        if not self.active:
+            return row
+        counts = self.counts
+        if len(before):
+            counts = dict(counts)
+            for t in before:
+                counts[t] = counts.get(t, 0) + 1
+        x = np.array(row, dtype=np.float64).reshape(-1)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        if self.repetition != 1.0:
+            seen = np.union1d(self.prompt, ids)
+            v = x[seen]
+            x[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)
+        if len(ids) and (self.frequency != 0.0 or self.presence != 0.0):
+            c = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+            x[ids] -= self.frequency * c + self.presence
+        return x

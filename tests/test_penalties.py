@@ -1,0 +1,84 @@
+"""Presence / frequency / repetition penalties (engine/penalties.py): vLLM's definitions, counted at
+each row's own position, so drafted == serial and resumed == fresh hold with them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tensorfold.engine import Engine, PrefillMode, SamplingParams
+from tensorfold.engine.penalties import Penalties
+
+
+def _reference(row, prompt, reply, presence, frequency, repetition):
+    """The definitions, token by token."""
+    x = [float(v) for v in row]
+    for t in set(prompt) | set(reply):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t in set(reply):
+        x[t] -= frequency * reply.count(t) + presence
+    return np.array(x)
+
+
+@pytest.mark.parametrize("presence, frequency, repetition", [(0.5, 0.0, 1.0), (0.0, -0.7, 1.0), (0.0, 0.0, 1.3),
+                                                             (1.5, 0.4, 0.8), (0.0, 0.0, 1.0)])
+def test_penalties_are_the_definitions(presence, frequency, repetition):
+    rng = np.random.default_rng(1)
+    row = rng.standard_normal(300).astype(np.float32) * 3
+    prompt = rng.integers(0, 300, 40).tolist()
+    reply = rng.integers(0, 300, 25).tolist() + [7, 7, 7]
+    pen = Penalties(presence, frequency, repetition, prompt)
+    for t in reply[:-5]:
+        pen.push(t)
+    got = pen.apply(row, before=reply[-5:])
+    assert np.allclose(got, _reference(row, prompt, reply, presence, frequency, repetition), rtol=0, atol=1e-12)
+    for t in reply[-5:]:                    # pushed or pending: the same row
+        pen.push(t)
+    assert np.array_equal(pen.apply(row), got)
+    assert pen.active == ((presence, frequency, repetition) != (0.0, 0.0, 1.0))
+
+
+REPEAT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalties_drafted_equal_serial(tinycode_path, temperature):
+    """Drafts accepted under penalties (18 of 33 with the mild set, 2 of 4 with the strong one, on
+    the CPU) give the serial reply; the strong set changes the reply."""
+    eng = Engine(tinycode_path, snapshot_dir=None)
+    plain = SamplingParams(temperature=temperature, seed=3)
+    for kw in (dict(frequency_penalty=0.2, repetition_penalty=1.05),
+               dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)):
+        pen = SamplingParams(temperature=temperature, seed=3, **kw)
+        drafted = eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=pen)
+        serial = eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=pen, draft=False)
+        assert drafted[2].accepted > 0 and drafted[1] == serial[1], kw
+    assert eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=plain)[1] != drafted[1]   # they act
+
+
+def test_penalties_resumed_equal_fresh(checkpoints):
+    path, mode = checkpoints["qwen3_mlx_4bit"], PrefillMode(grid=16)
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0, repetition_penalty=1.2)
+    eng = Engine(path, prefill_mode=mode, snapshot_dir=None)
+    first = list(range(5, 45))
+    second = first + eng.generate_text(prompt=first, max_tokens=6, sampling=p)[1] + [9, 9]
+    resumed = eng.generate_text(prompt=second, max_tokens=12, sampling=p)
+    fresh = Engine(path, prefill_mode=mode, snapshot_dir=None).generate_text(prompt=second, max_tokens=12, sampling=p)
+    assert resumed[2].cached_tokens > 0 and resumed[:2] == fresh[:2]
+
+
+def test_penalty_ranges_and_generation_config(checkpoints, tmp_path):
+    from tensorfold.errors import RequestError
+    d = tmp_path / "m"
+    shutil.copytree(checkpoints["qwen3_mlx_4bit"], d)
+    (d / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05, "temperature": 0.7}))
+    eng = Engine(d, drafts=False)
+    assert eng.generation_defaults == {"repetition_penalty": 1.05, "temperature": 0.7}
+    for bad in (dict(presence_penalty=2.1), dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0),
+                dict(repetition_penalty=float("nan"))):
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(prompt=[5, 6], max_tokens=2, sampling=SamplingParams(**bad))
+        assert e.value.param == next(iter(bad))
