@@ -105,3 +105,40 @@ def test_token_bytes(tinycode_path, tmp_path):
     ids = spm.encode("The quick é€ brown")
     assert any(spm.is_byte_token(i) for i in ids)
     assert b"".join(spm.token_bytes(i) for i in ids) == b" " + spm.decode(ids).encode()
+
+
+def test_prompt_logprobs(tmp_path, checkpoints):
+    """echo's prompt logprobs (Engine.prompt_logprobs_of): the row-exact kernels make them the same
+    whatever rows a call holds; they are the model's (close to MLX's own forward on a float32
+    model); a request that scores its prompt generates what it would without; max_tokens 0 scores
+    the prompt alone."""
+    import mlx.core as mx
+    from tensorfold.testing import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "f32", family="qwen3", dtype="float32", seed=4)
+    eng = Engine(path, snapshot_dir=None)
+    ids = list(np.random.default_rng(2).integers(3, 500, 70))
+    ids = [int(t) for t in ids]
+    whole = eng.prompt_logprobs_of(ids, 3)
+    eng.PROMPT_LOGPROB_ROWS = 7
+    assert eng.prompt_logprobs_of(ids, 3) == whole
+    assert whole[0].logprob is None and whole[0].top is None and [t.id for t in whole] == ids
+    m = eng.model
+    rows = np.asarray(m.forward(mx.array([ids]), m.new_cache(), exact=False, all_logits=True).astype(mx.float32))
+    for i in range(1, len(ids)):
+        ref = rows[i - 1].astype(np.float64)
+        ref = ref - np.logaddexp.reduce(ref)
+        assert abs(whole[i].logprob - ref[ids[i]]) < 1e-3
+        assert {t for t, _ in whole[i].top} == set(np.argsort(-ref)[:3].tolist())
+
+    q = Engine(checkpoints["qwen3_mlx_4bit"], snapshot_dir=None)
+    evs = list(q.generate(prompt=ids, max_tokens=6, logprobs=2, prompt_logprobs=2))
+    assert evs[0].prompt_logprobs == q.prompt_logprobs_of(ids, 2) and not evs[0].token_ids
+    plain = list(q.generate(prompt=ids, max_tokens=6, logprobs=2))
+    assert [t for e in evs for t in e.token_ids] == [t for e in plain for t in e.token_ids]
+    assert [x for e in evs if e.logprobs for x in e.logprobs] == [x for e in plain if e.logprobs for x in e.logprobs]
+    only = list(q.generate(prompt=ids, max_tokens=0, prompt_logprobs=0))
+    assert len(only) == 1 and only[0].finish_reason == "length" and only[0].stats.completion_tokens == 0
+    assert [t.logprob for t in only[0].prompt_logprobs] == [t.logprob for t in evs[0].prompt_logprobs]
+    with pytest.raises(Exception):
+        list(q.generate(prompt=ids, max_tokens=0))

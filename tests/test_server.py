@@ -421,7 +421,8 @@ BAD = [
      "functions", "unsupported_parameter"),
     ("tool_choice required", "/v1/chat/completions", _msg(tool_choice="required"), 400, "tool_choice",
      "unsupported_parameter"),
-    ("echo asked", "/v1/completions", {"prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("echo on chat", "/v1/chat/completions", _msg(echo=True), 400, "echo", "unsupported_parameter"),
+    ("echo a number", "/v1/completions", {"prompt": "a", "echo": 1}, 400, "echo", None),
     ("best_of asked", "/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
     ("suffix asked", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "suffix", "unsupported_parameter"),
 ]
@@ -998,3 +999,31 @@ def test_penalties_through_the_client(srv):
     assert chat_text(a) == chat_text(b) and a.model_extra["tensorfold"]["token_hash"] == b.model_extra["tensorfold"]["token_hash"]
     assert a.model_extra["tensorfold"]["token_hash"] != \
         srv.chat(max_tokens=16, temperature=0.0).model_extra["tensorfold"]["token_hash"]
+
+
+def test_echo_with_prompt_logprobs(srv):
+    """completions' echo: the prompt leads the text, and with logprobs its tokens are scored (the
+    first has none), streamed as not; max_tokens 0 scores the prompt alone (OpenAI's legacy use,
+    lm-eval's loglikelihood requests)."""
+    c, prompt = srv.client, "def add(a, b):\n    return a"
+    kw = dict(model=srv.name, prompt=prompt, temperature=0.0)
+    plain = c.completions.create(max_tokens=4, logprobs=2, **kw)
+    r = c.completions.create(max_tokens=4, logprobs=2, echo=True, **kw)
+    ch, lp = r.choices[0], r.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert ch.text == prompt + plain.choices[0].text
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens and len(lp.tokens) == n + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(c.completions.create(max_tokens=4, logprobs=2, echo=True, stream=True, **kw))
+    assert "".join(x.choices[0].text for x in chunks) == ch.text
+    assert [v for x in chunks if x.choices[0].logprobs for v in x.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    zero = c.completions.create(max_tokens=0, logprobs=2, echo=True, **kw)
+    assert zero.choices[0].text == prompt and zero.choices[0].finish_reason == "length"
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n] and zero.usage.completion_tokens == 0
+    assert c.completions.create(max_tokens=2, echo=True, **kw).choices[0].text.startswith(prompt)
+    assert srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True}).status_code == 400
+    assert srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 0}).status_code == 400
+    r = srv.post("/v1/chat/completions", _msg(echo=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

@@ -393,21 +393,23 @@ class Engine:
                  sampling: SamplingParams | None = None, stop=None, draft: bool = True,
                  enable_thinking=None, tools=None, cancel=None, progress=None,
                  ignore_eos: bool = False, proposers: list[Proposer] | None = None,
-                 prepared: Prompt | None = None, logprobs: int | None = None):
+                 prepared: Prompt | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None):
         """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read).
         logprobs: None, or n in 0..20: each event carries its tokens' logprobs with the n most
-        likely alternatives (engine/logprobs.py)."""
+        likely alternatives (engine/logprobs.py). prompt_logprobs: the same for the prompt's tokens,
+        on a first event of its own (`prompt_logprobs_of`); then max_tokens may be 0 (nothing is
+        generated: a prompt scored)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
                               p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_TOP):
-            raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP}, got {logprobs!r}",
-                               param="logprobs")
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP):
+                raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {n!r}", param=name)
         if isinstance(stop, str):
             stop = [stop]
         if prepared is None:
@@ -415,12 +417,20 @@ class Engine:
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
         self._check_prompt(ids, chat)
-        if max_tokens is None or max_tokens < 1:
+        if max_tokens is None or max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
         seed = p.seed if p.seed is not None else prompt_seed(ids)
 
         stats = GenerationStats(prompt_tokens=n_prompt)
+        if prompt_logprobs is not None:
+            scored = self.prompt_logprobs_of(ids, prompt_logprobs, cancel)
+            if scored is None or max_tokens == 0:
+                stats.prefill_s = time.perf_counter() - t0
+                stats.finish_reason = "cancelled" if scored is None else "length"
+                yield GenerationEvent(finish_reason=stats.finish_reason, stats=stats, prompt_logprobs=scored)
+                return
+            yield GenerationEvent(prompt_logprobs=scored)
         try:
             cache, logits, stats.cached_tokens = self._prefill(ids, progress, prepared.pin_at,
                                                                room=max_tokens + self.draft_width,
@@ -551,6 +561,28 @@ class Engine:
         stats.token_hash = hashlib.sha256(np.asarray(reply, dtype=np.int64).tobytes()).hexdigest()[:16]
         stats.finish_reason = finish
         yield GenerationEvent(text="", token_ids=[], finish_reason=finish, stats=stats)
+
+    PROMPT_LOGPROB_ROWS = 256
+
+    def prompt_logprobs_of(self, ids: list[int], n: int, cancel=None) -> list | None:
+        """Each prompt token's logprob given the tokens before it, with the n most likely ids
+        (engine/logprobs.py); the first token has none (logprob None). Computed through the
+        row-exact decode kernels on a cache of its own from position 0, in calls of
+        PROMPT_LOGPROB_ROWS rows: a row's logits depend only on its own position's tokens, whatever
+        call holds it, so a prompt scores the same alone, resumed or beside a reply. None when
+        `cancel` was set between two calls."""
+        from .logprobs import TokenLogprob
+        out = [TokenLogprob(int(ids[0]), None, None)]
+        cache = self.model.new_cache()
+        feed = ids[:-1]                     # row i predicts ids[i + 1]
+        for s in range(0, len(feed), self.PROMPT_LOGPROB_ROWS):
+            if cancel is not None and cancel.is_set():
+                return None
+            chunk = feed[s: s + self.PROMPT_LOGPROB_ROWS]
+            rows = np.asarray(self.model.forward(mx.array([chunk]), cache, exact=True,
+                                                 all_logits=True).astype(mx.float32))
+            out += [token_logprob(rows[j], ids[s + j + 1], n) for j in range(len(chunk))]
+        return out
 
     def _decode_pipelined(self, cache, tokens: list[int], reply: list[int], max_tokens: int, accept,
                           cancel, until: int | None = None):

@@ -24,8 +24,8 @@ FLOOR = -9999.0
 @dataclass(frozen=True)
 class TokenLogprob:
     id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()     # (id, logprob) of the n most likely ids
+    logprob: float | None                       # None: a prompt's first token (nothing before it)
+    top: tuple[tuple[int, float], ...] | None = ()     # (id, logprob) of the n most likely ids
 
 
 def _finite(v: float) -> float:

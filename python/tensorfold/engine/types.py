@@ -54,3 +54,4 @@ class GenerationEvent:
     finish_reason: str | None = None   # None while running; "stop" | "length" at the end
     stats: GenerationStats | None = None  # set on the final event
     logprobs: list | None = None       # generate(logprobs=n): a logprobs.TokenLogprob per token id
+    prompt_logprobs: list | None = None  # generate(prompt_logprobs=n): one per prompt token, first event

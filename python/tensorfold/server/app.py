@@ -204,10 +204,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         del body
         check_model(data.get("model"))
         req = parse_request(data, kind, context_length=ctx)
-        kwargs = dict(max_tokens=req.max_tokens or int(opts.get("max_tokens") or ctx),
+        kwargs = dict(max_tokens=req.max_tokens if req.max_tokens is not None else int(opts.get("max_tokens") or ctx),
                       sampling=sampling_with_defaults(req, data, opts), stop=req.stop, draft=req.draft)
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
+            if req.echo:                # the prompt's tokens scored too (engine.prompt_logprobs_of)
+                kwargs["prompt_logprobs"] = req.logprobs
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
@@ -255,8 +257,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if first[0] in ("gone", "end"):
             watcher.cancel()
             return Response(status_code=499)    # the client left before anything was generated
+        echo = None
+        if req.echo:                    # the prompt as sent; token ids as they decode
+            echo = req.prompt if isinstance(req.prompt, str) else worker.engine.tokenizer.decode(req.prompt)
         reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
-                             tokenizer=getattr(worker.engine, "tokenizer", None))
+                             tokenizer=getattr(worker.engine, "tokenizer", None), echo=echo)
         splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
         tools = ToolCallSplitter(bool(req.tools))       # after the reasoning split, on the content
         if req.stream:
@@ -269,13 +274,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             watcher.cancel()
 
     async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter):
-        reasoning, content, finish, stats, lps, calls = [], [], None, None, None, []
+        reasoning, content, finish, stats, lps, calls = [], [reply.echo or ""], None, None, None, []
         while True:
             kind, ev = item
             if kind == "error":
                 raise ev
             if kind != "event":
                 break
+            if ev.prompt_logprobs is not None:
+                lps = (lps or []) + ev.prompt_logprobs
             r, c = splitter.feed(ev.text, final=ev.finish_reason is not None)
             c, new = tools.feed(c, final=ev.finish_reason is not None)
             reasoning.append(r)
@@ -305,6 +312,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         try:
             if reply.kind == "chat":
                 yield sse(reply.chunk(role=True, content=""))
+            elif reply.echo is not None:   # the prompt first, with its logprobs where asked
+                yield sse(reply.chunk(content=reply.echo, logprobs=item[1].prompt_logprobs if item[0] == "event" else None))
             while True:
                 kind, ev = item
                 if kind == "error":

@@ -30,6 +30,7 @@ class Request:
     draft: bool = True
     logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
     tools: list | None = None                   # chat: the tools the template renders (tool_choice "auto")
+    echo: bool = False                          # completions: the prompt leads the text (and the logprobs)
 
 
 def parse_json(body: bytes) -> dict:
@@ -201,12 +202,13 @@ _UNSUPPORTED = {
 
 
 _CHAT_SERVED = frozenset({"tools", "tool_choice"})     # chat serves them (_tools); completions do not
+_COMPLETION_SERVED = frozenset({"echo"})                 # and completions this one
 
 
 def _refuse_unsupported(data: dict, kind: str) -> None:
     for key, neutral in _UNSUPPORTED.items():
         v = data.get(key)
-        if neutral(v) or (kind == "chat" and key in _CHAT_SERVED):
+        if neutral(v) or key in (_CHAT_SERVED if kind == "chat" else _COMPLETION_SERVED):
             continue
         hint = ("; this server samples with temperature, top_p, top_k, min_p, seed and the penalties"
                 if key.endswith("bias") else "")
@@ -232,8 +234,10 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     legacy = _int(data, "max_tokens")       # checked whenever given (it was not beside the other)
     if mt is None:
         mt, key = legacy, "max_tokens"
+    echo = kind == "completion" and data.get("echo") not in (None, False, 0) and _bool(data, "echo", False)
     if mt is not None:
-        if mt < 1:
+        if mt < 1 and not (mt == 0 and echo and _logprobs(data, kind) is not None):
+            # 0 with echo and logprobs: the prompt scored, nothing generated (OpenAI's legacy use)
             raise _bad(key, f"must be at least 1, got {mt}.")
         if mt > context_length:
             raise RequestError(f"Invalid value for '{key}': {mt} is more than the model's context "
@@ -293,6 +297,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         r.template_kwargs = other or None
     r.draft = _bool(data, "draft", True)
     r.logprobs = _logprobs(data, kind)
+    r.echo = echo
     if kind == "chat":
         r.tools = _tools(data)
     return r

@@ -43,11 +43,13 @@ def token_str(b: bytes) -> str:
 class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None):
+    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None, echo: str | None = None):
         """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
         streams it; the usage chunk at the end has the counts). tokenizer: names the tokens of
-        the logprobs (a request that asks for them)."""
+        the logprobs (a request that asks for them). echo: the prompt's text, which leads a
+        completion's text (`echo`)."""
         self.kind = kind
+        self.echo = echo
         self.model = model
         self.usage_field = usage_field
         self.tokenizer = tokenizer
@@ -77,8 +79,11 @@ class ReplyBuilder:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
             s, _ = self._entry(lp.id, lp.logprob)
-            top = {self._entry(i, v)[0]: v for i, v in lp.top}
-            top.setdefault(s, lp.logprob)
+            if lp.logprob is None:          # an echoed prompt's first token: nothing before it
+                top = None
+            else:
+                top = {self._entry(i, v)[0]: v for i, v in lp.top}
+                top.setdefault(s, lp.logprob)
             out["tokens"].append(s)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top)
