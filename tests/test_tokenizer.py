@@ -251,7 +251,7 @@ def _stream(tok, ids, **kw):
     pieces = [d.add(i) for i in ids]
     pieces.append(d.flush())
     assert d.text == "".join(pieces)
-    assert d.token_ids == list(ids)
+    assert d.generated_ids == list(ids)
     return pieces
 
 
@@ -570,3 +570,38 @@ def test_chat_template_type_deepseek_v32_renders_as_mlx_lm(tinycode_path, tmp_pa
                     t.apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=think)
                 continue
             assert t.apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=think) == want, (think, gen)
+
+
+def test_incremental_ids_that_decode_leaves_out(spm):
+    """Ids decode drops wherever they stand -- ids the tokenizer lacks (a model's embedding padded
+    past its vocabulary) and, when skipped, special tokens -- never start the window: as its first
+    id one made the next token first, and SentencePiece's decoder took that token's space ('x   '
+    for 'x    '); a skipped special inside a byte run ended the run ('\ufffd' for '中')."""
+    V = spm.vocab_size
+    sp4 = spm.token_to_id("\u2581" * 4) or next(i for i in range(V) if (spm.id_to_token(i) or "").startswith("\u2581\u2581"))
+    x, eos = spm.token_to_id("x"), spm.token_to_id("</s>")
+    e4, b8, ad = (spm.token_to_id(f"<0x{b:02X}>") for b in (0xE4, 0xB8, 0xAD))
+    assert "".join(_stream(spm, [x, V + 3, sp4])) == spm.decode([x, V + 3, sp4]) == "x" + spm.decode([x, sp4])[1:]
+    for ids in ([x, eos, sp4], [e4, eos, b8, ad], [eos, sp4, x]):
+        assert "".join(_stream(spm, ids, skip_special_tokens=True)) == spm.decode(ids, skip_special_tokens=True)
+    rng = random.Random(7)
+    specials = sorted(spm.special_ids)
+    for _ in range(400):
+        ids = [rng.choice([rng.randrange(V), rng.randrange(3, 259), V + rng.randrange(40), rng.choice(specials)])
+               for _ in range(rng.randrange(1, 40))]
+        assert "".join(_stream(spm, ids)) == spm.decode(ids), ids
+        assert "".join(_stream(spm, ids, skip_special_tokens=True)) == spm.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_byte_run_is_decoded_once(spm, monkeypatch):
+    """A run of byte tokens was decoded whole at every token (6,000 tokens: 7.4 s); it is decoded
+    when it ends. Its text still comes out only then: decode takes a run as a whole (one U+FFFD a
+    byte where any of it is not UTF-8), so none of it is final before."""
+    text = "中文字" * 1000
+    ids = [spm.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+    calls = []
+    real = Tokenizer.decode
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, i, **kw: calls.append(len(i)) or real(self, i, **kw))
+    d = IncrementalDetokenizer(spm)
+    assert [d.add(i) for i in ids] == [""] * len(ids)
+    assert d.flush() == text and len(calls) <= 4

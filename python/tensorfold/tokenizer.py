@@ -530,13 +530,14 @@ class IncrementalDetokenizer:
         characters."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []      # the ids the window decodes (those decode keeps)
+        self._all: list[int] = []           # every id added
         self._pieces: list[str] = []
         self._prefix = 0  # window start (context)
         self._read = 0  # ids[:read] are fully emitted
         self._emitted = 0  # chars of decode(ids[prefix:]) already emitted
         self._text_cache: str | None = None
-        ctx = list(context)
+        ctx = [t for t in context if not self._dropped(t)]
         while ctx and tokenizer.is_byte_token(ctx[-1]):
             ctx.pop()       # "café" ends [f, <0xC3>, <0xA9>]: [..., f] keeps the reply's first space
         ctx = ctx[-4:]
@@ -574,11 +575,28 @@ class IncrementalDetokenizer:
 
     @property
     def generated_ids(self) -> list[int]:
-        return self.token_ids[self._ctx:]
+        return list(self._all)
+
+    def _dropped(self, token_id: int) -> bool:
+        """An id decode leaves out wherever it stands: one the tokenizer does not have (a model's
+        embedding padded past its vocabulary), or a special token when they are skipped. It never
+        enters the window: as the window's first id it made the next one first, and a decoder that
+        strips the first space (SentencePiece's) took that token's space."""
+        return self._tok.id_to_token(token_id) is None or (self._skip and token_id in self._tok.special_ids)
 
     def add(self, token_id: int) -> str:
+        token_id = int(token_id)
+        self._all.append(token_id)
+        if self._dropped(token_id):
+            return ""
         ids = self.token_ids
-        ids.append(int(token_id))
+        ids.append(token_id)
+        if len(ids) - 1 > self._read and self._tok.is_byte_token(token_id) and self._tok.is_byte_token(ids[-2]):
+            # inside a run of byte tokens, past its first: decode takes the run as a whole (one U+FFFD
+            # a byte where any of it is not UTF-8), so nothing of it is final before it ends, and
+            # what precedes it went out with its first token. Not decoding here keeps a long run
+            # linear (it was decoded whole at every token).
+            return ""
         new = self._decode(ids[self._prefix:])
         if self._tok.is_byte_token(ids[-1]):    # hold a byte run's text until the run ends
             run = self._byte_run()
