@@ -142,3 +142,22 @@ def test_prompt_logprobs(tmp_path, checkpoints):
     assert [t.logprob for t in only[0].prompt_logprobs] == [t.logprob for t in evs[0].prompt_logprobs]
     with pytest.raises(Exception):
         list(q.generate(prompt=ids, max_tokens=0))
+
+
+def test_completion_text_offsets_are_positions_in_the_text(tinycode_path):
+    """text_offset gives where each token's bytes start in the text (a token that is part of a
+    character: where that character starts); it counted the length of the tokens' names, so
+    'bytes:\\xf0' moved every later offset by 10."""
+    from tensorfold.engine.logprobs import TokenLogprob
+    from tensorfold.server.responses import ReplyBuilder
+    from tensorfold.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(tinycode_path)
+    text = "a 😀! é中x"
+    ids = tok.encode(text)
+    assert any(tok.token_bytes(i)[0] >= 0x80 and len(tok.token_bytes(i)) == 1 for i in ids)
+    reply = ReplyBuilder("completion", "m", tokenizer=tok)
+    half = len(ids) // 2               # two chunks, as a stream sends them
+    offsets = [o for part in (ids[:half], ids[half:])
+               for o in reply.logprobs([TokenLogprob(i, -1.0) for i in part])["text_offset"]]
+    want = [len(b"".join(tok.token_bytes(j) for j in ids[:k]).decode("utf-8", "ignore")) for k in range(len(ids))]
+    assert offsets == want and want[-1] == len(text) - 1

@@ -152,3 +152,21 @@ def test_tools_reach_a_real_models_template(checkpoints):
         text = s.worker.engine.prepare(history, tools=[WEATHER]).text
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
         assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+@pytest.mark.parametrize("script", [
+    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+    '\n\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>',
+    '\n Look: <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n',
+    "\n  \n",
+])
+def test_streamed_content_is_the_content(script):
+    """Content that is all whitespace beside tool calls is null, streamed or not (two calls written
+    a newline apart streamed the newline); other content streams as it is."""
+    with scripted_server(ToolEngine(_pieces(script, 2))) as s:
+        full = s.chat(tools=[WEATHER], max_tokens=1000).choices[0]
+        chunks = list(s.chat(tools=[WEATHER], max_tokens=1000, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == (full.message.content or "")
+        if full.message.tool_calls:
+            assert full.message.content is None or full.message.content.strip()

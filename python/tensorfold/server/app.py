@@ -309,6 +309,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                      include_usage: bool,
                      watcher: asyncio.Task):
         finish, stats, done, made_calls = None, None, False, False
+        held, spoke = "", False
         try:
             if reply.kind == "chat":
                 yield sse(reply.chunk(role=True, content=""))
@@ -327,6 +328,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 first_call = tools.calls
                 c, calls = tools.feed(c, final=finish is not None)
                 made_calls = made_calls or bool(calls)
+                if tools.enabled and not spoke:
+                    # content that is all whitespace so far waits: beside tool calls it is null, as
+                    # the reply not streamed has it (two calls written a newline apart streamed '\n')
+                    held += c
+                    c = ""
+                    if held.strip() or (finish is not None and not made_calls):
+                        c, held, spoke = held, "", True
                 if r or c or ev.logprobs or calls:
                     # a token whose text is held back (a stop string's start, part of a character)
                     # still has its logprobs sent with it, in a chunk of empty text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -54,6 +55,7 @@ class ReplyBuilder:
         self.usage_field = usage_field
         self.tokenizer = tokenizer
         self.text_offset = 0            # completions' logprobs: where the next token starts
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.id = new_id(kind)
         self.created = int(time.time())
 
@@ -87,8 +89,10 @@ class ReplyBuilder:
             out["tokens"].append(s)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top)
+            # the character where the token's bytes start in the text they decode to (the length
+            # of its name counted "bytes:\\xf0" as 10 characters)
             out["text_offset"].append(self.text_offset)
-            self.text_offset += len(s)
+            self.text_offset += len(self._utf8.decode(self.tokenizer.token_bytes(lp.id)))
         return out
 
     def _head(self, obj: str) -> dict:
