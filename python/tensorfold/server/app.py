@@ -308,8 +308,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter,
                      include_usage: bool,
                      watcher: asyncio.Task):
-        finish, stats, done, made_calls = None, None, False, False
-        held, spoke = "", False
+        finish, stats, done = None, None, False
         try:
             if reply.kind == "chat":
                 yield sse(reply.chunk(role=True, content=""))
@@ -326,15 +325,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 stats = ev.stats or stats
                 r, c = splitter.feed(ev.text, final=finish is not None)
                 first_call = tools.calls
-                c, calls = tools.feed(c, final=finish is not None)
-                made_calls = made_calls or bool(calls)
-                if tools.enabled and not spoke:
-                    # content that is all whitespace so far waits: beside tool calls it is null, as
-                    # the reply not streamed has it (two calls written a newline apart streamed '\n')
-                    held += c
-                    c = ""
-                    if held.strip() or (finish is not None and not made_calls):
-                        c, held, spoke = held, "", True
+                c, calls = tools.stream_feed(c, final=finish is not None)
                 if r or c or ev.logprobs or calls:
                     # a token whose text is held back (a stop string's start, part of a character)
                     # still has its logprobs sent with it, in a chunk of empty text
@@ -342,7 +333,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                                           logprobs=ev.logprobs, tool_calls=calls, first_call=first_call)
                               if reply.kind == "chat" else reply.chunk(content=c, logprobs=ev.logprobs))
                 if finish is not None:
-                    finish = "tool_calls" if made_calls and finish == "stop" else finish
+                    finish = "tool_calls" if tools.calls and finish == "stop" else finish
                     yield sse(reply.chunk(finish=finish, stats=stats))
                     if include_usage:
                         yield sse(reply.usage_chunk(stats))

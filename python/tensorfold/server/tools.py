@@ -57,6 +57,8 @@ class ToolCallSplitter:
         self.inside = False
         self.buf = ""
         self.calls = 0              # tool calls made so far
+        self._blank = ""            # stream_feed: content that is all whitespace so far
+        self._spoke = False         # stream_feed: content with more than whitespace went out
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         if not self.enabled:
@@ -88,3 +90,16 @@ class ToolCallSplitter:
                 calls.append(call)
         self.calls += len(calls)
         return content, calls
+
+    def stream_feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """feed() for a stream, whose content must join to what the reply not streamed has: content
+        that is all whitespace waits until more comes, and is dropped where the reply made calls
+        (the message's content is null then; two calls written a newline apart streamed '\n')."""
+        content, calls = self.feed(text, final)
+        if not self.enabled or self._spoke:
+            return content, calls
+        self._blank += content
+        if self._blank.strip() or (final and not self.calls):
+            content, self._blank, self._spoke = self._blank, "", True
+            return content, calls
+        return "", calls
