@@ -349,7 +349,8 @@ BAD = [
     ("max_tokens wrong type", "/v1/chat/completions", _msg(max_tokens="ten"), 400, "max_tokens", None),
     ("max_tokens wrong type beside max_completion_tokens", "/v1/chat/completions",
      _msg(max_tokens="ten", max_completion_tokens=3), 400, "max_tokens", None),
-    ("n > 1", "/v1/chat/completions", _msg(n=2), 400, "n", None),
+    ("n past 128", "/v1/chat/completions", _msg(n=129), 400, "n", None),
+    ("n 0", "/v1/chat/completions", _msg(n=0), 400, "n", None),
     # logprobs: chat takes a boolean and top_logprobs 0..20 beside it, completions a count 0..20
     ("top_logprobs without logprobs", "/v1/chat/completions", _msg(top_logprobs=5), 400, "top_logprobs", None),
     ("top_logprobs past 20", "/v1/chat/completions", _msg(logprobs=True, top_logprobs=21), 400, "top_logprobs",
@@ -402,7 +403,7 @@ BAD = [
     ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "prompt", None),
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
-    ("n > 1 on completions", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n", None),
+    ("n a string", "/v1/completions", {"prompt": "a", "n": "2"}, 400, "n", None),
     # fields OpenAI has and this server does not implement: refused, never silently dropped
     ("logit_bias asked", "/v1/chat/completions", _msg(logit_bias={"5": 10}), 400, "logit_bias",
      "unsupported_parameter"),
@@ -1025,3 +1026,35 @@ def test_echo_with_prompt_logprobs(srv):
     assert srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 0}).status_code == 400
     r = srv.post("/v1/chat/completions", _msg(echo=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_n_choices(srv):
+    """n > 1: choices generated one after another, each with its own seed (choice 0 is the n = 1
+    reply; sampling.choice_seed), streamed as not, drafted == serial for each; usage counts the
+    prompt once and every choice's tokens."""
+    c = srv.client
+    kw = dict(model=srv.name, max_tokens=10, temperature=0.9, seed=7)
+    one = c.chat.completions.create(messages=USER, **kw)
+    three = c.chat.completions.create(messages=USER, n=3, **kw)
+    texts = [ch.message.content for ch in three.choices]
+    assert [ch.index for ch in three.choices] == [0, 1, 2] and texts[0] == chat_text(one)
+    assert len(set(texts)) > 1
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    serial = c.chat.completions.create(messages=USER, n=3, extra_body={"draft": False}, **kw)
+    assert [ch.message.content for ch in serial.choices] == texts
+    chunks = list(c.chat.completions.create(messages=USER, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    got = {}
+    for x in chunks:
+        for ch in x.choices:
+            got.setdefault(ch.index, []).append(ch.delta.content or "")
+    assert ["".join(got[i]) for i in range(3)] == texts
+    assert [ch.finish_reason for x in chunks for ch in x.choices if ch.finish_reason] == \
+        [ch.finish_reason for ch in three.choices]
+    assert chunks[-1].usage.completion_tokens == three.usage.completion_tokens
+    comp = c.completions.create(prompt="def add(a, b):", n=2, logprobs=1, **kw)
+    assert [ch.index for ch in comp.choices] == [0, 1]
+    for ch in comp.choices:         # each choice's offsets start at its own text's start
+        assert ch.logprobs.text_offset[0] == 0 and len(ch.logprobs.tokens) >= 1
+    greedy = c.chat.completions.create(messages=USER, n=2, **{**kw, "temperature": 0.0})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content

@@ -96,6 +96,12 @@ def test_tool_calls_through_the_openai_client():
             [(k, c.function.name, c.function.arguments) for k, c in enumerate(ch.message.tool_calls)]
         assert "".join(d.content or "" for d in deltas) == ch.message.content
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        # n = 2: each choice its calls, numbered from 0 within it
+        two = s.chat(tools=[WEATHER], max_tokens=1000, n=2).choices
+        assert [len(c.message.tool_calls) for c in two] == [2, 2] and all(c.finish_reason == "tool_calls" for c in two)
+        chunks = list(s.chat(tools=[WEATHER], max_tokens=1000, stream=True, n=2))
+        assert sorted((c.choices[0].index, tc.index) for c in chunks if c.choices
+                      for tc in (c.choices[0].delta.tool_calls or [])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         # cut inside the second block by max_tokens: the first call, the rest as text, "length"
         n = len(_pieces(TWO_CALLS)) - 3
         r = s.chat(tools=[WEATHER], max_tokens=n)

@@ -29,7 +29,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
-from .sampling import greedy_device, prompt_seed, sample
+from .sampling import choice_seed, greedy_device, prompt_seed, sample
 from .logprobs import MAX_TOP, token_logprob
 from .penalties import Penalties
 from .stops import StopMatcher
@@ -420,7 +420,7 @@ class Engine:
         if max_tokens is None or max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
-        seed = p.seed if p.seed is not None else prompt_seed(ids)
+        seed = choice_seed(p.seed if p.seed is not None else prompt_seed(ids), p.choice)
 
         stats = GenerationStats(prompt_tokens=n_prompt)
         if prompt_logprobs is not None:

@@ -35,6 +35,15 @@ def keyed_uniforms(seed: int, position: int, n: int, ids: np.ndarray | None = No
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request with n > 1: choice 0 keeps the request's seed (so it
+    is the n = 1 reply), the others a hash of (seed, choice)."""
+    if choice == 0:
+        return seed
+    data = (seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little") + int(choice).to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(b"choice" + data).digest()[:8], "little")
+
+
 def prompt_seed(token_ids) -> int:
     """The default seed: a hash of the prompt's token ids (same conversation, same reply)."""
     data = np.asarray(token_ids, dtype=np.int64).tobytes()

@@ -16,8 +16,8 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
 from .protocol import parse_json, parse_request, sampling_with_defaults
-from .reasoning import ReasoningSplitter
-from .tools import ToolCallSplitter, tool_format
+from .choices import Choice
+from .tools import tool_format
 from .responses import ReplyBuilder, error_body, sse
 from .tokenizing import TokenizePool
 from .worker import EngineWorker, Job
@@ -243,7 +243,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                                "that renders prompts itself", param="chat_template_kwargs")
         elif req.tools:
             kwargs["tools"] = req.tools
-        job = worker.submit(kwargs, chat=kind == "chat")
+        job = worker.submit(kwargs, chat=kind == "chat", n=req.n)
         watcher = asyncio.create_task(watch(request, job))
         try:
             first = await job.items.get()
@@ -261,83 +261,73 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if req.echo:                    # the prompt as sent; token ids as they decode
             echo = req.prompt if isinstance(req.prompt, str) else worker.engine.tokenizer.decode(req.prompt)
         reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
-                             tokenizer=getattr(worker.engine, "tokenizer", None), echo=echo)
-        splitter = ReasoningSplitter(tags if kind == "chat" else None, job.in_think)
-        tools = ToolCallSplitter(bool(req.tools))       # after the reasoning split, on the content
+                             tokenizer=getattr(worker.engine, "tokenizer", None))
+
+        def choice(i: int) -> Choice:
+            return Choice(i, tags if kind == "chat" else None, job.in_think, bool(req.tools), echo, req.stream)
         if req.stream:
-            return StreamingResponse(stream(job, first, reply, splitter, tools, req.include_usage, watcher),
+            return StreamingResponse(stream(job, first, reply, choice, req.include_usage, watcher),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return await collect(job, first, reply, splitter, tools)
+            return await collect(job, first, reply, choice)
         finally:
             watcher.cancel()
 
-    async def collect(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter):
-        reasoning, content, finish, stats, lps, calls = [], [reply.echo or ""], None, None, None, []
+    async def collect(job: Job, item, reply: ReplyBuilder, choice):
+        """The whole reply: the job's events, choice by choice (("choice", i) starts choice i)."""
+        choices = [choice(0)]
         while True:
             kind, ev = item
             if kind == "error":
                 raise ev
-            if kind != "event":
+            if kind == "choice":
+                choices.append(choice(ev))
+            elif kind != "event":
                 break
-            if ev.prompt_logprobs is not None:
-                lps = (lps or []) + ev.prompt_logprobs
-            r, c = splitter.feed(ev.text, final=ev.finish_reason is not None)
-            c, new = tools.feed(c, final=ev.finish_reason is not None)
-            reasoning.append(r)
-            content.append(c)
-            calls += new
-            if ev.logprobs is not None:
-                lps = (lps or []) + ev.logprobs
-            finish = ev.finish_reason or finish
-            stats = ev.stats or stats
+            else:
+                choices[-1].add(ev)
             item = await job.items.get()
         if kind == "gone":
             return Response(status_code=499)
-        r, c = splitter.feed("", final=True)
-        c, new = tools.feed(c, final=True)
-        reasoning.append(r)
-        content.append(c)
-        calls += new
-        finish = "tool_calls" if calls and finish == "stop" else finish
-        _log_done(reply.kind, stats, finish)
-        return JSONResponse(reply.full("".join(content), "".join(reasoning) or None, finish, stats, lps,
-                                       tool_calls=calls if tools.enabled else None))
+        for ch in choices:
+            ch.close()
+            _log_done(reply.kind, ch.stats, ch.finish)
+        return JSONResponse(reply.full(choices))
 
-    async def stream(job: Job, item, reply: ReplyBuilder, splitter: ReasoningSplitter, tools: ToolCallSplitter,
-                     include_usage: bool,
-                     watcher: asyncio.Task):
-        finish, stats, done = None, None, False
+    async def stream(job: Job, item, reply: ReplyBuilder, choice, include_usage: bool, watcher: asyncio.Task):
+        """Server-sent chunks, choice after choice, each chunk naming its choice's index; then the
+        usage of them all (stream_options.include_usage) and [DONE]."""
+        done, ch, stats = False, None, []
         try:
-            if reply.kind == "chat":
-                yield sse(reply.chunk(role=True, content=""))
-            elif reply.echo is not None:   # the prompt first, with its logprobs where asked
-                yield sse(reply.chunk(content=reply.echo, logprobs=item[1].prompt_logprobs if item[0] == "event" else None))
             while True:
                 kind, ev = item
                 if kind == "error":
                     yield sse(ev.to_dict())
                     break
-                if kind != "event":
-                    break
-                finish = ev.finish_reason or finish
-                stats = ev.stats or stats
-                r, c = splitter.feed(ev.text, final=finish is not None)
-                first_call = tools.calls
-                c, calls = tools.stream_feed(c, final=finish is not None)
-                if r or c or ev.logprobs or calls:
-                    # a token whose text is held back (a stop string's start, part of a character)
-                    # still has its logprobs sent with it, in a chunk of empty text
-                    yield sse(reply.chunk(content=c or ("" if ev.logprobs else None), reasoning=r or None,
-                                          logprobs=ev.logprobs, tool_calls=calls, first_call=first_call)
-                              if reply.kind == "chat" else reply.chunk(content=c, logprobs=ev.logprobs))
-                if finish is not None:
-                    finish = "tool_calls" if tools.calls and finish == "stop" else finish
-                    yield sse(reply.chunk(finish=finish, stats=stats))
-                    if include_usage:
+                if kind == "choice" or ch is None:
+                    ch = choice(ev if kind == "choice" else 0)
+                    if reply.kind == "chat":
+                        yield sse(reply.chunk(role=True, content="", index=ch.index))
+                if kind == "event":
+                    if not ch.started and ch.echo is not None:     # the prompt first, with its logprobs where asked
+                        yield sse(reply.chunk(content=ch.echo, logprobs=ev.prompt_logprobs, index=ch.index))
+                    r, c, calls, first_call = ch.add(ev)
+                    if r or c or ev.logprobs or calls:
+                        # a token whose text is held back (a stop string's start, part of a character)
+                        # still has its logprobs sent with it, in a chunk of empty text
+                        yield sse(reply.chunk(content=c or ("" if ev.logprobs else None), reasoning=r or None,
+                                              logprobs=ev.logprobs, tool_calls=calls, first_call=first_call,
+                                              index=ch.index)
+                                  if reply.kind == "chat" else
+                                  reply.chunk(content=c, logprobs=ev.logprobs, index=ch.index))
+                    if ch.finish is not None:
+                        yield sse(reply.chunk(finish=ch.finish, stats=ch.stats, index=ch.index))
+                        stats.append(ch.stats)
+                        _log_done(reply.kind, ch.stats, ch.finish)
+                elif kind != "choice":      # ("end", None): every choice is done
+                    if include_usage and stats:
                         yield sse(reply.usage_chunk(stats))
-                    _log_done(reply.kind, stats, finish)
                     break
                 item = await job.items.get()
             yield sse("[DONE]")

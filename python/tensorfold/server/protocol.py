@@ -31,6 +31,7 @@ class Request:
     logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
     tools: list | None = None                   # chat: the tools the template renders (tool_choice "auto")
     echo: bool = False                          # completions: the prompt leads the text (and the logprobs)
+    n: int = 1                                  # choices
 
 
 def parse_json(body: bytes) -> dict:
@@ -173,6 +174,7 @@ def _stop(v) -> list[str] | None:
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
+MAX_CHOICES = 128                               # n, as OpenAI caps it
 
 
 # OpenAI fields this server does not implement, each with a test of "asks for nothing": a request
@@ -245,8 +247,10 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     r.max_tokens = mt
 
     n = _int(data, "n")
-    if n is not None and n != 1:
-        raise _bad("n", f"only n=1 is supported, got {n}.")
+    if n is not None:
+        if not 1 <= n <= MAX_CHOICES:
+            raise _bad("n", f"must be from 1 to {MAX_CHOICES}, got {n}.")
+        r.n = n
 
     s = r.sampling
     t = _number(data, "temperature", lo=0.0)

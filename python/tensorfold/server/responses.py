@@ -18,11 +18,14 @@ def error_body(message: str, *, type: str = "invalid_request_error", param=None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def usage(stats: GenerationStats | None) -> dict:
-    s = stats or GenerationStats()
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+def usage(stats) -> dict:
+    """stats: one choice's GenerationStats, or a list of them (n > 1: the prompt counted once, the
+    completions summed)."""
+    every = [s or GenerationStats() for s in (stats if isinstance(stats, list) else [stats])] or [GenerationStats()]
+    first, done = every[0], sum(s.completion_tokens for s in every)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": done,
+            "total_tokens": first.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def tensorfold_block(stats: GenerationStats | None) -> dict:
@@ -54,8 +57,7 @@ class ReplyBuilder:
         self.model = model
         self.usage_field = usage_field
         self.tokenizer = tokenizer
-        self.text_offset = 0            # completions' logprobs: where the next token starts
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offsets: dict[int, list] = {}     # completions' logprobs, a choice's: [next offset, utf-8 decoder]
         self.id = new_id(kind)
         self.created = int(time.time())
 
@@ -64,7 +66,7 @@ class ReplyBuilder:
         s = token_str(b)
         return s, {"token": s, "logprob": logprob, "bytes": list(b)}
 
-    def logprobs(self, lps) -> dict | None:
+    def logprobs(self, lps, index: int = 0) -> dict | None:
         """The `logprobs` of a choice for these engine TokenLogprobs (None: none asked). Chat:
         {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}; completions
         (OpenAI's legacy form): {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
@@ -79,6 +81,7 @@ class ReplyBuilder:
                 content.append(e)
             return {"content": content, "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        at = self._offsets.setdefault(index, [0, codecs.getincrementaldecoder("utf-8")("replace")])
         for lp in lps:
             s, _ = self._entry(lp.id, lp.logprob)
             if lp.logprob is None:          # an echoed prompt's first token: nothing before it
@@ -91,34 +94,37 @@ class ReplyBuilder:
             out["top_logprobs"].append(top)
             # the character where the token's bytes start in the text they decode to (the length
             # of its name counted "bytes:\\xf0" as 10 characters)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(self._utf8.decode(self.tokenizer.token_bytes(lp.id)))
+            out["text_offset"].append(at[0])
+            at[0] += len(at[1].decode(self.tokenizer.token_bytes(lp.id)))
         return out
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, content: str, reasoning: str | None, finish: str | None, stats, logprobs=None,
-             tool_calls: list | None = None) -> dict:
-        """tool_calls: None where the request had no tools; with calls made, a content of nothing
-        but whitespace is null, as OpenAI sends it."""
-        if self.kind == "chat":
-            msg = {"role": "assistant", "content": content}
-            if tool_calls:
-                msg["content"] = content if content.strip() else None
-                msg["tool_calls"] = tool_calls
-            if reasoning:
-                msg["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": msg, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            out = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": content, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            out = self._head("text_completion")
-        out.update(choices=[choice], usage=usage(stats), tensorfold=tensorfold_block(stats))
+    def full(self, choices) -> dict:
+        """The whole reply from its choices (server/choices.Choice): with tool calls made, a content
+        of nothing but whitespace is null, as OpenAI sends it. The `tensorfold` block is choice 0's."""
+        out = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        items = []
+        for ch in choices:
+            content, lp = ch.text, self.logprobs(ch.lps, ch.index)
+            if self.kind == "chat":
+                msg = {"role": "assistant", "content": content}
+                if ch.tool_calls:
+                    msg["content"] = content if content.strip() else None
+                    msg["tool_calls"] = ch.tool_calls
+                if ch.reasoning_text:
+                    msg["reasoning_content"] = ch.reasoning_text
+                items.append({"index": ch.index, "message": msg, "logprobs": lp, "finish_reason": ch.finish})
+            else:
+                items.append({"index": ch.index, "text": content, "logprobs": lp, "finish_reason": ch.finish})
+        stats = [ch.stats for ch in choices]
+        out.update(choices=items, usage=usage(stats), tensorfold=tensorfold_block(stats[0] if stats else None))
         return out
 
     def chunk(self, *, content: str | None = None, reasoning: str | None = None, role: bool = False,
-              finish: str | None = None, stats=None, logprobs=None, tool_calls=None, first_call: int = 0) -> dict:
+              finish: str | None = None, stats=None, logprobs=None, tool_calls=None, first_call: int = 0,
+              index: int = 0) -> dict:
         """tool_calls: calls completed in this chunk, each sent whole, numbered (`index`) from
         first_call in the order of the reply."""
         if self.kind == "chat":
@@ -131,10 +137,11 @@ class ReplyBuilder:
                 delta["reasoning_content"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = [dict(c, index=first_call + k) for k, c in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs, index),
+                      "finish_reason": finish}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": self.logprobs(logprobs),
+            choice = {"index": index, "text": content or "", "logprobs": self.logprobs(logprobs, index),
                       "finish_reason": finish}
             out = self._head("text_completion")
         out["choices"] = [choice]
@@ -145,8 +152,9 @@ class ReplyBuilder:
         return out
 
     def usage_chunk(self, stats) -> dict:
+        """stats: a list of the choices' (the usage sums them; the `tensorfold` block is choice 0's)."""
         out = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        out.update(choices=[], usage=usage(stats), tensorfold=tensorfold_block(stats))
+        out.update(choices=[], usage=usage(stats), tensorfold=tensorfold_block(stats[0] if stats else None))
         return out
 
 

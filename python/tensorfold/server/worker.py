@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -30,6 +31,7 @@ class Job:
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = 0
     in_think: bool = False      # set by the worker before the first event (chat: prompt opened a think block)
+    n: int = 1                  # choices: generated one after another, ("choice", i) posted before choice i > 0
 
     def post(self, kind: str, value=None) -> None:
         try:
@@ -114,11 +116,11 @@ class EngineWorker:
         return self._closing
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, kwargs: dict, *, chat: bool = False) -> Job:
+    def submit(self, kwargs: dict, *, chat: bool = False, n: int = 1) -> Job:
         if self._closing:       # drained or stopped: nothing would serve it
             raise RequestError("The server is shutting down.", type="server_error",
                                code="server_shutting_down", status=503)
-        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), chat=chat, id=next(self._ids))
+        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), chat=chat, id=next(self._ids), n=n)
         with self._lock:
             self.stats["queued"] += 1
         self._q.put(job)
@@ -164,10 +166,16 @@ class EngineWorker:
             total = 0
             kwargs = dict(job.kwargs, cancel=job.cancel, progress=self.progress.prefill)
             self.progress.begin()
-            for ev in eng.generate(**kwargs):
-                total += len(ev.token_ids)
-                self.progress.decode(total, time.perf_counter() - t0)
-                job.post("event", ev)
+            for i in range(job.n):
+                if i:                   # choice i: its own seed (sampling.choice_seed), the same prompt
+                    job.post("choice", i)
+                    kwargs["sampling"] = dataclasses.replace(job.kwargs["sampling"], choice=i)
+                for ev in eng.generate(**kwargs):
+                    total += len(ev.token_ids)
+                    self.progress.decode(total, time.perf_counter() - t0)
+                    job.post("event", ev)
+                    if job.cancel.is_set():
+                        break
                 if job.cancel.is_set():
                     break
         except RequestError as e:
