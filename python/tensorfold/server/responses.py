@@ -47,13 +47,11 @@ def token_str(b: bytes) -> str:
 class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None, echo: str | None = None):
+    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None):
         """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
         streams it; the usage chunk at the end has the counts). tokenizer: names the tokens of
-        the logprobs (a request that asks for them). echo: the prompt's text, which leads a
-        completion's text (`echo`)."""
+        the logprobs (a request that asks for them)."""
         self.kind = kind
-        self.echo = echo
         self.model = model
         self.usage_field = usage_field
         self.tokenizer = tokenizer
