@@ -1058,3 +1058,28 @@ def test_n_choices(srv):
         assert ch.logprobs.text_offset[0] == 0 and len(ch.logprobs.tokens) >= 1
     greedy = c.chat.completions.create(messages=USER, n=2, **{**kw, "temperature": 0.0})
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_tokenize_and_detokenize(srv):
+    """vLLM's /tokenize and /detokenize: a chat's count is the prompt a request with those messages
+    runs (its usage), a prompt past the context is still counted, bad input is a 400."""
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path, body, status=200):
+        r = httpx.post(srv.base + path, json=body, headers=h, timeout=60)
+        assert r.status_code == status, r.text
+        return r.json()
+    r = post("/tokenize", {"messages": USER})
+    assert r["count"] == srv.chat(max_tokens=1).usage.prompt_tokens == len(r["tokens"])
+    assert r["max_model_len"] == srv.engine.context_length
+    assert post("/tokenize", {"messages": USER, "add_generation_prompt": False})["count"] < r["count"]
+    ids = post("/tokenize", {"prompt": "def add(a, b):"})["tokens"]
+    assert post("/detokenize", {"tokens": ids})["prompt"] == "def add(a, b):"
+    assert post("/tokenize", {"prompt": [5, 6, 7]})["tokens"] == [5, 6, 7]
+    long = "word " * (srv.engine.context_length + 10)
+    assert post("/tokenize", {"prompt": long})["count"] > srv.engine.context_length
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": ""}), ("/tokenize", {"messages": "x"}),
+                       ("/detokenize", {"tokens": [1, -2]}), ("/detokenize", {"tokens": [10**7]}),
+                       ("/tokenize", {"prompt": "x", "model": "other"})):
+        assert "error" in post(path, body, 404 if "model" in body else 400)
+    assert httpx.post(srv.base + "/tokenize", json={"prompt": "x"}, timeout=60).status_code == 401

@@ -198,24 +198,24 @@ class Engine:
         and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
         for the chat template (a request's chat_template_kwargs)."""
         tkw = dict(template_kwargs or {})
-        if (messages is None) == (prompt is None):
-            raise RequestError("give exactly one of messages or prompt", param="messages")
         if messages is not None:
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages must be a non-empty list", param="messages")
-            think = self.thinking if enable_thinking is None else enable_thinking
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          enable_thinking=think, tools=tools, **tkw)
-            except ValueError as e:
-                raise RequestError(str(e), param="messages") from None
-            except RecursionError:      # a template walking a value nested past Python's stack
-                raise RequestError("messages are nested too deeply for the chat template",
-                                   param="messages") from None
-            ids = self.tokenizer.encode(text)
+            ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw)
             self._check_prompt(ids, True)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
+        ids = self.tokenize(prompt=prompt)
+        self._check_prompt(ids, False)
+        return Prompt(ids=ids, chat=False)
+
+    def tokenize(self, messages=None, prompt=None, enable_thinking=None, tools=None, template_kwargs=None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """The token ids prepare() would run (the chat template rendered, or a completions prompt
+        encoded), without the checks against the model: a server's /tokenize counts any prompt."""
+        if messages is not None:
+            return self._chat_ids(messages, prompt, enable_thinking, tools, dict(template_kwargs or {}),
+                                  add_generation_prompt)[0]
+        if prompt is None:
+            raise RequestError("give exactly one of messages or prompt", param="messages")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -224,8 +224,24 @@ class Engine:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
-        self._check_prompt(ids, False)
-        return Prompt(ids=ids, chat=False)
+        return ids
+
+    def _chat_ids(self, messages, prompt, enable_thinking, tools, tkw: dict, add_generation_prompt: bool = True):
+        """(ids, rendered text, enable_thinking used) of a chat request."""
+        if prompt is not None:
+            raise RequestError("give exactly one of messages or prompt", param="messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        think = self.thinking if enable_thinking is None else enable_thinking
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      enable_thinking=think, tools=tools, **tkw)
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+        except RecursionError:      # a template walking a value nested past Python's stack
+            raise RequestError("messages are nested too deeply for the chat template",
+                               param="messages") from None
+        return self.tokenizer.encode(text), text, think
 
     def _check_prompt(self, ids, chat: bool) -> None:
         """Every id is a row of the embedding (MLX's gather does not check: an id past it read other

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
-from .protocol import parse_json, parse_request, sampling_with_defaults
+from .protocol import parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
 from .choices import Choice
 from .tools import tool_format
 from .responses import ReplyBuilder, error_body, sse
@@ -187,6 +187,29 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     def _model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tensorfold",
                 "context_length": ctx}
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request):
+        """vLLM's /tokenize: the ids a completions prompt or a chat's messages run as (the chat
+        template rendered as a request renders it), counted even past the context."""
+        check_key(request)
+        body = await read_body(request)
+        data = parse_json(body)
+        check_model(data.get("model"))
+        kw = parse_tokenize(data)
+        ids = await tokenize.submit(lambda: worker.engine.tokenize(**kw), (), len(body))
+        return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_key(request)
+        data = parse_json(await read_body(request))
+        check_model(data.get("model"))
+        ids = parse_detokenize(data)
+        tok = worker.engine.tokenizer
+        if any(t >= tok.vocab_size for t in ids):
+            raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(ids)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

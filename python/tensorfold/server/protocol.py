@@ -357,6 +357,26 @@ def _logprobs(data: dict, kind: str) -> int | None:
     return count("logprobs")
 
 
+def parse_tokenize(data: dict) -> dict:
+    """/tokenize's body (vLLM's): {"prompt": text or ids} or {"messages": [...], "add_generation_prompt",
+    "chat_template_kwargs", "tools"} -> Engine.tokenize's keyword arguments."""
+    if data.get("messages") is not None:
+        r = parse_request({k: data.get(k) for k in ("messages", "chat_template_kwargs", "tools")}, "chat",
+                          context_length=1)
+        return dict(messages=r.messages, enable_thinking=r.enable_thinking, tools=r.tools,
+                    template_kwargs=r.template_kwargs,
+                    add_generation_prompt=_bool(data, "add_generation_prompt", True))
+    return dict(prompt=_prompt(data.get("prompt")))
+
+
+def parse_detokenize(data: dict) -> list[int]:
+    """/detokenize's body: {"tokens": [ids]}."""
+    ids = data.get("tokens")
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise _bad("tokens", "expected an array of non-negative token ids.")
+    return ids
+
+
 def sampling_with_defaults(req: Request, data: dict, defaults: dict) -> SamplingParams:
     """Fill the fields the request did not set from the server defaults."""
     s = req.sampling
