@@ -161,3 +161,58 @@ def test_completion_text_offsets_are_positions_in_the_text(tinycode_path):
                for o in reply.logprobs([TokenLogprob(i, -1.0) for i in part])["text_offset"]]
     want = [len(b"".join(tok.token_bytes(j) for j in ids[:k]).decode("utf-8", "ignore")) for k in range(len(ids))]
     assert offsets == want and want[-1] == len(text) - 1
+
+
+def test_choices_share_one_prefill(checkpoints, monkeypatch):
+    """A request's n choices prefill and score their prompt once (Engine.generate(keep_prompt=True));
+    choice i then equals the same choice on a fresh engine: the kept state is that prefill's."""
+    path = checkpoints["qwen3_mlx_4bit"]
+    eng = Engine(path, snapshot_dir=None)
+    calls = {"prefill": 0, "score": 0}
+    prefill, score = eng._prefill, eng.prompt_logprobs_of
+    monkeypatch.setattr(eng, "_prefill", lambda *a, **k: calls.__setitem__("prefill", calls["prefill"] + 1) or prefill(*a, **k))
+    monkeypatch.setattr(eng, "prompt_logprobs_of", lambda *a, **k: calls.__setitem__("score", calls["score"] + 1) or score(*a, **k))
+    ids = list(range(5, 60))
+    out = []
+    for i in range(3):
+        evs = list(eng.generate(prompt=ids, max_tokens=6, logprobs=1, prompt_logprobs=1, keep_prompt=i < 2,
+                                sampling=SamplingParams(temperature=0.9, seed=4, choice=i)))
+        out.append(([t for e in evs for t in e.token_ids], evs[0].prompt_logprobs))
+    eng.forget_prompt()
+    assert calls == {"prefill": 1, "score": 1} and eng._kept is None
+    for i in (1, 2):
+        fresh = list(Engine(path, snapshot_dir=None).generate(
+            prompt=ids, max_tokens=6, logprobs=1, prompt_logprobs=1, sampling=SamplingParams(temperature=0.9, seed=4, choice=i)))
+        assert out[i] == ([t for e in fresh for t in e.token_ids], fresh[0].prompt_logprobs)
+    assert out[0][0] != out[1][0] or out[1][0] != out[2][0]
+
+
+def test_echo_offsets_skip_an_added_bos_and_the_first_space(tmp_path):
+    """text_offset of an echoed prompt counts in the prompt as sent: a BOS the tokenizer added takes
+    no room, and SentencePiece's first-space strip is the text's (it was 3 + 1 characters off)."""
+    from tensorfold.engine.logprobs import TokenLogprob
+    from tensorfold.server.responses import ReplyBuilder
+    from tensorfold.tokenizer import Tokenizer
+    from test_tokenizer import _spm_dir
+    spm = Tokenizer.from_dir(_spm_dir(tmp_path / "spm"))
+    text = "The quick é brown"
+    ids = spm.encode_prompt(text)
+    assert ids[0] == spm.bos_id
+    reply = ReplyBuilder("completion", "m", tokenizer=spm, prompt_ids=ids, echo=text)
+    lp = reply.logprobs([TokenLogprob(ids[0], None, None)] + [TokenLogprob(i, -1.0) for i in ids[1:]])
+    offs = lp["text_offset"]
+    assert offs[0] == 0 and offs[1] == 0 and offs == sorted(offs) and offs[-1] < len(text)
+    for i, o in zip(ids[1:], offs[1:]):         # each token's text is there (less the first space)
+        piece = spm.token_bytes(i).decode("utf-8", "ignore").lstrip(" ") if o == 0 else spm.token_bytes(i).decode("utf-8", "ignore")
+        assert text[o:].startswith(piece), (spm.id_to_token(i), o)
+
+
+def test_a_prompt_that_fills_the_context_can_be_scored(checkpoints):
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], context=40, snapshot_dir=None, drafts=False)
+    ids = list(range(5, 45))
+    only = list(eng.generate(prompt=ids, max_tokens=0, prompt_logprobs=0))
+    assert len(only[0].prompt_logprobs) == 40 and only[0].finish_reason == "length"
+    from tensorfold.errors import RequestError
+    with pytest.raises(RequestError):
+        list(eng.generate(prompt=ids, max_tokens=1, prompt_logprobs=0))
+    assert len(eng.prepare(prompt=ids, room=0).ids) == 40

@@ -82,3 +82,15 @@ def test_penalty_ranges_and_generation_config(checkpoints, tmp_path):
         with pytest.raises(RequestError) as e:
             eng.generate_text(prompt=[5, 6], max_tokens=2, sampling=SamplingParams(**bad))
         assert e.value.param == next(iter(bad))
+
+
+def test_an_overflowing_penalty_is_the_largest_logit_for_every_sampler():
+    """A repetition penalty of 1e-310 divides a positive logit past float64's range: +inf was
+    greedy's choice but, not finite, left out of sampling's candidates (the preference flipped)."""
+    from tensorfold.engine.sampling import sample
+    row = np.array([1.0, 3.0, 2.0, -1.0], np.float32)
+    pen = Penalties(repetition=1e-310, prompt=[2])
+    x = pen.apply(row)
+    assert np.isfinite(x).all() and int(np.argmax(x)) == 2
+    assert {sample(x, s, 9, SamplingParams(temperature=0.8, seed=s)) for s in range(10)} == {2}
+    assert sample(x, 0, 9, SamplingParams(temperature=0.0)) == 2

@@ -109,6 +109,7 @@ class Engine:
         if self.disk is not None:
             self._start_disk_key()
         self._warm_thread = None
+        self._kept = None               # generate(keep_prompt=True): a prompt's prefilled state
         self.generation_defaults = self._read_generation_defaults()
         self.drafter = None
         if drafter is not None:
@@ -192,7 +193,7 @@ class Engine:
         return self.prepare(messages, prompt, enable_thinking, tools, template_kwargs).ids
 
     def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None,
-                template_kwargs=None) -> Prompt:
+                template_kwargs=None, room: int = 1) -> Prompt:
         """The request's prompt, tokenized and checked (RequestError on bad input). Thread-safe:
         it reads only the tokenizer and the config, so a server calls it on a thread of its own
         and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
@@ -200,11 +201,11 @@ class Engine:
         tkw = dict(template_kwargs or {})
         if messages is not None:
             ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw)
-            self._check_prompt(ids, True)
+            self._check_prompt(ids, True, room)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
         ids = self.tokenize(prompt=prompt)
-        self._check_prompt(ids, False)
+        self._check_prompt(ids, False, room)
         return Prompt(ids=ids, chat=False)
 
     def tokenize(self, messages=None, prompt=None, enable_thinking=None, tools=None, template_kwargs=None,
@@ -243,10 +244,10 @@ class Engine:
                                param="messages") from None
         return self.tokenizer.encode(text), text, think
 
-    def _check_prompt(self, ids, chat: bool) -> None:
+    def _check_prompt(self, ids, chat: bool, room: int = 1) -> None:
         """Every id is a row of the embedding (MLX's gather does not check: an id past it read other
-        memory, a reply that changed from run to run) and the prompt and at least one generated
-        token fit the context. Checked by prepare, so that a server answers at once, and again by
+        memory, a reply that changed from run to run) and the prompt and `room` generated tokens
+        (1; 0 for a prompt only scored) fit the context. Checked by prepare, so that a server answers at once, and again by
         generate for a Prompt made elsewhere (another engine's, with a larger vocabulary)."""
         vocab = self.model.cfg.vocab_size
         if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
@@ -254,7 +255,7 @@ class Engine:
                 " (the chat template's text tokenized to ids past the model's embedding)" if chat else ""),
                 param="messages" if chat else "prompt")
         n_prompt = len(ids)
-        if n_prompt + 1 > self.context_length:
+        if n_prompt + room > self.context_length:
             raise RequestError(
                 f"the prompt has {n_prompt} tokens; this model's context is {self.context_length}",
                 param="messages" if chat else "prompt", code="context_length_exceeded")
@@ -410,13 +411,15 @@ class Engine:
                  enable_thinking=None, tools=None, cancel=None, progress=None,
                  ignore_eos: bool = False, proposers: list[Proposer] | None = None,
                  prepared: Prompt | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, keep_prompt: bool = False):
         """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read).
         logprobs: None, or n in 0..20: each event carries its tokens' logprobs with the n most
         likely alternatives (engine/logprobs.py). prompt_logprobs: the same for the prompt's tokens,
         on a first event of its own (`prompt_logprobs_of`); then max_tokens may be 0 (nothing is
-        generated: a prompt scored)."""
+        generated: a prompt scored). keep_prompt: keep this prompt's prefilled state (and its
+        scores) for the next call with the same ids, which then skips that work (a request's n
+        choices; `forget_prompt` drops it)."""
         t0 = time.perf_counter()
         p = sampling or SamplingParams()
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
@@ -428,19 +431,27 @@ class Engine:
                 raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {n!r}", param=name)
         if isinstance(stop, str):
             stop = [stop]
+        scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed
         if prepared is None:
-            prepared = self.prepare(messages, prompt, enable_thinking, tools)
+            prepared = self.prepare(messages, prompt, enable_thinking, tools, room=0 if scoring_only else 1)
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
-        self._check_prompt(ids, chat)
+        self._check_prompt(ids, chat, 0 if scoring_only else 1)
         if max_tokens is None or max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
         seed = choice_seed(p.seed if p.seed is not None else prompt_seed(ids), p.choice)
 
         stats = GenerationStats(prompt_tokens=n_prompt)
+        kept = self._kept if self._kept is not None and self._kept["ids"] == tuple(ids) else None
+        if keep_prompt and kept is None:
+            kept = self._kept = {"ids": tuple(ids), "scored": {}}
         if prompt_logprobs is not None:
-            scored = self.prompt_logprobs_of(ids, prompt_logprobs, cancel)
+            scored = kept["scored"].get(prompt_logprobs) if kept is not None else None
+            if scored is None:
+                scored = self.prompt_logprobs_of(ids, prompt_logprobs, cancel)
+                if kept is not None and scored is not None:
+                    kept["scored"][prompt_logprobs] = scored
             if scored is None or max_tokens == 0:
                 stats.prefill_s = time.perf_counter() - t0
                 stats.finish_reason = "cancelled" if scored is None else "length"
@@ -448,9 +459,19 @@ class Engine:
                 return
             yield GenerationEvent(prompt_logprobs=scored)
         try:
-            cache, logits, stats.cached_tokens = self._prefill(ids, progress, prepared.pin_at,
-                                                               room=max_tokens + self.draft_width,
-                                                               cancel=cancel)
+            if kept is not None and "kv" in kept:
+                # the prompt's state as the previous call's prefill left it (the same bits a prefill
+                # gives: it is that prefill's), in buffers of this call's size
+                cache = self.model.new_cache()
+                cache.restore(kept["kv"], n_prompt, reserve_rows(n_prompt, max_tokens + self.draft_width))
+                logits, stats.cached_tokens = kept["logits"], kept["cached"]
+            else:
+                cache, logits, stats.cached_tokens = self._prefill(ids, progress, prepared.pin_at,
+                                                                   room=max_tokens + self.draft_width,
+                                                                   cancel=cancel)
+                if kept is not None:
+                    kept.update(kv=cache.snapshot(n_prompt), logits=logits, cached=stats.cached_tokens)
+                    mx.eval(kept["kv"], logits)
         except PrefillCancelled:
             stats.prefill_s = time.perf_counter() - t0
             stats.finish_reason = "cancelled"
@@ -577,6 +598,10 @@ class Engine:
         stats.token_hash = hashlib.sha256(np.asarray(reply, dtype=np.int64).tobytes()).hexdigest()[:16]
         stats.finish_reason = finish
         yield GenerationEvent(text="", token_ids=[], finish_reason=finish, stats=stats)
+
+    def forget_prompt(self) -> None:
+        """Drop the state generate(keep_prompt=True) kept."""
+        self._kept = None
 
     PROMPT_LOGPROB_ROWS = 256
 

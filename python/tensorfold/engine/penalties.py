@@ -49,8 +49,12 @@ class Penalties:
         if self.repetition != 1.0:
             seen = np.union1d(self.prompt, ids)
             v = x[seen]
-            x[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)
+            with np.errstate(over="ignore"):
+                x[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)
         if len(ids) and (self.frequency != 0.0 or self.presence != 0.0):
             c = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
             x[ids] -= self.frequency * c + self.presence
+        # a logit pushed past float64's range (a repetition penalty of 1e-310 divides by it) stays
+        # the largest finite value: +inf was greedy's choice and, non-finite, out of sampling's
+        np.minimum(x, np.finfo(np.float64).max, out=x)
         return x

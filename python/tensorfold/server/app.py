@@ -247,8 +247,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             # tokenized off the engine's thread (the tokenizer lets the GIL go): a large prompt
             # holds up neither the engine's thread nor the other requests (tokenizing.py)
             args = (kwargs.pop("messages", None), kwargs.pop("prompt", None), kwargs.pop("enable_thinking", None))
-            tkw = req.template_kwargs if kind == "chat" else None
-            fut = tokenize.submit(prepare, args + ((req.tools, tkw) if tkw or req.tools else ()), body_size)
+            extra = {"tools": req.tools} if req.tools else {}
+            if kind == "chat" and req.template_kwargs:
+                extra["template_kwargs"] = req.template_kwargs
+            if req.echo and req.logprobs is not None and kwargs["max_tokens"] == 0:
+                extra["room"] = 0       # a prompt scored, nothing generated: it may fill the context
+            fut = tokenize.submit(lambda: prepare(*args, **extra), (), body_size)
             try:
                 while not (await asyncio.wait({fut}, timeout=0.1))[0]:
                     if worker.closing:
@@ -283,8 +287,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         echo = None
         if req.echo:                    # the prompt as sent; token ids as they decode
             echo = req.prompt if isinstance(req.prompt, str) else worker.engine.tokenizer.decode(req.prompt)
+        prepared = kwargs.get("prepared")
         reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
-                             tokenizer=getattr(worker.engine, "tokenizer", None))
+                             tokenizer=getattr(worker.engine, "tokenizer", None), echo=echo,
+                             prompt_ids=prepared.ids if prepared is not None else None)
 
         def choice(i: int) -> Choice:
             return Choice(i, tags if kind == "chat" else None, job.in_think, bool(req.tools), echo, req.stream)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 import uuid
 
 from ..engine.types import GenerationStats
+from ..tokenizer import IncrementalDetokenizer
 
 
 def new_id(kind: str) -> str:
@@ -44,18 +44,58 @@ def token_str(b: bytes) -> str:
         return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
+class TextOffsets:
+    """Where each token of a completion choice starts in the choice's text (logprobs' text_offset):
+    the echoed prompt's tokens in the prompt as they decode (a BOS the tokenizer added, which the
+    prompt as sent lacks, takes no room), then the completion's tokens in its text as the engine's
+    detokenizer emits it (the same context: the prompt's tail). A token whose text is held back
+    (part of a character, a byte run) starts where that text will; the token that releases held
+    text starts where its own bytes do, after it."""
+
+    def __init__(self, tokenizer, prompt_ids, echo: str | None):
+        self.tok, self.prompt, self.echo = tokenizer, list(prompt_ids or []), echo
+        self.k = 0
+        if echo is not None:
+            bos = getattr(tokenizer, "bos_token", None)
+            self.skip_first = bool(self.prompt) and self.prompt[0] in getattr(tokenizer, "bos_ids", ()) \
+                and not (bos and echo.startswith(bos))
+            self._start(0, IncrementalDetokenizer(tokenizer))
+        else:
+            self.skip_first = False
+            self._start(0, IncrementalDetokenizer(tokenizer, context=self.prompt[-64:]))
+
+    def _start(self, base: int, detok) -> None:
+        self.base, self.emitted, self.detok = base, 0, detok
+
+    def next(self, token_id: int) -> int:
+        if self.echo is not None and self.k == len(self.prompt):        # the completion follows the prompt
+            self._start(len(self.echo), IncrementalDetokenizer(self.tok, context=self.prompt[-64:]))
+        at = self.base + self.emitted
+        if not (self.k == 0 and self.skip_first):
+            out = self.detok.add(token_id)
+            own = self.tok.token_bytes(token_id).decode("utf-8", "ignore")
+            if own and len(out) > len(own):     # held text released before this token's own
+                at += len(out) - len(own)
+            self.emitted += len(out)
+        self.k += 1
+        return at
+
+
 class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
-    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None):
+    def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None,
+                 prompt_ids=None, echo: str | None = None):
         """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
         streams it; the usage chunk at the end has the counts). tokenizer: names the tokens of
-        the logprobs (a request that asks for them)."""
+        the logprobs (a request that asks for them); prompt_ids / echo: the prompt's ids and, with
+        `echo`, its text (where completions' text_offset counts from: TextOffsets)."""
+        self.prompt_ids, self.echo = prompt_ids, echo
         self.kind = kind
         self.model = model
         self.usage_field = usage_field
         self.tokenizer = tokenizer
-        self._offsets: dict[int, list] = {}     # completions' logprobs, a choice's: [next offset, utf-8 decoder]
+        self._offsets: dict[int, TextOffsets] = {}      # completions' logprobs, a choice's
         self.id = new_id(kind)
         self.created = int(time.time())
 
@@ -79,7 +119,9 @@ class ReplyBuilder:
                 content.append(e)
             return {"content": content, "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        at = self._offsets.setdefault(index, [0, codecs.getincrementaldecoder("utf-8")("replace")])
+        at = self._offsets.get(index)
+        if at is None:
+            at = self._offsets[index] = TextOffsets(self.tokenizer, self.prompt_ids, self.echo)
         for lp in lps:
             s, _ = self._entry(lp.id, lp.logprob)
             if lp.logprob is None:          # an echoed prompt's first token: nothing before it
@@ -90,10 +132,7 @@ class ReplyBuilder:
             out["tokens"].append(s)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top)
-            # the character where the token's bytes start in the text they decode to (the length
-            # of its name counted "bytes:\\xf0" as 10 characters)
-            out["text_offset"].append(at[0])
-            at[0] += len(at[1].decode(self.tokenizer.token_bytes(lp.id)))
+            out["text_offset"].append(at.next(lp.id))
         return out
 
     def _head(self, obj: str) -> dict:

@@ -166,10 +166,13 @@ class EngineWorker:
             total = 0
             kwargs = dict(job.kwargs, cancel=job.cancel, progress=self.progress.prefill)
             self.progress.begin()
+            keeps = job.n > 1 and hasattr(eng, "forget_prompt")
             for i in range(job.n):
                 if i:                   # choice i: its own seed (sampling.choice_seed), the same prompt
                     job.post("choice", i)
                     kwargs["sampling"] = dataclasses.replace(job.kwargs["sampling"], choice=i)
+                if keeps:               # the prompt prefilled (and scored) once for all the choices
+                    kwargs["keep_prompt"] = i < job.n - 1
                 for ev in eng.generate(**kwargs):
                     total += len(ev.token_ids)
                     self.progress.decode(total, time.perf_counter() - t0)
@@ -192,6 +195,8 @@ class EngineWorker:
             return
         finally:
             self.progress.end()
+            if hasattr(eng, "forget_prompt"):
+                eng.forget_prompt()
         with self._lock:
             self.stats["cancelled" if job.cancel.is_set() else "served"] += 1
         job.post("end")
