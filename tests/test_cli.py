@@ -199,3 +199,30 @@ def test_serve_embedded_model_answers_with_code(tmp_path):
     first = out.strip().splitlines()[0]
     assert "embedded" in first and "tinycode-4bit" in first, out
     assert "Traceback" not in out, out
+
+
+def test_a_signal_inside_submit_does_not_deadlock():
+    """SIGTERM / SIGINT run their handler on the event loop's thread wherever the signal found it:
+    inside EngineWorker.submit's queue put, which holds the queue's lock that drain() takes, the
+    server hung for good. The drain is now scheduled on the loop."""
+    import asyncio
+    import threading
+    from tensorfold.cli import schedule_drain
+
+    lock, called = threading.Lock(), []
+
+    class Worker:
+        def drain(self):
+            with lock:
+                called.append(1)
+            return 0
+
+    async def signal_inside_put():
+        with lock:                  # what submit holds while the signal lands
+            schedule_drain(Worker())
+        await asyncio.sleep(0.05)
+
+    t = threading.Thread(target=lambda: asyncio.run(signal_inside_put()), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and called == [1]

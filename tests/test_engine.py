@@ -569,3 +569,26 @@ def test_a_prepared_prompt_is_checked_against_this_engine(checkpoints):
             list(eng.generate(prepared=Prompt(ids=ids, chat=False), max_tokens=2))
         assert e.value.param == "prompt"
     assert eng.generate_text(prepared=Prompt(ids=[5, V - 1, 6], chat=False), max_tokens=2)[1]
+
+
+def test_a_cancel_stops_the_drafters_prompt_catch_up(checkpoints):
+    """The drafter catches its cache up on the whole prompt after the first token: a request
+    cancelled meanwhile kept the engine busy for that whole prefill (16 s on a 3,000-token prompt).
+    Now the catch-up stops between grid chunks, no drafts come, and the request ends cancelled."""
+    import threading
+    path, mode = checkpoints["qwen3_mlx_4bit"], PrefillMode(grid=16)
+    eng = Engine(path, prefill_mode=mode, drafter=path)
+    cancel, calls = threading.Event(), []
+    model = eng.drafter.model
+    real = model.forward
+
+    def forward(*a, **k):           # the client leaves during the drafter's first chunk
+        calls.append(a[0].shape[1])
+        cancel.set()
+        return real(*a, **k)
+    model.forward = forward
+    evs = list(eng.generate(prompt=list(range(3, 200)), max_tokens=20, cancel=cancel))
+    assert evs[-1].finish_reason == "cancelled" and len(calls) == 1
+    model.forward = real
+    full = eng.generate_text(prompt=list(range(3, 200)), max_tokens=20)
+    assert full[1] == Engine(path, prefill_mode=mode, drafts=False).generate_text(prompt=list(range(3, 200)), max_tokens=20)[1]

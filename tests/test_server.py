@@ -898,10 +898,35 @@ def test_a_client_that_leaves_while_tokenizing_is_never_queued():
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(s.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"prompt": "gone"}, timeout=0.5)
+        # its tokenization cannot be stopped: /health counts it until it ends (it counted 0 while
+        # two abandoned 12 MB prompts held the large lane for 23 s)
+        assert s.health()["tokenizing"] == 1 and "gone" not in eng.prepared_tags
         _wait(lambda: "gone" in eng.prepared_tags)
+        _wait(lambda: s.health()["tokenizing"] == 0)
         time.sleep(0.3)
         assert s.post("/v1/completions", {"prompt": "next"}).status_code == 200
         assert eng.started == ["next"]
+
+
+def test_shutdown_while_a_body_arrives_answers_503():
+    """SIGTERM / SIGINT (drain) while a request body is still arriving: the JSON 503 the other
+    requests get, at once (uvicorn cancelled the handler when its grace period ran out, a
+    text/plain 500 and a traceback in the log)."""
+    import socket
+    with scripted_server(ScriptedEngine(["x"]), api_key=KEY) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = b'{"prompt": "slow", "max_tokens": 1}'
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body[:10])
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.worker.drain()
+        sock.settimeout(10)
+        reply = sock.recv(65536).decode()
+        sock.close()
+        assert reply.startswith("HTTP/1.1 503") and "server_shutting_down" in reply, reply
+        assert time.monotonic() - t0 < 2.0
 
 
 EXIT_SCRIPT = """

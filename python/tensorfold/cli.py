@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
@@ -220,6 +221,22 @@ def _setup_logging(level: str) -> None:
     log.propagate = False
 
 
+def schedule_drain(worker) -> None:
+    """What SIGINT / SIGTERM do first: the queued and running requests get a 503 (a stream an error
+    event and [DONE]) inside uvicorn's grace period, instead of being cut off when it runs out.
+    Scheduled on the event loop, not run in the signal handler: the handler runs on the loop's
+    thread wherever the signal found it, and EngineWorker.drain takes the job queue's lock, which
+    that thread may hold (inside submit's put: the server hung for good)."""
+    def drain():
+        n = worker.drain()
+        if n:
+            log.info("shutting down: %d request(s) answered with 503", n)
+    try:
+        asyncio.get_running_loop().call_soon_threadsafe(drain)
+    except RuntimeError:        # no loop running: nothing on this thread holds the lock
+        drain()
+
+
 def cmd_serve(a) -> int:
     _check_serve_args(a)
     _check_listen(a.host, a.port)
@@ -280,12 +297,8 @@ def cmd_serve(a) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # queued and running requests get a 503 (streams an error event and [DONE]) now,
-            # inside the grace period, instead of being cut off when it runs out
             if not self.should_exit:
-                n = worker.drain()
-                if n:
-                    log.info("shutting down: %d request(s) answered with 503", n)
+                schedule_drain(worker)
             super().handle_exit(sig, frame)
 
     server = Server(config)

@@ -485,6 +485,7 @@ class Engine:
                 proposers.append(ContextCopy())
                 if self.drafter is not None:
                     self.drafter.reset()        # shared across requests: its cache and state
+                    self.drafter.cancel = cancel
                     proposers.append(self.drafter)
         elif not (draft and (self.drafts_enabled or self.row_exact is None)):
             proposers = []

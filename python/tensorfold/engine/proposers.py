@@ -89,9 +89,10 @@ class DraftModel(Proposer):
         self.cache = model.new_cache()
         self.fed: list[int] = []
         self._oob = None         # (position, id) of a token past this model's vocab, if any
+        self.cancel = None       # the request's cancel event (the engine sets it at each request)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        from .prefill import prefill
+        from .prefill import PrefillCancelled, prefill
         # keep the longest common prefix of what the cache holds, feed the rest
         n = 0
         lim = min(len(self.fed), len(tokens) - 1)
@@ -120,15 +121,25 @@ class DraftModel(Proposer):
             # tokens a verify round adds in one call of the decode kernels (MLX's own one-row
             # quantized matmul took ~70 ms a call on the CPU); a prompt through the grid prefill
             # from a grid point, else in grid-sized MLX forwards (it was one MLX call a token)
+            # (a request cancelled meanwhile stops it between grid pieces: no drafts, and the
+            # engine ends the request at its next step; the whole prompt's catch-up kept a
+            # cancelled request busy for a prefill)
             rest = todo[:-1]
-            if len(rest) <= 2 * self.max_width:
-                self.model.forward(mx.array([rest]), self.cache, exact=True, logits=False)
-            elif self.cache.offset % self.mode.grid:
-                for a in range(0, len(rest), self.mode.grid):
-                    piece = rest[a:a + self.mode.grid]
-                    self.model.forward(mx.array([piece]), self.cache, exact=False, logits=False)
-            else:
-                prefill(self.model, self.cache, tokens[:-1], self.mode)
+            try:
+                if len(rest) <= 2 * self.max_width:
+                    self.model.forward(mx.array([rest]), self.cache, exact=True, logits=False)
+                elif self.cache.offset % self.mode.grid:
+                    for a in range(0, len(rest), self.mode.grid):
+                        if self.cancel is not None and self.cancel.is_set():
+                            raise PrefillCancelled
+                        piece = rest[a:a + self.mode.grid]
+                        self.model.forward(mx.array([piece]), self.cache, exact=False, logits=False)
+                        mx.eval(self.cache.arrays())
+                else:
+                    prefill(self.model, self.cache, tokens[:-1], self.mode, cancel=self.cancel)
+            except PrefillCancelled:
+                self.cache, self.fed = self.model.new_cache(), []
+                return []
             self.fed = list(tokens[:-1])
         out: list[int] = []
         last = tokens[-1]

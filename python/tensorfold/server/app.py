@@ -139,13 +139,23 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 if size > limit:
                     raise too_large()
                 parts.append(chunk)
+        # read while watching for a shutdown: a body still arriving when it began got a text/plain
+        # 500 (uvicorn cancelled the task when its grace period ran out), not the JSON 503
+        task = asyncio.ensure_future(read())
+        deadline = time.monotonic() + body_timeout
         try:
-            await asyncio.wait_for(read(), body_timeout)
+            while not (await asyncio.wait({task}, timeout=min(0.1, max(0.0, deadline - time.monotonic()))))[0]:
+                if worker.closing:
+                    raise RequestError("The server is shutting down.", type="server_error",
+                                       code="server_shutting_down", status=503)
+                if time.monotonic() >= deadline:    # a client that sends its headers and stalls
+                    raise RequestError(f"The request body did not arrive within {body_timeout:g} s.",
+                                       code="request_timeout", status=408)
+            task.result()
         except ClientDisconnect:
             raise _Gone from None
-        except asyncio.TimeoutError:        # a client that sends its headers and stalls
-            raise RequestError(f"The request body did not arrive within {body_timeout:g} s.",
-                               code="request_timeout", status=408) from None
+        finally:
+            task.cancel()
         return b"".join(parts)
 
     def check_model(model) -> None:
