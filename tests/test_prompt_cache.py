@@ -334,6 +334,17 @@ REFUSES_SYSTEM_ALONE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 
 
+def _pinned_system_block(model_path, snap):
+    """A chat whose system block holds a grid point: (its system message, the disk's one pinned entry)."""
+    system = {"role": "system", "content": _words(60, 1)}
+    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
+    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
+    eng.disk.flush()
+    pinned = [e for e in eng.disk.entries if e.pinned]
+    assert len(pinned) == 1 and len(pinned[0].tokens) % GRID == 0
+    return system, pinned
+
+
 @pytest.mark.parametrize("template", ["own", "refuses system alone"])
 def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path, template):
     if template != "own":
@@ -342,12 +353,7 @@ def test_system_block_pinned_and_warmed_at_start(model_path, tmp_path, template)
         model_path = tmp_path / "m"
         (model_path / "chat_template.jinja").write_text(REFUSES_SYSTEM_ALONE)
     snap = tmp_path / "snaps"
-    system = {"role": "system", "content": _words(60, 1)}
-    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
-    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
-    eng.disk.flush()
-    pinned = [e for e in eng.disk.entries if e.pinned]
-    assert len(pinned) == 1 and len(pinned[0].tokens) % GRID == 0
+    system, pinned = _pinned_system_block(model_path, snap)
     # a new engine warms the pinned block in the background; another user's chat reuses it
     eng2 = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
     eng2.warm_up_async().join(timeout=60)
@@ -365,12 +371,7 @@ def test_warm_up_is_held_inside_the_memory_budget(model_path, tmp_path):
     were held in a table of their own beside a full store (up to twice the budget), and a full
     store of unpinned entries gives way to them."""
     snap = tmp_path / "snaps"
-    system = {"role": "system", "content": _words(60, 1)}
-    eng = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False)
-    eng.generate_text(messages=[system, {"role": "user", "content": "hello"}], max_tokens=4, sampling=P)
-    eng.disk.flush()
-    pinned = [e for e in eng.disk.entries if e.pinned]
-    assert len(pinned) == 1
+    _, pinned = _pinned_system_block(model_path, snap)
     size = pinned[0].nbytes
     eng2 = Engine(model_path, prefill_mode=PrefillMode(grid=GRID), snapshot_dir=snap, drafts=False,
                   prompt_cache_gib=1.5 * size / 2**30)
