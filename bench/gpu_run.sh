@@ -1345,8 +1345,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
   s53)      # prepared in session 53 (no machine was lent), not run: the MoE peak test in its bf16-on-CUDA form (not run
             # there since it was rewritten), the whole of test_dsa.py (21 of its 31 ids were cut in s52c), and session
             # 53's tests of MLX's per-thread streams (an engine on another thread; the warm-up's arrays)
+    # and its logprobs / penalties / echo tests, whose promises (drafted == serial, prompt logprobs the
+    # same whatever rows a call holds) only the CUDA face can really test (MLX's own kernels are not
+    # row-invariant there)
     { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_dsa.py;
-      collect tests/test_engine.py -k another_thread; collect tests/test_prompt_cache.py -k "warm"; } > "$out/s53.ids"
+      collect tests/test_engine.py -k "another_thread or serves_on_another or catch_up";
+      collect tests/test_prompt_cache.py -k "warm or hold_what";
+      collect tests/test_logprobs.py tests/test_penalties.py; } > "$out/s53.ids"
     IDS="$out/s53.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
   s52d)     # session 52: what s52a's limit cut (its ids against the ones it ran, bench/s52_ran.txt), the MoE peak test
