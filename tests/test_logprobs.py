@@ -187,24 +187,37 @@ def test_choices_share_one_prefill(checkpoints, monkeypatch):
     assert out[0][0] != out[1][0] or out[1][0] != out[2][0]
 
 
-def test_echo_offsets_skip_an_added_bos_and_the_first_space(tmp_path):
-    """text_offset of an echoed prompt counts in the prompt as sent: a BOS the tokenizer added takes
-    no room, and SentencePiece's first-space strip is the text's (it was 3 + 1 characters off)."""
+def test_echo_offsets_are_positions_in_the_echoed_text(tmp_path, tinycode_path):
+    """text_offset of an echoed prompt counts in the text echo returns (responses.echo_text: the
+    prompt as its ids decode, less a BOS the tokenizer added): a BOS took 3 characters, a typed <s>
+    (after which SentencePiece decodes a space) and a normalised prompt (NFD sent, NFC decoded)
+    moved every later offset by one."""
+    import unicodedata
     from tensorfold.engine.logprobs import TokenLogprob
-    from tensorfold.server.responses import ReplyBuilder
-    from tensorfold.tokenizer import Tokenizer
+    from tensorfold.server.responses import ReplyBuilder, added_bos, echo_text
+    from tensorfold.tokenizer import IncrementalDetokenizer, Tokenizer
     from test_tokenizer import _spm_dir
     spm = Tokenizer.from_dir(_spm_dir(tmp_path / "spm"))
-    text = "The quick é brown"
-    ids = spm.encode_prompt(text)
-    assert ids[0] == spm.bos_id
-    reply = ReplyBuilder("completion", "m", tokenizer=spm, prompt_ids=ids, echo=text)
-    lp = reply.logprobs([TokenLogprob(ids[0], None, None)] + [TokenLogprob(i, -1.0) for i in ids[1:]])
-    offs = lp["text_offset"]
-    assert offs[0] == 0 and offs[1] == 0 and offs == sorted(offs) and offs[-1] < len(text)
-    for i, o in zip(ids[1:], offs[1:]):         # each token's text is there (less the first space)
-        piece = spm.token_bytes(i).decode("utf-8", "ignore").lstrip(" ") if o == 0 else spm.token_bytes(i).decode("utf-8", "ignore")
-        assert text[o:].startswith(piece), (spm.id_to_token(i), o)
+    tiny = Tokenizer.from_dir(tinycode_path)
+    cases = [(spm, p) for p in ("The quick é brown", "<s>The quick", "é€ start", "  two  spaces", "a\n\nb")]
+    cases.append((tiny, unicodedata.normalize("NFD", "café bar = 1")))
+    for tok, prompt in cases:
+        ids = tok.encode_prompt(prompt)
+        comp = tok.encode(" fox é€ over")
+        d = IncrementalDetokenizer(tok, context=ids[-64:])
+        text = echo_text(tok, prompt, ids) + "".join(d.add(t) for t in comp) + d.flush()
+        skip = added_bos(tok, prompt, ids)
+        reply = ReplyBuilder("completion", "m", tokenizer=tok, prompt_ids=ids, echo=echo_text(tok, prompt, ids),
+                             skip_bos=skip)
+        offs = reply.logprobs([TokenLogprob(ids[0], None, None)] + [TokenLogprob(i, -1.0) for i in ids[1:] + comp])[
+            "text_offset"]
+        assert offs == sorted(offs) and offs[-1] < len(text), (prompt, offs)
+        for k, (t, o) in enumerate(zip(ids + comp, offs)):
+            own = tok.token_bytes(t).decode("utf-8", "ignore")
+            if (k == 0 and skip) or not own:
+                continue
+            assert text[o:].startswith(own) or (o == 0 and text.startswith(own.lstrip(" "))), (prompt, tok.id_to_token(t), o, text)
+    assert echo_text(spm, "The quick", spm.encode_prompt("The quick")) == "The quick"
 
 
 def test_a_prompt_that_fills_the_context_can_be_scored(checkpoints):

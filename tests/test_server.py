@@ -1105,6 +1105,8 @@ def test_tokenize_and_detokenize(srv):
     assert post("/tokenize", {"prompt": long})["count"] > srv.engine.context_length
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": ""}), ("/tokenize", {"messages": "x"}),
                        ("/detokenize", {"tokens": [1, -2]}), ("/detokenize", {"tokens": [10**7]}),
-                       ("/tokenize", {"prompt": "x", "model": "other"})):
-        assert "error" in post(path, body, 404 if "model" in body else 400)
+                       ("/tokenize", {"prompt": "x", "model": "other"}),
+                       ("/tokenize", {"prompt": "x", "messages": USER}), ("/tokenize", {"prompt": "x", "model": 5}),
+                       ("/v1/completions", {"prompt": "x", "model": 5})):
+        assert "error" in post(path, body, 404 if body.get("model") == "other" else 400)
     assert httpx.post(srv.base + "/tokenize", json={"prompt": "x"}, timeout=60).status_code == 401

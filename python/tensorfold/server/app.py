@@ -18,7 +18,7 @@ from ..errors import RequestError
 from .protocol import parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
 from .choices import Choice
 from .tools import tool_format
-from .responses import ReplyBuilder, error_body, sse
+from .responses import ReplyBuilder, added_bos, echo_text, error_body, sse
 from .tokenizing import TokenizePool
 from .worker import EngineWorker, Job
 
@@ -159,6 +159,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         return b"".join(parts)
 
     def check_model(model) -> None:
+        if model is not None and not isinstance(model, str):
+            raise RequestError("Invalid value for 'model': expected a string.", param="model", code="invalid_value")
         if isinstance(model, str) and model and model not in accepted:
             raise RequestError(f"The model '{model}' does not exist; this server serves '{name}'.",
                                param="model", code="model_not_found", status=404)
@@ -294,13 +296,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if first[0] in ("gone", "end"):
             watcher.cancel()
             return Response(status_code=499)    # the client left before anything was generated
-        echo = None
-        if req.echo:                    # the prompt as sent; token ids as they decode
-            echo = req.prompt if isinstance(req.prompt, str) else worker.engine.tokenizer.decode(req.prompt)
         prepared = kwargs.get("prepared")
-        reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage,
-                             tokenizer=getattr(worker.engine, "tokenizer", None), echo=echo,
-                             prompt_ids=prepared.ids if prepared is not None else None)
+        ids = prepared.ids if prepared is not None else None
+        tok = getattr(worker.engine, "tokenizer", None)
+        echo = echo_text(tok, req.prompt, ids) if req.echo else None
+        reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage, tokenizer=tok, echo=echo,
+                             prompt_ids=ids, skip_bos=req.echo and added_bos(tok, req.prompt, ids))
 
         def choice(i: int) -> Choice:
             return Choice(i, tags if kind == "chat" else None, job.in_think, bool(req.tools), echo, req.stream)

@@ -361,6 +361,8 @@ def parse_tokenize(data: dict) -> dict:
     """/tokenize's body (vLLM's): {"prompt": text or ids} or {"messages": [...], "add_generation_prompt",
     "chat_template_kwargs", "tools"} -> Engine.tokenize's keyword arguments."""
     if data.get("messages") is not None:
+        if data.get("prompt") is not None:
+            raise _bad("prompt", "give either 'prompt' or 'messages', not both.")
         r = parse_request({k: data.get(k) for k in ("messages", "chat_template_kwargs", "tools")}, "chat",
                           context_length=1)
         return dict(messages=r.messages, enable_thinking=r.enable_thinking, tools=r.tools,

@@ -44,21 +44,34 @@ def token_str(b: bytes) -> str:
         return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
+def added_bos(tokenizer, prompt, ids) -> bool:
+    """The prompt's first id is a BOS the tokenizer added (a text prompt that does not start with it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return isinstance(prompt, str) and bool(ids) and ids[0] in getattr(tokenizer, "bos_ids", ()) \
+        and not (bos and prompt.startswith(bos))
+
+
+def echo_text(tokenizer, prompt, ids) -> str:
+    """The text `echo` puts before a completion: the prompt as its ids decode, less a BOS the
+    tokenizer added. That is the prompt as sent, except where the tokenizer normalises it (NFC, a
+    space SentencePiece puts after a typed <s>): text_offset counts in this text, so the two agree."""
+    if ids is None:                 # an engine without prepare(): the prompt as sent
+        return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+    return tokenizer.decode(list(ids)[1:] if added_bos(tokenizer, prompt, ids) else list(ids))
+
+
 class TextOffsets:
     """Where each token of a completion choice starts in the choice's text (logprobs' text_offset):
-    the echoed prompt's tokens in the prompt as they decode (a BOS the tokenizer added, which the
-    prompt as sent lacks, takes no room), then the completion's tokens in its text as the engine's
-    detokenizer emits it (the same context: the prompt's tail). A token whose text is held back
-    (part of a character, a byte run) starts where that text will; the token that releases held
-    text starts where its own bytes do, after it."""
+    the echoed prompt's tokens in echo_text (a BOS the tokenizer added takes no room), then the
+    completion's tokens in its text as the engine's detokenizer emits it (the same context: the
+    prompt's tail). A token whose text is held back (part of a character, a byte run) starts where
+    that text will; the token that releases held text starts where its own bytes do, after it."""
 
-    def __init__(self, tokenizer, prompt_ids, echo: str | None):
+    def __init__(self, tokenizer, prompt_ids, echo: str | None, skip_first: bool = False):
         self.tok, self.prompt, self.echo = tokenizer, list(prompt_ids or []), echo
         self.k = 0
         if echo is not None:
-            bos = getattr(tokenizer, "bos_token", None)
-            self.skip_first = bool(self.prompt) and self.prompt[0] in getattr(tokenizer, "bos_ids", ()) \
-                and not (bos and echo.startswith(bos))
+            self.skip_first = skip_first
             self._start(0, IncrementalDetokenizer(tokenizer))
         else:
             self.skip_first = False
@@ -85,12 +98,12 @@ class ReplyBuilder:
     """Builds the objects for one request of `kind` "chat" or "completion"."""
 
     def __init__(self, kind: str, model: str, *, usage_field: bool = False, tokenizer=None,
-                 prompt_ids=None, echo: str | None = None):
+                 prompt_ids=None, echo: str | None = None, skip_bos: bool = False):
         """usage_field: every chunk carries "usage": null (stream_options.include_usage, as OpenAI
         streams it; the usage chunk at the end has the counts). tokenizer: names the tokens of
         the logprobs (a request that asks for them); prompt_ids / echo: the prompt's ids and, with
         `echo`, its text (where completions' text_offset counts from: TextOffsets)."""
-        self.prompt_ids, self.echo = prompt_ids, echo
+        self.prompt_ids, self.echo, self.skip_bos = prompt_ids, echo, skip_bos
         self.kind = kind
         self.model = model
         self.usage_field = usage_field
@@ -121,7 +134,7 @@ class ReplyBuilder:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         at = self._offsets.get(index)
         if at is None:
-            at = self._offsets[index] = TextOffsets(self.tokenizer, self.prompt_ids, self.echo)
+            at = self._offsets[index] = TextOffsets(self.tokenizer, self.prompt_ids, self.echo, self.skip_bos)
         for lp in lps:
             s, _ = self._entry(lp.id, lp.logprob)
             if lp.logprob is None:          # an echoed prompt's first token: nothing before it
