@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL at http://HOST:PORT/v1 (chat/completions, completions, models) and /health.",
+        description="Serve MODEL at http://HOST:PORT/v1 (chat/completions, completions, models), /tokenize, /detokenize and /health.",
         formatter_class=_Help)
     s.add_argument("model", nargs="?", metavar="MODEL",
                    help="a local model directory or a Hugging Face id (downloaded when online); "
