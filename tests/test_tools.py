@@ -176,3 +176,10 @@ def test_streamed_content_is_the_content(script):
         assert streamed == (full.message.content or "")
         if full.message.tool_calls:
             assert full.message.content is None or full.message.content.strip()
+
+
+def test_tokenize_takes_tools_as_a_request_does():
+    msgs = [{"role": "user", "content": "hi"}]
+    with scripted_server(ToolEngine(["x"], template="{{ messages }}")) as s:
+        r = s.post("/tokenize", {"messages": msgs, "tools": [WEATHER]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"

@@ -158,6 +158,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             task.cancel()
         return b"".join(parts)
 
+    def check_tools(tools) -> None:
+        if tools and tool_format(getattr(worker.engine, "tokenizer", None)) is None:
+            raise RequestError("Unsupported parameter: 'tools': this model's chat template has no tool-call "
+                               "format this server parses (it parses Hermes / Qwen <tool_call> JSON).",
+                               param="tools", code="unsupported_parameter")
+
     def check_model(model) -> None:
         if model is not None and not isinstance(model, str):
             raise RequestError("Invalid value for 'model': expected a string.", param="model", code="invalid_value")
@@ -209,6 +215,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         data = parse_json(body)
         check_model(data.get("model"))
         kw = parse_tokenize(data)
+        check_tools(kw.get("tools"))    # as the request with these messages would be
         ids = await tokenize.submit(lambda: worker.engine.tokenize(**kw), (), len(body))
         return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 
@@ -248,10 +255,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if kind == "chat":
             thinking = req.enable_thinking if req.enable_thinking is not None else opts.get("thinking")
             kwargs.update(messages=req.messages, enable_thinking=thinking)
-            if req.tools and tool_format(getattr(worker.engine, "tokenizer", None)) is None:
-                raise RequestError("Unsupported parameter: 'tools': this model's chat template has no tool-call "
-                                   "format this server parses (it parses Hermes / Qwen <tool_call> JSON).",
-                                   param="tools", code="unsupported_parameter")
+            check_tools(req.tools)
         else:
             kwargs.update(prompt=req.prompt)
         prepare = getattr(worker.engine, "prepare", None)
