@@ -194,7 +194,7 @@ def test_echo_offsets_are_positions_in_the_echoed_text(tmp_path, tinycode_path):
     moved every later offset by one."""
     import unicodedata
     from tensorfold.engine.logprobs import TokenLogprob
-    from tensorfold.server.responses import ReplyBuilder, added_bos, echo_text
+    from tensorfold.server.responses import ReplyBuilder, echo_text
     from tensorfold.tokenizer import IncrementalDetokenizer, Tokenizer
     from test_tokenizer import _spm_dir
     spm = Tokenizer.from_dir(_spm_dir(tmp_path / "spm"))
@@ -206,7 +206,7 @@ def test_echo_offsets_are_positions_in_the_echoed_text(tmp_path, tinycode_path):
         comp = tok.encode(" fox é€ over")
         d = IncrementalDetokenizer(tok, context=ids[-64:])
         text = echo_text(tok, prompt, ids) + "".join(d.add(t) for t in comp) + d.flush()
-        skip = added_bos(tok, prompt, ids)
+        skip = tok.added_bos(prompt, ids)
         reply = ReplyBuilder("completion", "m", tokenizer=tok, prompt_ids=ids, echo=echo_text(tok, prompt, ids),
                              skip_bos=skip)
         offs = reply.logprobs([TokenLogprob(ids[0], None, None)] + [TokenLogprob(i, -1.0) for i in ids[1:] + comp])[

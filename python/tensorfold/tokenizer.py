@@ -363,9 +363,16 @@ class Tokenizer:
         """A completions prompt, as transformers' tokenizer(text) and mlx-lm's server encode it:
         with what tokenizer.json's post-processor adds (a BOS for Llama / Mistral style
         tokenizers; nothing for Qwen's), unless the text already starts with the BOS token."""
-        if self.bos_token and text.startswith(self.bos_token):
+        if self._typed_bos(text):
             return self.encode(text)
         return self._encode(text, True)
+
+    def _typed_bos(self, text: str) -> bool:
+        return bool(self.bos_token) and text.startswith(self.bos_token)
+
+    def added_bos(self, text, ids) -> bool:
+        """encode_prompt(text) gave `ids` a BOS the text does not hold (the post-processor's)."""
+        return isinstance(text, str) and bool(ids) and ids[0] in self.bos_ids and not self._typed_bos(text)
 
     def is_byte_token(self, token_id: int) -> bool:
         """A byte-fallback token (<0xNN>, SentencePiece style)."""

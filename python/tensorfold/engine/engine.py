@@ -432,11 +432,12 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed
-        if prepared is None:
+        if prepared is None:        # prepare checks the prompt; one made elsewhere is checked here
             prepared = self.prepare(messages, prompt, enable_thinking, tools, room=0 if scoring_only else 1)
+        else:
+            self._check_prompt(prepared.ids, prepared.chat, 0 if scoring_only else 1)
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
-        self._check_prompt(ids, chat, 0 if scoring_only else 1)
         if max_tokens is None or max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)

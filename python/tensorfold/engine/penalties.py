@@ -23,7 +23,8 @@ class Penalties:
         self.presence, self.frequency, self.repetition = float(presence), float(frequency), float(repetition)
         self.active = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
         self.counts: dict[int, int] = {}
-        self.prompt = np.unique(np.asarray(prompt, dtype=np.int64)) if self.repetition != 1.0 else None
+        self.prompt = np.asarray(prompt, dtype=np.int64) if self.repetition != 1.0 else None
+        self._seen = None        # repetition: a mask over the vocabulary of the ids seen (prompt and reply)
 
     @classmethod
     def of(cls, sampling, prompt) -> "Penalties":
@@ -33,6 +34,8 @@ class Penalties:
         """A token joins the reply."""
         if self.active:
             self.counts[token] = self.counts.get(token, 0) + 1
+            if self._seen is not None:
+                self._seen[token] = True
 
     def apply(self, row: np.ndarray, before=()) -> np.ndarray:
         """The penalised row (float64) for the next position; `before`: reply tokens not pushed yet
@@ -47,7 +50,16 @@ class Penalties:
         x = np.array(row, dtype=np.float64).reshape(-1)
         ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
         if self.repetition != 1.0:
-            seen = np.union1d(self.prompt, ids)
+            # one mask kept up to date, not the union of the prompt's ids and the reply's made again
+            # at every token (a sort of the whole prompt a token)
+            if self._seen is None:
+                self._seen = np.zeros(x.shape[0], dtype=bool)
+                self._seen[self.prompt] = True
+                self._seen[list(self.counts)] = True
+            seen = self._seen
+            if len(before):
+                seen = seen.copy()
+                seen[list(before)] = True
             v = x[seen]
             with np.errstate(over="ignore"):
                 x[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)

@@ -18,7 +18,7 @@ from ..errors import RequestError
 from .protocol import parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
 from .choices import Choice
 from .tools import tool_format
-from .responses import ReplyBuilder, added_bos, echo_text, error_body, sse
+from .responses import ReplyBuilder, echo_text, error_body, sse
 from .tokenizing import TokenizePool
 from .worker import EngineWorker, Job
 
@@ -305,7 +305,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         tok = getattr(worker.engine, "tokenizer", None)
         echo = echo_text(tok, req.prompt, ids) if req.echo else None
         reply = ReplyBuilder(kind, name, usage_field=req.stream and req.include_usage, tokenizer=tok, echo=echo,
-                             prompt_ids=ids, skip_bos=req.echo and added_bos(tok, req.prompt, ids))
+                             prompt_ids=ids, skip_bos=req.echo and ids is not None and tok.added_bos(req.prompt, ids))
 
         def choice(i: int) -> Choice:
             return Choice(i, tags if kind == "chat" else None, job.in_think, bool(req.tools), echo, req.stream)

@@ -44,20 +44,13 @@ def token_str(b: bytes) -> str:
         return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
-def added_bos(tokenizer, prompt, ids) -> bool:
-    """The prompt's first id is a BOS the tokenizer added (a text prompt that does not start with it)."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return isinstance(prompt, str) and bool(ids) and ids[0] in getattr(tokenizer, "bos_ids", ()) \
-        and not (bos and prompt.startswith(bos))
-
-
 def echo_text(tokenizer, prompt, ids) -> str:
     """The text `echo` puts before a completion: the prompt as its ids decode, less a BOS the
     tokenizer added. That is the prompt as sent, except where the tokenizer normalises it (NFC, a
     space SentencePiece puts after a typed <s>): text_offset counts in this text, so the two agree."""
     if ids is None:                 # an engine without prepare(): the prompt as sent
         return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-    return tokenizer.decode(list(ids)[1:] if added_bos(tokenizer, prompt, ids) else list(ids))
+    return tokenizer.decode(list(ids)[1:] if tokenizer.added_bos(prompt, ids) else list(ids))
 
 
 class TextOffsets:
