@@ -2,7 +2,8 @@
 // Metal face of tensorfold.kernels.row_expert_matmul (launched by
 // tensorfold.kernels._metal_expert_matmul).
 //
-// NEVER COMPILED OR RUN in this project (no Apple GPU here): a reviewed sketch with the
+// NEVER COMPILED BY APPLE'S COMPILER OR RUN ON A GPU in this project (no Apple GPU here; CI
+// runs it on the CPU emulation of tests/metal_emu): a reviewed sketch with the
 // arithmetic of metal/row_ops.metal's row_qmm / row_mm (which mirror csrc/cuda/row_gemm.cu):
 // K in 32-element chunks, lane l of the simdgroup takes chunks l, l+32, ... ; in a chunk
 // j = 0..31: acc = fma(w_hat_j, x_j, acc) with w_hat = fma(scale, q, bias); butterfly over

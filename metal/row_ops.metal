@@ -1,6 +1,7 @@
 // Row-exact kernels for MLX's Metal backend (mx.fast.metal_kernel, JIT).
 //
-// NEVER COMPILED OR RUN in this project's CI (no Apple GPU here): treat as a reviewed
+// NEVER COMPILED BY APPLE'S COMPILER OR RUN ON A GPU in this project (no Apple GPU here; CI
+// runs it on the CPU emulation of tests/metal_emu): treat as a reviewed
 // sketch that mirrors the CUDA faces' arithmetic order (csrc/cuda/*.cu), kept small:
 // no threadgroup staging of x / K / V, one simdgroup per output column (GEMMs) or per
 // query row (attention). tensorfold.kernels._metal cuts this file at "// @@" markers

@@ -1,7 +1,8 @@
 // Row-exact sparse (selected-key) GQA attention for MLX's Metal backend
 // (mx.fast.metal_kernel, JIT; launched from tensorfold/kernels/sparse.py).
 //
-// NEVER COMPILED OR RUN in this project (no Apple GPU here): treat as a reviewed sketch
+// NEVER COMPILED BY APPLE'S COMPILER OR RUN ON A GPU in this project (no Apple GPU here; CI
+// runs it on the CPU emulation of tests/metal_emu): treat as a reviewed sketch
 // that mirrors the CUDA face (csrc/cuda/sparse_attention.cu) and the Metal row_attn body
 // (metal/row_ops.metal): one simdgroup per query row and head, no staging of K / V.
 //

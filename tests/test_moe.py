@@ -223,8 +223,8 @@ def test_row_expert_matmul_row_exact(case):
     idx[3] = [2, 2, 2]                      # repeats within a row
     idx[7] = [5, 0, 5]
     ind = mx.array(idx)
-    if bits is None and Kd % 32 and K.backend_face() == "cuda":
-        # documented limit of the CUDA dense faces (row_mm / row_expert_mm): K % 32 == 0
+    if bits is None and Kd % 32 and K.backend_face() in ("cuda", "metal"):
+        # documented limit of the GPU dense faces (row_mm / row_expert_mm): K % 32 == 0
         with pytest.raises(ValueError, match="multiple of 32"):
             K.row_expert_matmul(x, w, s, b, ind, gs, 0)
         return

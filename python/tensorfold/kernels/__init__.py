@@ -358,8 +358,9 @@ from ._kcache import batched as compiles_batched  # noqa: E402,F401
 
 
 def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
-    """Metal face of row_expert_matmul over metal/row_expert.metal. NEVER compiled or run
-    (no Apple GPU in this project): a reviewed sketch with the arithmetic of metal/row_ops.metal."""
+    """Metal face of row_expert_matmul over metal/row_expert.metal, with the arithmetic of
+    metal/row_ops.metal. Never compiled by Apple's compiler nor run on a GPU (no Apple GPU in this
+    project); its tests run on the CPU emulation of tests/metal_emu (tests/test_metal_faces.py)."""
     from ._sources import sections
     quant = scales is not None
     name = "row_expert_qmm" if quant else "row_expert_mm"
@@ -369,6 +370,8 @@ def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream
                                 source=sec[name], header=sec["header"], ensure_row_contiguous=True)
     E, N = w.shape[0], w.shape[1]
     K = x.shape[-1]
+    if K % 32 != 0:   # the kernels take K in whole 32-element chunks (a tail was dropped)
+        raise ValueError("row_expert_matmul (metal): K must be a multiple of 32")
     k = indices.shape[-1]
     x2, i2 = x.reshape(-1, K), indices.reshape(-1, k)
     R = x2.shape[0]

@@ -1,7 +1,8 @@
 """Metal faces of the row-exact kernels: mx.fast.metal_kernel over metal/row_ops.metal.
 
-NEVER RUN in this project's CI (no Apple GPU available); see docs/kernels.md. Kernels are
-created lazily, only when an op is called on a Metal GPU stream.
+Never compiled by Apple's compiler nor run on a GPU (no Apple GPU available); CI runs them on
+a CPU emulation of Metal (tests/metal_emu, tests/test_metal_faces.py); see docs/kernels.md.
+Kernels are created lazily, only when an op is called on a Metal GPU stream.
 """
 
 from __future__ import annotations

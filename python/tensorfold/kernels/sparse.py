@@ -108,7 +108,8 @@ def _metal_kernel():
 
 
 def _metal_sparse_attention(q, k, v, indices, offset, scale, stream):
-    """Metal face (metal/sparse_attention.metal): NEVER compiled or run (no Apple GPU)."""
+    """Metal face (metal/sparse_attention.metal): never compiled by Apple's compiler nor run on
+    a GPU (no Apple GPU); CI runs it on the CPU emulation of tests/metal_emu."""
     B, HQ, M, D = q.shape
     return _metal_kernel()(
         inputs=[q, k, v, indices, offset, mx.array([scale], dtype=mx.float32)],
