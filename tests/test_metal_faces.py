@@ -11,7 +11,10 @@ Then the property tests of the CPU and CUDA faces run against the Metal face unc
 bit-identical for M = 1..16 and whatever the other rows hold, every split of a verify window,
 the KV capacity, the accuracy bound against a float64 reference, rows outside the buffer, bad
 expert ids. (The test functions are test_kernels.py's, test_sparse_attention.py's and
-test_moe.py's own, called with the Metal face selected.)
+test_moe.py's own, called with the Metal face selected.) So does the engine's promise, drafted ==
+serial, with every decode kernel on the Metal face (the 4-bit dense, MoE and DeepSeek-V3.2 test
+checkpoints); and no kernel's bits change with the order its threads run in between meeting
+points (no data race on threadgroup memory).
 
 What this does not prove: that Apple's compiler accepts the text, or the speed. The float
 arithmetic is IEEE float32 with fma exact; the contract rests on each row's order of operations,
@@ -217,7 +220,7 @@ def test_property_tests_catch_a_metal_kernel_that_is_not_row_exact(metal, monkey
 
 # ---------------------------------------------------------------- the engine on the Metal face
 
-@pytest.mark.parametrize("i", [0, 2, 17], ids=lambda i: f"case{i}")
+@pytest.mark.parametrize("i", [0, 2, 17, 9, 11, 12, 14], ids=lambda i: f"case{i}")
 def test_engine_drafted_equals_serial(metal, checkpoints, monkeypatch, i):
     """The engine's promise with every decode kernel on the Metal face: a reply with drafts equals
     the same request without (test_engine.py's harness and cases; the eager decode step, since
@@ -226,11 +229,19 @@ def test_engine_drafted_equals_serial(metal, checkpoints, monkeypatch, i):
     from tensorfold.engine import Engine, PrefillMode
     monkeypatch.setenv("TENSORFOLD_COMPILE_DECODE", "0")
     c = TE._case(i)
-    assert c.pop("model") == "q4" and c["proposer"] in ("context", "mix")
-    eng = Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode=PrefillMode(grid=TE.GRID))
-    before = metal_emu.LAUNCHES["count"]
+    model = c.pop("model")
+    assert c["proposer"] in ("context", "mix")
+    eng = Engine(checkpoints[TE.ENGINE_CHECKPOINTS[model]], prefill_mode=PrefillMode(grid=TE.GRID))
+    before = dict(metal_emu.LAUNCHES)
     stats = TE.run_case(eng, None, **c)
-    assert metal_emu.LAUNCHES["count"] > before
+    ran = {k for k, n in metal_emu.LAUNCHES.items() if n > before.get(k, 0)}
+    # every decode kernel the family has ran on the Metal face
+    need = {"tf_row_qmm", "tf_row_attn"}
+    if model == "moe":
+        need = {"tf_row_qmm", "tf_row_attn", "tf_row_expert_qmm"}
+    elif model == "dsa":
+        need = {"tf_row_qmm", "tf_sparse_attn"}
+    assert need <= ran, ran
     if c["proposer"] == "mix" and stats.completion_tokens > 3:
         assert stats.drafted > 0
 

@@ -232,7 +232,8 @@ extern "C" int emu_launch(void** bufs, const long long* counts, const int* const
 
 _BUILD_LOCK = threading.Lock()
 _RUN_LOCK = threading.Lock()   # a library's launch state is one static: one launch at a time
-LAUNCHES = {"count": 0}   # emulated launches so far (a test can check its kernels really ran here)
+# emulated launches so far, in all and by kernel name (a test can check its kernels really ran)
+LAUNCHES = {"count": 0}
 # the threads' order between meeting points: 0 first to last, 1 last to first, 2 shuffled each
 # round (emu_runtime.h's run_group); a kernel whose bits change with it has a data race
 ORDER = {"order": 0}
@@ -312,6 +313,7 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
         err = ctypes.create_string_buffer(1024)
         with _RUN_LOCK:
             LAUNCHES["count"] += 1
+            LAUNCHES[name] = LAUNCHES.get(name, 0) + 1
             rc = lib.emu_launch(bufs, counts, shapes, strides, ndims, g, tg, ORDER["order"], err, 1024)
         if rc != 0:
             raise EmulatedLaunchError(f"{name}: {err.value.decode()}")
