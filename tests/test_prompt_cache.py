@@ -205,8 +205,48 @@ def test_key_covers_the_python_code_not_the_build_id(tmp_path, monkeypatch):
     key.kernel_hash.cache_clear()
     (tmp_path / "config.json").write_text("{}")
     a = key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False)
-    monkeypatch.setattr(key.mx, "default_device", lambda: "Device(gpu, 0)")
+    monkeypatch.setattr(key.mx, "default_device", lambda: key.mx.Device(key.mx.gpu, 0))
     assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != a
+
+
+def test_key_covers_the_environment_that_chooses_arithmetic(checkpoints, tmp_path, monkeypatch):
+    """A MoE server restarted with another TENSORFOLD_MOE_PREFILL (the README's switch between the
+    dequantized and mlx-lm's gather_qmm prefill) resumed the other path's snapshots from disk: a
+    resumed reply unlike the fresh one. Each variable of BITS_ENV changes the key; every
+    TENSORFOLD_ variable the package reads is in BITS_ENV or, with its reason, NOT_BITS_ENV."""
+    import re
+    from pathlib import Path
+
+    import tensorfold
+    import tensorfold.cache.key as key
+    model_path = checkpoints["qwen3_moe_mlx_4bit"]
+    snap = tmp_path / "snaps"
+    mode = PrefillMode(grid=GRID)
+    msgs = [{"role": "user", "content": "x " * 40}]
+    monkeypatch.setenv("TENSORFOLD_MOE_PREFILL", "dequant")
+    first = Engine(model_path, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    first.generate_text(messages=msgs, max_tokens=2, sampling=P)
+    first.disk.flush()
+    again = Engine(model_path, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    assert again.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens > 0
+    monkeypatch.delenv("TENSORFOLD_MOE_PREFILL")
+    other = Engine(model_path, prefill_mode=mode, snapshot_dir=snap, drafts=False)
+    assert other.generate_text(messages=msgs, max_tokens=2, sampling=P)[2].cached_tokens == 0
+
+    (tmp_path / "config.json").write_text("{}")
+    base = key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False)
+    for var, value in [(v, "dequant" if v.endswith("PREFILL") else "cpu" if v.endswith("KERNELS")
+                        else "0") for v in key.BITS_ENV]:
+        monkeypatch.setenv(var, value)
+        assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != base, var
+        monkeypatch.delenv(var)
+    for var in ("TENSORFOLD_QUEUE_DEPTH", "TENSORFOLD_API_KEY", "TENSORFOLD_COMPILE_DECODE"):
+        monkeypatch.setenv(var, "3")
+        assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) == base, var
+        monkeypatch.delenv(var)
+    root = Path(tensorfold.__file__).parent
+    read = {m for f in root.rglob("*.py") for m in re.findall(r"TENSORFOLD_[A-Z0-9_]*[A-Z0-9]", f.read_text())}
+    assert read and read <= set(key.BITS_ENV) | set(key.NOT_BITS_ENV), read - set(key.BITS_ENV) - set(key.NOT_BITS_ENV)
 
 
 def test_damaged_weights_memo_is_ignored(model_path, tmp_path, monkeypatch):

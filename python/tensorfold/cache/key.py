@@ -1,8 +1,9 @@
 """The prompt-cache key: a hash of everything that changes the bits of a snapshot.
 
 Model identity (config.json and the weight files' contents), MLX version, the backend, TensorFold's
-code (its Python sources, the kernel sources and the compiled extension), the activation dtype and
-the prefill mode. A snapshot saved under another key is never reused.
+code (its Python sources, the kernel sources and the compiled extension), the activation dtype, the
+prefill mode, the kernels' face and the environment variables that choose an arithmetic path
+(BITS_ENV). A snapshot saved under another key is never reused.
 
 The weight files are hashed whole (sha256): two checkpoints of one shape that differ anywhere
 (a fine-tune of a few layers, a file replaced in place) must not share snapshots. A file's hash
@@ -156,6 +157,11 @@ def _without_build_id(data: bytes) -> bytes:
     return data[:j] + bytes(20) + data[j + 20:]
 
 
+def _face() -> str:
+    from ..kernels import backend_face
+    return backend_face()
+
+
 @functools.lru_cache(maxsize=1)
 def kernel_hash() -> str:
     """Hash of TensorFold's code: its Python sources (a model's or a kernel wrapper's change can
@@ -175,6 +181,26 @@ def kernel_hash() -> str:
     return h.hexdigest()
 
 
+# Environment variables that choose how a prefill computes, so a snapshot's bits: in the key.
+# TENSORFOLD_MOE_PREFILL picks the MoE prefill's grouped GEMM (dequantized or gather_qmm: other
+# bits); TENSORFOLD_KERNELS=cpu the CPU face of our kernels on a GPU (`--prefill kernels`, the
+# sparse attention); TENSORFOLD_FUSED_QK=0 MLX's rms_norm + rope instead of the fused CUDA kernel.
+# (A MoE server restarted with another TENSORFOLD_MOE_PREFILL resumed the other path's snapshots:
+# a resumed reply unlike the fresh one.)
+BITS_ENV = ("TENSORFOLD_MOE_PREFILL", "TENSORFOLD_KERNELS", "TENSORFOLD_FUSED_QK")
+# The others TensorFold reads, and why they are not in the key: places and secrets
+# (API_KEY, CACHE_DIR, SNAPSHOT_DIR, KERNEL_CACHE, KERNEL_COMPILE_THREADS), memory only
+# (QUEUE_DEPTH, RESERVE_PROMPT: the KV buffer grown chunk by chunk), or the same bits by test
+# (COMPILE_DECODE: test_compiled_step.py; INPLACE_KV: test_compiled_step.py / test_models.py;
+# CUDA_TEXT: the same PTX, test_kernels.py's text-mode test; CUDA_SOURCES / METAL_SOURCES: where
+# the sources are read from, hashed by kernel_hash when shipped).
+NOT_BITS_ENV = ("TENSORFOLD_API_KEY", "TENSORFOLD_CACHE_DIR", "TENSORFOLD_SNAPSHOT_DIR",
+                "TENSORFOLD_KERNEL_CACHE", "TENSORFOLD_KERNEL_COMPILE_THREADS",
+                "TENSORFOLD_QUEUE_DEPTH", "TENSORFOLD_RESERVE_PROMPT", "TENSORFOLD_COMPILE_DECODE",
+                "TENSORFOLD_INPLACE_KV", "TENSORFOLD_CUDA_TEXT", "TENSORFOLD_CUDA_SOURCES",
+                "TENSORFOLD_METAL_SOURCES")
+
+
 def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = None,
               whole: bool = True) -> str:
     """whole: hash the weight files' bytes (keys of snapshots kept on disk); False samples them
@@ -185,6 +211,7 @@ def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = No
     _weights_identity(h, path, whole)
     parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device()),
              "kernels": kernels if kernels is not None else kernel_hash(),
-             "dtype": dtype, "prefill": mode_key}
+             "dtype": dtype, "prefill": mode_key, "face": _face(),
+             "env": {k: os.environ.get(k, "") for k in BITS_ENV}}
     h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()[:32]
