@@ -61,7 +61,8 @@ def test_unsupported_checkpoint_is_one_error_line_exit_2(tmp_path):
 
 def test_serve_refuses_bad_flags_before_loading(tmp_path):
     """Each a one-line error, exit 2, before the model loads: non-finite numbers (--temperature nan
-    made every request a 500), an empty --api-key (it turned a $TENSORFOLD_API_KEY off), an empty
+    made every request a 500), sizes past an integer of bytes, an empty --api-key (it turned a
+    $TENSORFOLD_API_KEY off) or one no client can send, an empty
     --host (it listened on every interface), a --snapshot-dir that is a file, a port in use."""
     f = tmp_path / "a-file"
     f.write_text("x")
@@ -70,7 +71,15 @@ def test_serve_refuses_bad_flags_before_loading(tmp_path):
             (["--top-p", "nan"], None, "--top-p must be a finite number"),
             (["--prompt-cache-gib", "inf"], None, "--prompt-cache-gib must be a finite number"),
             (["--max-request-mib", "0"], None, "--max-request-mib must be positive"),
-            (["--api-key", ""], {"TENSORFOLD_API_KEY": "secret"}, "--api-key must not be empty"),
+            (["--api-key", ""], {"TENSORFOLD_API_KEY": "secret"}, "--api-key must not be blank"),
+            # a blank or unsendable key: every request was a 401
+            ([], {"TENSORFOLD_API_KEY": "   "}, "TENSORFOLD_API_KEY must not be blank"),
+            (["--api-key", "clé"], None, "--api-key must be printable ASCII"),
+            (["--api-key", "two words"], None, "--api-key must be printable ASCII"),
+            # bytes past any integer: OverflowError (a traceback) after the model loaded
+            (["--max-request-mib", "1e308"], None, "--max-request-mib is too large"),
+            (["--snapshot-gib", "1e308"], None, "--snapshot-gib is too large"),
+            (["--prompt-cache-gib", "1e300"], None, "--prompt-cache-gib is too large"),
             (["--host", ""], None, "--host must not be empty"),
             (["--snapshot-dir", str(f)], None, "is not a directory"),
             (["--host", "999.1.1.1"], None, "cannot listen on 999.1.1.1")]:
@@ -183,10 +192,14 @@ def test_serve_embedded_model_answers_with_code(tmp_path):
     import openai   # a test dependency: missing it must fail, not skip
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
-    p = subprocess.Popen(CMD + ["serve", "--port", str(port), "--snapshot-dir", str(tmp_path / "snaps")], stdout=log, stderr=subprocess.STDOUT, text=True)
+    # the key as a secrets file gives it, with its newline: every request was a 401
+    env = dict(os.environ, TENSORFOLD_API_KEY="s3cret-key\n")
+    p = subprocess.Popen(CMD + ["serve", "--port", str(port), "--snapshot-dir", str(tmp_path / "snaps")],
+                         stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         _wait_healthy(p, port, tmp_path / "serve.log")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret-key", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tinycode-4bit"]
         r = client.chat.completions.create(
             model="tinycode-4bit", temperature=0, max_tokens=80,

@@ -349,6 +349,10 @@ BAD = [
     ("max_tokens wrong type", "/v1/chat/completions", _msg(max_tokens="ten"), 400, "max_tokens", None),
     ("max_tokens wrong type beside max_completion_tokens", "/v1/chat/completions",
      _msg(max_tokens="ten", max_completion_tokens=3), 400, "max_tokens", None),
+    ("negative max_tokens beside max_completion_tokens", "/v1/completions",      # was served
+     {"prompt": "x", "max_tokens": -5, "max_completion_tokens": 3}, 400, "max_tokens", None),
+    ("stream_options without stream", "/v1/completions",                          # was ignored
+     {"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("n past 128", "/v1/chat/completions", _msg(n=129), 400, "n", None),
     ("n 0", "/v1/chat/completions", _msg(n=0), 400, "n", None),
     # logprobs: chat takes a boolean and top_logprobs 0..20 beside it, completions a count 0..20
@@ -387,7 +391,7 @@ BAD = [
      '"temperature": 1' + "0" * 400 + "}", 400, "temperature", "invalid_value"),
     ("min_p past a float", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
      '"min_p": 1' + "0" * 400 + "}", 400, "min_p", "invalid_value"),
-    ("include_usage wrong type", "/v1/chat/completions", _msg(stream_options={"include_usage": "yes"}), 400,
+    ("include_usage wrong type", "/v1/chat/completions", _msg(stream=True, stream_options={"include_usage": "yes"}), 400,
      "stream_options.include_usage", None),
     ("enable_thinking wrong type", "/v1/chat/completions", _msg(chat_template_kwargs={"enable_thinking": 1}),
      400, "chat_template_kwargs.enable_thinking", None),
@@ -445,6 +449,13 @@ def _check_error(r, status, param=None, code=None):
 def test_bad_input(srv, name, path, body, status, param, code):
     _check_error(srv.post(path, body), status, param, code)
     assert chat_text(srv.chat(max_tokens=2))     # still serving
+
+
+def test_a_huge_integer_is_named_by_its_size(srv):
+    """max_tokens 1e300 as an integer: the 400's message repeated its 301 digits."""
+    err = _check_error(srv.post("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 300 + "}"),
+                       400, "max_tokens", "invalid_value")
+    assert "997-bit number" in err["message"] and len(err["message"]) < 200, err["message"]
 
 
 def test_tool_arguments_nested_past_the_stack_are_kept_as_text(srv):

@@ -166,8 +166,7 @@ def _check_serve_args(a) -> None:
         raise CliError(f"--port must be between 0 and 65535, got {a.port}")
     if not a.host.strip():
         raise CliError("--host must not be empty (use 0.0.0.0 to listen on every interface)")
-    if a.api_key is not None and not a.api_key.strip():
-        raise CliError("--api-key must not be empty (leave it out to serve without a key)")
+    a.api_key = _api_key(a.api_key)
     if a.context is not None and a.context < 1:
         raise CliError(f"--context must be positive, got {a.context}")
     if a.max_tokens is not None and a.max_tokens < 1:
@@ -186,12 +185,36 @@ def _check_serve_args(a) -> None:
         raise CliError(f"--prompt-cache-gib must be >= 0, got {a.prompt_cache_gib}")
     if a.snapshot_gib < 0:
         raise CliError(f"--snapshot-gib must be >= 0, got {a.snapshot_gib}")
+    # sizes in bytes must be integers: 1e308 GiB overflowed to infinity after the model loaded
+    for flag, unit in (("prompt_cache_gib", 2**30), ("snapshot_gib", 2**30), ("max_request_mib", 2**20)):
+        v = getattr(a, flag)
+        if v is not None and v * unit > 2**62:
+            raise CliError(f"--{flag.replace('_', '-')} is too large: at most {2**62 // unit} ({v:g} given)")
     if a.drafter is not None and not Path(a.drafter).expanduser().is_dir():
         raise CliError(f"no such drafter directory: {a.drafter}")
     snap = a.snapshot_dir
     if snap is not None and snap.lower() != "none" and Path(snap).expanduser().exists() \
             and not Path(snap).expanduser().is_dir():
         raise CliError(f"--snapshot-dir {snap} exists and is not a directory")
+
+
+def _api_key(flag: str | None) -> str | None:
+    """The key clients must send: --api-key, else $TENSORFOLD_API_KEY (unset or empty: no key).
+    Whitespace around it is dropped (HTTP drops it from a header, so a key read from a file with
+    its newline could never match: every request was a 401); a key left empty, or holding a space
+    or a character outside printable ASCII (no client sends those bytes as they were typed), is a
+    one-line error at start."""
+    src, key = ("--api-key", flag) if flag is not None else \
+        ("TENSORFOLD_API_KEY", os.environ.get("TENSORFOLD_API_KEY") or None)
+    if key is None:
+        return None
+    key = key.strip()
+    if not key:
+        raise CliError(f"{src} must not be blank (leave it out to serve without a key)")
+    if any(not 0x21 <= ord(c) <= 0x7E for c in key):
+        raise CliError(f"{src} must be printable ASCII without spaces (as an 'Authorization: Bearer' "
+                       f"token is)")
+    return key
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -283,7 +306,7 @@ def cmd_serve(a) -> int:
             raise
         what = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
         raise CliError(f"cannot load {path}: {what}") from None
-    api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY") or None
+    api_key = a.api_key         # resolved and checked by _check_serve_args
     defaults = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                     max_tokens=a.max_tokens, thinking=a.thinking)
     app = create_app(worker, model_name=a.name or hf_id, aliases=(hf_id,) if hf_id else (),

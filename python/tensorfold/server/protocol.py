@@ -55,6 +55,12 @@ def _bad(param: str, what: str) -> RequestError:
     return RequestError(f"Invalid value for '{param}': {what}", param=param, code="invalid_value")
 
 
+def _shown(v: int) -> str:
+    """An integer for an error message: a huge one by its size (max_tokens 1e300 repeated 301
+    digits)."""
+    return str(v) if v.bit_length() <= 64 else f"a {v.bit_length()}-bit number"
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -232,18 +238,21 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     else:
         r.prompt = _prompt(data.get("prompt"))
 
-    mt, key = _int(data, "max_completion_tokens"), "max_completion_tokens"
-    legacy = _int(data, "max_tokens")       # checked whenever given (it was not beside the other)
-    if mt is None:
-        mt, key = legacy, "max_tokens"
     echo = kind == "completion" and data.get("echo") not in (None, False, 0) and _bool(data, "echo", False)
-    if mt is not None:
-        if mt < 1 and not (mt == 0 and echo and _logprobs(data, kind) is not None):
+    # both are checked whenever given (max_tokens: -5 beside max_completion_tokens was accepted);
+    # max_completion_tokens, the newer name, wins where both are
+    mt = None
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = _int(data, key)
+        if v is None:
+            continue
+        if v < 1 and not (v == 0 and echo and _logprobs(data, kind) is not None):
             # 0 with echo and logprobs: the prompt scored, nothing generated (OpenAI's legacy use)
-            raise _bad(key, f"must be at least 1, got {mt}.")
-        if mt > context_length:
-            raise RequestError(f"Invalid value for '{key}': {mt} is more than the model's context "
+            raise _bad(key, f"must be at least 1, got {_shown(v)}.")
+        if v > context_length:
+            raise RequestError(f"Invalid value for '{key}': {_shown(v)} is more than the model's context "
                                f"length ({context_length} tokens).", param=key, code="invalid_value")
+        mt = v
     r.max_tokens = mt
 
     n = _int(data, "n")
@@ -287,6 +296,8 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         if not isinstance(so, dict):
             raise _bad("stream_options", "expected an object.")
         r.include_usage = _bool(so, "include_usage", False, "stream_options.include_usage")
+        if not r.stream:     # as OpenAI (and vLLM) answer: it was ignored silently
+            raise _bad("stream_options", "is only allowed when 'stream' is true.")
     ctk = data.get("chat_template_kwargs")
     if ctk is not None:
         if not isinstance(ctk, dict):
