@@ -209,6 +209,8 @@ EXPERT_CASES = [  # (bits, weight / scale dtype, x dtype, K, N, group)
     (6, mx.bfloat16, mx.float32, 128, 20, 128),
     (None, mx.bfloat16, mx.bfloat16, 80, 24, 64),
     (None, mx.float32, mx.float32, 1040, 17, 64),    # K > the 512-wide chunk, ragged N
+    (None, mx.bfloat16, mx.bfloat16, 96, 24, 64),     # dense with K % 32 == 0: what the GPU
+    (None, mx.float32, mx.float32, 1056, 17, 64),     # faces take (they refuse the two above)
 ]
 
 

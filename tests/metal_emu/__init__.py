@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -110,8 +111,29 @@ def _targ(v) -> tuple[str, str]:
     raise TypeError(f"metal_emu: template argument {v!r}")
 
 
+_TG_DECL = re.compile(r"\bthreadgroup\s+([A-Za-z_][\w:]*)\s+([A-Za-z_]\w*)\s*\[([^\]]+)\]\s*;")
+# C++ a g++ build accepts and Metal does not (the standard library is visible to the kernels here)
+_NOT_METAL = re.compile(r"\bdouble\b|\bstd::|\b(?:expf|exp2f|logf|sqrtf|fabsf|powf|fmaf|fmaxf|fminf|"
+                        r"printf|malloc|free|long\s+double)\b|#include\s*[<\"](?!metal_stdlib>)")
+
+
+def _metal_text(text: str, what: str) -> str:
+    """The kernel text with its threadgroup arrays as emu::tg_array; what Metal lacks refused."""
+    text = re.sub(r"//[^\n]*", "", text)      # comments (the kernels hold no string with //)
+    bad = _NOT_METAL.search(text)
+    if bad:
+        raise NotImplementedError(f"metal_emu: {what} uses {bad.group(0)!r}, which Metal lacks")
+    text = _TG_DECL.sub(r"static emu::tg_array<\1, (\3)> \2;", text)
+    if re.search(r"\bthreadgroup\b", text):
+        raise NotImplementedError(f"metal_emu: {what}: only threadgroup arrays (`threadgroup T a[N];`) "
+                                  "are emulated")
+    return text
+
+
 def render(name, input_names, output_names, source, header, inputs, output_dtypes, template):
     """The C++ text of one kernel instantiation and its launcher."""
+    header = _metal_text(header, "the header")
+    source = _metal_text(source, "the kernel")
     attrs = [(a, t) for a, t in METAL_ATTRIBUTES if a in source]
     for a, _ in attrs:
         if a not in SUPPORTED_ATTRIBUTES:
@@ -230,6 +252,10 @@ extern "C" int emu_launch(void** bufs, const long long* counts, const int* const
 }
 """
 
+# IEEE float32 as written (no contraction, no fast math); ISO C++ with its extensions refused
+# (a variable-length array, which Metal lacks, among them)
+FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-pedantic-errors", "-Werror=vla",
+         "-Wno-unused", "-shared", "-fPIC"]
 _BUILD_LOCK = threading.Lock()
 _RUN_LOCK = threading.Lock()   # a library's launch state is one static: one launch at a time
 # emulated launches so far, in all and by kernel name (a test can check its kernels really ran)
@@ -249,7 +275,7 @@ def cache_dir() -> Path:
 
 def build(text: str) -> ctypes.CDLL:
     """Compile one rendered kernel (cached by its text and the emulator's headers)."""
-    deps = "".join((HERE / f).read_text() for f in ("emu_runtime.h", "metal_stdlib"))
+    deps = "".join((HERE / f).read_text() for f in ("emu_runtime.h", "metal_stdlib")) + " ".join(FLAGS)
     key = hashlib.sha256((deps + text).encode()).hexdigest()[:24]
     with _BUILD_LOCK:
         if key in _LIBS:
@@ -259,8 +285,7 @@ def build(text: str) -> ctypes.CDLL:
             src = cache_dir() / f"{key}.cpp"
             src.write_text(text)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared",
-                   "-fPIC", "-w", f"-I{HERE}", str(src), "-o", str(tmp)]
+            cmd = ["g++", *FLAGS, f"-I{HERE}", str(src), "-o", str(tmp)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"metal_emu: the kernel did not compile ({src}):\n{r.stderr[-4000:]}")
@@ -284,6 +309,10 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
         if len(inputs) != len(input_names):
             raise ValueError(f"[metal_kernel] Expected `inputs` to have size {len(input_names)}")
         tmpl = list(template or [])
+        if len(grid) != 3 or min(grid) < 1 or len(threadgroup) != 3 or min(threadgroup) < 1:
+            # (MLX passes them on as they are: min(threadgroup, grid) of 0 threads to Metal)
+            raise EmulatedLaunchError(f"{name}: a launch of grid {tuple(grid)}, threadgroup "
+                                      f"{tuple(threadgroup)}: no thread to run")
         text = render(name, input_names, output_names, source, header, inputs, output_dtypes, tmpl)
         if verbose:
             print(text)

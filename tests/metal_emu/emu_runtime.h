@@ -18,6 +18,7 @@
 // fma exact (std::fma) and no contraction (-ffp-contract=off), which is what the kernels' own
 // explicit fma calls and the row-exact contract rely on.
 #pragma once
+#pragma GCC system_header   // the emulator's own code: its GNU extensions are not the kernels'
 
 #include <cmath>
 #include <cstdint>
@@ -41,7 +42,8 @@ namespace emu {
 enum State : int { RUN = 0, AT_SIMD = 1, AT_TG = 2, DONE = 3, FAILED = 4 };
 
 enum Tag : int {
-  T_SHUFFLE = 1, T_SHUFFLE_READ, T_REDUCE, T_REDUCE_READ, T_SIMD_BARRIER, T_TG_BARRIER
+  T_SHUFFLE = 1, T_SHUFFLE_READ, T_REDUCE, T_REDUCE_READ,
+  T_SIMD_BARRIER, T_SIMD_BARRIER_NOMEM, T_TG_BARRIER, T_TG_BARRIER_NOMEM
 };
 
 constexpr int SIMD = 32;
@@ -71,6 +73,9 @@ struct Launch {
   alignas(16) unsigned char slot[MAX_THREADS][16];
   char err[512] = {0};
   int order = 0;      // the threads' order between meeting points (run_group)
+  unsigned serial = 0;                 // threadgroups run so far (tg_array's fresh memory)
+  unsigned sep[MAX_THREADS / SIMD];    // memory barriers each simdgroup has passed
+  unsigned tep = 0;                    // threadgroup memory barriers the threadgroup has passed
   void (*body)(void*, int) = nullptr;   // runs thread t of the current threadgroup
   void* ctx = nullptr;
 };
@@ -175,6 +180,9 @@ inline void resume(int t) {
 // Runs one threadgroup of n threads to completion; false (L->err set) on a launch error.
 inline bool run_group(int n) {
   L->nthreads = n;
+  L->serial++;
+  L->tep = 0;
+  for (int s = 0; s < MAX_THREADS / SIMD; ++s) L->sep[s] = 0;
   for (int t = 0; t < n; ++t) {
     start_fiber(t);
     L->lanes[t].state = RUN;
@@ -229,6 +237,7 @@ inline bool run_group(int n) {
       if (at == 0) continue;
       if (at == SIMD && same) {
         for (int t = s; t < s + SIMD; ++t) L->lanes[t].state = RUN;
+        if (tag == T_SIMD_BARRIER) L->sep[s / SIMD]++;
         released = true;
       } else if (at + done == SIMD || !same) {
         std::snprintf(L->err, sizeof(L->err),
@@ -239,6 +248,10 @@ inline bool run_group(int n) {
     }
     if (!released && all_tg) {
       for (int t = 0; t < n; ++t) L->lanes[t].state = RUN;
+      if (tg_tag == T_TG_BARRIER) {
+        L->tep++;
+        for (int s = 0; s < n / SIMD; ++s) L->sep[s]++;
+      }
       released = true;
     }
     if (!released) {
@@ -263,6 +276,108 @@ struct dptr {
       fail(m);
     }
     return p[i];
+  }
+};
+
+// Threadgroup memory (`threadgroup T name[N];` in a kernel, rewritten by metal_emu.render): one
+// array for the threadgroup, fresh (NaN bytes, no element written) in each threadgroup, with each
+// element's last writer and readers checked against the barriers passed since:
+// - a read of an element no thread of this threadgroup has written is an error (on a GPU it holds
+//   whatever was there);
+// - a read of an element another thread wrote, a write of one another thread wrote or read, with
+//   no memory barrier (simdgroup_barrier / threadgroup_barrier with mem_threadgroup) between the
+//   two, is an error: a data race. (A shuffle is not a memory barrier: the threads of a simdgroup
+//   meeting at one does not order their threadgroup memory.)
+struct TgState {
+  int writer;        // thread, -1 none
+  unsigned w_sep, w_tep;
+  int reader;        // thread, -1 none, -2 several
+  unsigned r_sep, r_tep;
+};
+
+// a barrier separates thread `other`'s access at (sep, tep) from now, for the running thread
+inline bool ordered(int other, unsigned sep, unsigned tep) {
+  if (L->tep > tep) return true;
+  return other / SIMD == L->cur / SIMD && L->sep[L->cur / SIMD] > sep;
+}
+
+template <class T, int N>
+struct tg_array {
+  T v[N];
+  TgState st[N];
+  unsigned gen = 0;
+
+  void fresh() {
+    if (gen == L->serial) return;
+    gen = L->serial;
+    std::memset((void*)v, 0xFF, sizeof(v));
+    for (int i = 0; i < N; ++i) st[i] = TgState{-1, 0, 0, -1, 0, 0};
+  }
+  T read(int i) {
+    TgState& e = st[i];
+    char m[200];
+    if (e.writer == -1) {
+      std::snprintf(m, sizeof(m), "reads threadgroup memory [%d] that no thread of this threadgroup wrote", i);
+      fail(m);
+    }
+    if (e.writer != L->cur && !ordered(e.writer, e.w_sep, e.w_tep)) {
+      std::snprintf(m, sizeof(m), "reads threadgroup memory [%d] that thread %d wrote with no barrier "
+                    "between (a data race)", i, e.writer);
+      fail(m);
+    }
+    const unsigned sep = L->sep[L->cur / SIMD];
+    if (e.reader == -1 || ordered(e.reader < 0 ? L->cur : e.reader, e.r_sep, e.r_tep)) {
+      e.reader = L->cur;
+      e.r_sep = sep;
+      e.r_tep = L->tep;
+    } else if (e.reader != L->cur) {
+      e.reader = -2;
+    }
+    return v[i];
+  }
+  void write(int i, T x) {
+    TgState& e = st[i];
+    char m[200];
+    if (e.writer != -1 && e.writer != L->cur && !ordered(e.writer, e.w_sep, e.w_tep)) {
+      std::snprintf(m, sizeof(m), "writes threadgroup memory [%d] that thread %d wrote with no barrier "
+                    "between (a data race)", i, e.writer);
+      fail(m);
+    }
+    if ((e.reader == -2 || (e.reader >= 0 && e.reader != L->cur)) &&
+        !ordered(e.reader < 0 ? L->cur : e.reader, e.r_sep, e.r_tep)) {
+      std::snprintf(m, sizeof(m), "writes threadgroup memory [%d] that %s read with no barrier "
+                    "between (a data race)", i, e.reader == -2 ? "other threads" : "another thread");
+      fail(m);
+    }
+    e.writer = L->cur;
+    e.w_sep = L->sep[L->cur / SIMD];
+    e.w_tep = L->tep;
+    e.reader = -1;
+    v[i] = x;
+  }
+
+  struct ref {
+    tg_array* a;
+    int i;
+    operator T() const { return a->read(i); }
+    ref& operator=(T x) {
+      a->write(i, x);
+      return *this;
+    }
+    ref& operator=(const ref& o) {
+      a->write(i, (T)o);
+      return *this;
+    }
+  };
+  template <class I, class = std::enable_if_t<std::is_integral_v<I>>>
+  ref operator[](I i) {
+    if ((std::is_signed_v<I> && (long long)i < 0) || (unsigned long long)i >= (unsigned long long)N) {
+      char m[160];
+      std::snprintf(m, sizeof(m), "index %lld out of threadgroup memory of %d elements", (long long)i, N);
+      fail(m);
+    }
+    fresh();
+    return ref{this, (int)i};
   }
 };
 

@@ -357,17 +357,21 @@ from .sparse import select_topk, sparse_attention, use_sparse  # noqa: E402
 from ._kcache import batched as compiles_batched  # noqa: E402,F401
 
 
+@functools.lru_cache(maxsize=None)
+def _metal_expert_kernel(quant: bool):
+    from ._sources import sections
+    name = "row_expert_qmm" if quant else "row_expert_mm"
+    sec = sections("metal", "row_expert.metal")
+    inputs = ["x", "w", "scales", "biases", "indices"] if quant else ["x", "w", "indices"]
+    return mx.fast.metal_kernel(name=f"tf_{name}", input_names=inputs, output_names=["out"],
+                                source=sec[name], header=sec["header"], ensure_row_contiguous=True)
+
+
 def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream):
     """Metal face of row_expert_matmul over metal/row_expert.metal, with the arithmetic of
     metal/row_ops.metal. Never compiled by Apple's compiler nor run on a GPU (no Apple GPU in this
     project); its tests run on the CPU emulation of tests/metal_emu (tests/test_metal_faces.py)."""
-    from ._sources import sections
     quant = scales is not None
-    name = "row_expert_qmm" if quant else "row_expert_mm"
-    sec = sections("metal", "row_expert.metal")
-    inputs = ["x", "w", "scales", "biases", "indices"] if quant else ["x", "w", "indices"]
-    kern = mx.fast.metal_kernel(name=f"tf_{name}", input_names=inputs, output_names=["out"],
-                                source=sec[name], header=sec["header"], ensure_row_contiguous=True)
     E, N = w.shape[0], w.shape[1]
     K = x.shape[-1]
     if K % 32 != 0:   # the kernels take K in whole 32-element chunks (a tail was dropped)
@@ -375,6 +379,9 @@ def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream
     k = indices.shape[-1]
     x2, i2 = x.reshape(-1, K), indices.reshape(-1, k)
     R = x2.shape[0]
+    if R * k == 0 or N == 0:    # no thread to launch (MLX would pass Metal a 0-thread threadgroup)
+        return mx.zeros((*x.shape[:-1], k, N), dtype=x.dtype)
+    kern = _metal_expert_kernel(quant)
     tmpl = [("T", x.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", k)]
     tmpl += [("S", scales.dtype), ("GS", group_size), ("BITS", bits)] if quant else [("W", w.dtype)]
     args = [x2, w, scales, biases, i2] if quant else [x2, w, i2]

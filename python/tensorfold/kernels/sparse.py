@@ -111,6 +111,8 @@ def _metal_sparse_attention(q, k, v, indices, offset, scale, stream):
     """Metal face (metal/sparse_attention.metal): never compiled by Apple's compiler nor run on
     a GPU (no Apple GPU); CI runs it on the CPU emulation of tests/metal_emu."""
     B, HQ, M, D = q.shape
+    if q.size == 0:         # no thread to launch (MLX would pass Metal a 0-thread threadgroup)
+        return mx.zeros(q.shape, dtype=q.dtype)
     return _metal_kernel()(
         inputs=[q, k, v, indices, offset, mx.array([scale], dtype=mx.float32)],
         template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", k.shape[1])],
