@@ -1351,7 +1351,11 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_dsa.py;
       collect tests/test_engine.py -k "another_thread or serves_on_another or catch_up";
       collect tests/test_prompt_cache.py -k "warm or hold_what";
-      collect tests/test_logprobs.py tests/test_penalties.py; } > "$out/s53.ids"
+      collect tests/test_logprobs.py tests/test_penalties.py;
+      # session 54: empty calls launch nothing (a 0-thread grid on CUDA), the prompt-cache key's
+      # environment, the dense expert cases with K % 32 == 0 (the CUDA face's row_expert_mm)
+      collect tests/test_kernels.py -k empty_calls; collect tests/test_prompt_cache.py -k environment;
+      collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s53.ids"
     IDS="$out/s53.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
   s52d)     # session 52: what s52a's limit cut (its ids against the ones it ran, bench/s52_ran.txt), the MoE peak test

@@ -612,6 +612,24 @@ def test_kernel_inputs_refused_or_clipped_not_misread(device):
         K.row_expert_matmul(x, w, None, None, mx.array([[0.5], [1.0]]))
 
 
+def test_empty_calls(device):
+    """No row (or no column): the shapes of the product, zeros, and nothing launched (a GPU grid
+    of 0 threads: CUDA refuses the launch, MLX would hand Metal a threadgroup of 0 threads)."""
+    wq, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
+    x = mx.zeros((0, 64), mx.float32)
+    assert K.row_quantized_matmul(x, wq, s, b, 64, 4).shape == (0, 8)
+    assert K.row_quantized_matmul(x.reshape(2, 0, 64), wq, s, b, 64, 4, residual=mx.zeros((2, 0, 8))).shape == \
+        (2, 0, 8)
+    assert K.row_matmul(x, mx.ones((8, 64))).shape == (0, 8)
+    assert K.row_matmul(mx.ones((3, 64)), mx.ones((0, 64))).shape == (3, 0)
+    q, kk = mx.zeros((1, 2, 0, 64)), mx.zeros((1, 1, 8, 64))
+    assert K.row_attention(q, kk, kk, 0, 0.1).shape == (1, 2, 0, 64)
+    assert K.sparse_attention(q, kk, kk, mx.zeros((1, 0, 4), mx.int32), 0, 0.1).shape == (1, 2, 0, 64)
+    we = (wq.reshape(1, 8, -1), s.reshape(1, 8, -1), b.reshape(1, 8, -1))
+    assert K.row_expert_matmul(x, *we, mx.zeros((0, 2), mx.int32), 64, 4).shape == (0, 2, 8)
+    assert K.row_expert_matmul(mx.ones((3, 64)), *we, mx.zeros((3, 0), mx.int32), 64, 4).shape == (3, 0, 8)
+
+
 def test_cpu_face_routes_to_the_native_ops():
     """On the CPU the wrappers run tensorfold._ext's primitives, bit for bit. MLX's own CPU ops are
     row-invariant too, so the row-exact tests above could not tell a wrapper that fell back to

@@ -128,19 +128,10 @@ def test_inputs_refused_or_clipped(metal):
 
 
 def test_empty_calls(metal):
-    """No row (or no column): the shapes the CPU face gives, and no launch (MLX would hand Metal
-    a threadgroup of 0 threads; the emulation refuses such a launch)."""
+    """(test_kernels.py's: nothing is launched; the emulation refuses a 0-thread grid.)"""
     metal["launches_expected"] = False
     before = metal_emu.LAUNCHES["count"]
-    wq, s, b = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
-    x = mx.zeros((0, 64), mx.float32)
-    assert KK.row_quantized_matmul(x, wq, s, b, 64, 4).shape == (0, 8)
-    assert KK.row_matmul(x, mx.ones((8, 64))).shape == (0, 8)
-    q, k = mx.zeros((1, 2, 0, 64)), mx.zeros((1, 1, 8, 64))
-    assert KK.row_attention(q, k, k, 0, 0.1).shape == (1, 2, 0, 64)
-    assert KK.sparse_attention(q, k, k, mx.zeros((1, 0, 4), mx.int32), 0, 0.1).shape == (1, 2, 0, 64)
-    we = (wq.reshape(1, 8, -1), s.reshape(1, 8, -1), b.reshape(1, 8, -1))
-    assert KK.row_expert_matmul(x, *we, mx.zeros((0, 2), mx.int32), 64, 4).shape == (0, 2, 8)
+    TK.test_empty_calls(CPU)
     assert metal_emu.LAUNCHES["count"] == before
 
 

@@ -194,6 +194,9 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     """
     _check_k(x, "row_quantized_matmul")
     _check_quantized(x, w, scales, biases, group_size, bits, "row_quantized_matmul")
+    if x.size == 0 or w.shape[0] == 0:
+        y = _empty((*x.shape[:-1], w.shape[0]), x.dtype)
+        return y if residual is None else y + residual
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -239,10 +242,19 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
                               offset, _gpu_stream(stream), kv=kv)
 
 
+def _empty(shape, dtype) -> mx.array:
+    """The result of a call with no row (or no column): nothing is launched on any face (a GPU
+    grid of 0 threads is no launch: CUDA refuses it, and MLX would hand Metal a threadgroup of 0
+    threads, tests/test_metal_faces.py)."""
+    return mx.zeros(tuple(shape), dtype=dtype)
+
+
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
     """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16)."""
     _check_k(x, "row_matmul")
     _check_dense(x, w, "row_matmul")
+    if x.size == 0 or w.shape[0] == 0:
+        return _empty((*x.shape[:-1], w.shape[0]), x.dtype)
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -281,6 +293,8 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     """
     check_attention_shapes(q, k, v, "row_attention")
     off = _offset_array(offset, q, k)
+    if q.size == 0:
+        return _empty(q.shape, q.dtype)
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -333,6 +347,8 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     indices = as_int32(indices, "row_expert_matmul: indices")
     _check_k(x, "row_expert_matmul")
     check_expert_args(x.shape, w, scales, biases, indices.shape, group_size, bits, "row_expert_matmul")
+    if x.size == 0 or indices.size == 0 or w.shape[1] == 0:
+        return _empty((*x.shape[:-1], indices.shape[-1], w.shape[1]), x.dtype)
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -379,8 +395,6 @@ def _metal_expert_matmul(x, w, scales, biases, indices, group_size, bits, stream
     k = indices.shape[-1]
     x2, i2 = x.reshape(-1, K), indices.reshape(-1, k)
     R = x2.shape[0]
-    if R * k == 0 or N == 0:    # no thread to launch (MLX would pass Metal a 0-thread threadgroup)
-        return mx.zeros((*x.shape[:-1], k, N), dtype=x.dtype)
     kern = _metal_expert_kernel(quant)
     tmpl = [("T", x.dtype), ("K", K), ("N", N), ("E", E), ("TOPK", k)]
     tmpl += [("S", scales.dtype), ("GS", group_size), ("BITS", bits)] if quant else [("W", w.dtype)]

@@ -87,7 +87,9 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
         raise ValueError("sparse_attention: indices must be [B, M, T]")
     indices = as_int32(indices, "sparse_attention: indices")
     off = _offset_value(offset, q.shape[2], k.shape[2], "sparse_attention")
-    from . import backend_face, _gpu_stream
+    from . import backend_face, _gpu_stream, _empty
+    if q.size == 0:
+        return _empty(q.shape, q.dtype)
     face = backend_face(stream)
     if face == "cuda":
         from . import _cuda
@@ -111,8 +113,6 @@ def _metal_sparse_attention(q, k, v, indices, offset, scale, stream):
     """Metal face (metal/sparse_attention.metal): never compiled by Apple's compiler nor run on
     a GPU (no Apple GPU); CI runs it on the CPU emulation of tests/metal_emu."""
     B, HQ, M, D = q.shape
-    if q.size == 0:         # no thread to launch (MLX would pass Metal a 0-thread threadgroup)
-        return mx.zeros(q.shape, dtype=q.dtype)
     return _metal_kernel()(
         inputs=[q, k, v, indices, offset, mx.array([scale], dtype=mx.float32)],
         template=[("T", q.dtype), ("TK", k.dtype), ("D", D), ("HQ", HQ), ("HKV", k.shape[1])],
