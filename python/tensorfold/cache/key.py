@@ -2,7 +2,7 @@
 
 Model identity (config.json and the weight files' contents), MLX version, the backend, TensorFold's
 code (its Python sources, the kernel sources and the compiled extension), the activation dtype, the
-prefill mode, the kernels' face and the environment variables that choose an arithmetic path
+prefill mode, the GPU backend and the environment variables that choose an arithmetic path
 (BITS_ENV). A snapshot saved under another key is never reused.
 
 The weight files are hashed whole (sha256): two checkpoints of one shape that differ anywhere
@@ -157,9 +157,14 @@ def _without_build_id(data: bytes) -> bytes:
     return data[:j] + bytes(20) + data[j + 20:]
 
 
-def _face() -> str:
-    from ..kernels import backend_face
-    return backend_face()
+def _gpu_backend() -> str:
+    """Which GPU backend this MLX has ("cuda" / "metal" / "none"): with the device and
+    TENSORFOLD_KERNELS, which face our kernels take."""
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    if hasattr(mx, "metal") and mx.metal.is_available():
+        return "metal"
+    return "none"
 
 
 @functools.lru_cache(maxsize=1)
@@ -211,7 +216,7 @@ def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = No
     _weights_identity(h, path, whole)
     parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device()),
              "kernels": kernels if kernels is not None else kernel_hash(),
-             "dtype": dtype, "prefill": mode_key, "face": _face(),
+             "dtype": dtype, "prefill": mode_key, "gpu_backend": _gpu_backend(),
              "env": {k: os.environ.get(k, "") for k in BITS_ENV}}
     h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()[:32]
