@@ -202,12 +202,20 @@ def test_emulation_refuses_cpp_that_metal_lacks():
 
 
 def test_emulation_catches_divergent_simdgroups():
-    """A shuffle some lanes skip, and a threadgroup barrier some threads return before."""
+    """A shuffle some lanes skip, a shuffle in each arm of a branch, and a threadgroup barrier
+    some threads return before."""
     half = _toy("uint i = thread_position_in_grid.x; float v = x[i];\n"
                 "if (thread_index_in_simdgroup < 16) v = simd_shuffle_xor(v, (ushort)1);\n"
                 "out[i] = v;")
     with pytest.raises(metal_emu.EmulatedLaunchError, match="diverged"):
         _launch(half)
+    # one shuffle in each arm of a branch: two half-simdgroup shuffles on a GPU, not one
+    arms = _toy("uint i = thread_position_in_grid.x; float v = x[i];\n"
+                "if (thread_index_in_simdgroup < 16) v = simd_shuffle_xor(v, (ushort)1);\n"
+                "else v = simd_shuffle_xor(-v, (ushort)1);\n"
+                "out[i] = v;")
+    with pytest.raises(metal_emu.EmulatedLaunchError, match="different operations or places"):
+        _launch(arms)
     early = _toy("uint i = thread_position_in_grid.x; if (i == 3) return;\n"
                  "threadgroup_barrier(mem_flags::mem_threadgroup); out[i] = x[i];")
     with pytest.raises(metal_emu.EmulatedLaunchError):

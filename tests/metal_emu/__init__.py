@@ -253,9 +253,9 @@ extern "C" int emu_launch(void** bufs, const long long* counts, const int* const
 """
 
 # IEEE float32 as written (no contraction, no fast math); ISO C++ with its extensions refused
-# (a variable-length array, which Metal lacks, among them)
+# (a variable-length array, which Metal lacks, among them); frame pointers for emu::call_site
 FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-pedantic-errors", "-Werror=vla",
-         "-Wno-unused", "-shared", "-fPIC"]
+         "-Wno-unused", "-fno-omit-frame-pointer", "-shared", "-fPIC"]
 _BUILD_LOCK = threading.Lock()
 _RUN_LOCK = threading.Lock()   # a library's launch state is one static: one launch at a time
 # emulated launches so far, in all and by kernel name (a test can check its kernels really ran)

@@ -58,6 +58,7 @@ struct Lane {
 #endif
   int state;
   int tag;
+  unsigned long long site;   // where in the code it waits (call_site)
 };
 
 struct Launch {
@@ -128,11 +129,29 @@ inline void to_sched() {
   std::abort();
 }
 
+// Where the running thread is in the code: a hash of the return addresses up its stack (built
+// with -fno-omit-frame-pointer). Two threads of a simdgroup at one kind of operation but at
+// different places (a shuffle in each arm of a branch) have diverged: on a GPU each shuffle runs
+// with half the lanes, reading inactive ones. The same place in another loop turn is not told
+// apart.
+__attribute__((noinline)) inline unsigned long long call_site() {
+  unsigned long long h = 1469598103934665603ull;
+  void** fp = (void**)__builtin_frame_address(0);
+  const char* lo = L->stacks + (size_t)L->cur * STACK;
+  const char* hi = lo + STACK;
+  for (int d = 0; d < 32 && fp && (const char*)fp >= lo && (const char*)fp < hi; ++d) {
+    h = (h ^ (unsigned long long)(uintptr_t)fp[1]) * 1099511628211ull;
+    fp = (void**)fp[0];
+  }
+  return h;
+}
+
 // This thread waits at a simdgroup (AT_SIMD) or threadgroup (AT_TG) meeting point.
 inline void arrive(int scope, int tag) {
   Lane& me = L->lanes[L->cur];
   me.state = scope;
   me.tag = tag;
+  me.site = call_site();
   to_sched();
 }
 
@@ -212,11 +231,15 @@ inline bool run_group(int n) {
     }
     bool all_done = true, released = false, all_tg = true;
     int tg_tag = -1;
+    unsigned long long tg_site = 0;
     for (int t = 0; t < n; ++t) {
       const Lane& ln = L->lanes[t];
       if (ln.state != DONE) all_done = false;
-      if (ln.state != AT_TG || (tg_tag >= 0 && ln.tag != tg_tag)) all_tg = false;
-      if (ln.state == AT_TG) tg_tag = ln.tag;
+      if (ln.state != AT_TG || (tg_tag >= 0 && (ln.tag != tg_tag || ln.site != tg_site))) all_tg = false;
+      if (ln.state == AT_TG) {
+        tg_tag = ln.tag;
+        tg_site = ln.site;
+      }
     }
     if (all_done) return true;
     if (n % SIMD != 0) {
@@ -224,12 +247,16 @@ inline bool run_group(int n) {
       return false;
     }
     for (int s = 0; s < n; s += SIMD) {
-      int at = 0, done = 0, tag = L->lanes[s].tag;
+      int at = 0, done = 0, tag = -1;
+      unsigned long long site = 0;
       bool same = true;
       for (int t = s; t < s + SIMD; ++t) {
         if (L->lanes[t].state == AT_SIMD) {
-          ++at;
-          same = same && L->lanes[t].tag == tag;
+          if (at++ == 0) {
+            tag = L->lanes[t].tag;
+            site = L->lanes[t].site;
+          }
+          same = same && L->lanes[t].tag == tag && L->lanes[t].site == site;
         } else if (L->lanes[t].state == DONE) {
           ++done;
         }
@@ -242,7 +269,8 @@ inline bool run_group(int n) {
       } else if (at + done == SIMD || !same) {
         std::snprintf(L->err, sizeof(L->err),
                       "simdgroup %d diverged: %d threads wait at a simdgroup operation, %d have "
-                      "returned, the tags %s", s / SIMD, at, done, same ? "agree" : "differ");
+                      "returned, %s", s / SIMD, at, done,
+                      same ? "all at one" : "at different operations or places in the code");
         return false;
       }
     }
