@@ -193,3 +193,14 @@ def test_stop_matcher_holds_back_exactly_the_longest_stop_prefix():
     m = StopMatcher(["return", "u"])
     assert m.push("x = ret") == ("x = ", False) and m.push("urn 1") == ("ret", True)
     assert StopMatcher(["return", "u"]).push("x = return 1") == ("x = ret", True)
+
+
+def test_a_row_without_a_finite_logit_samples_as_greedy_does():
+    """A broken checkpoint's row of NaN (or of -inf) left no candidate: sampling raised on the
+    argmax of nothing (the request failed with a 500) where greedy gave a token. Now both give the
+    greedy rule's token, whatever the filters."""
+    for row in (np.full(50, np.nan, np.float32), np.full(50, -np.inf, np.float32),
+                np.array([np.nan, -np.inf, np.nan] * 10, np.float32)):
+        want = sample(row, 0, 0, SamplingParams(temperature=0.0))
+        for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.5, top_k=5, min_p=0.1)):
+            assert sample(row, 3, 9, p) == want

@@ -73,6 +73,8 @@ def filtered_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     top = np.max(x[finite]) if finite.any() else 0.0
     with np.errstate(over="ignore"):
         x = np.where(finite, (x - top) / p.temperature, -np.inf)
+    if not finite.any():
+        return x             # nothing to filter (the top-p walk raised on an empty row)
     if p.top_k and 0 < p.top_k < x.shape[0]:
         kth = _top(x, p.top_k)[: p.top_k]
         y = np.full_like(x, -np.inf)
@@ -110,6 +112,10 @@ def sample(logits: np.ndarray, seed: int, position: int, p: SamplingParams) -> i
         u = keyed_uniforms(seed, position, x.shape[0])
         return int(np.argmax(x - np.log(-np.log(u))))
     ids = np.flatnonzero(finite)                   # ascending ids
+    if ids.size == 0:
+        # no finite logit at all (a broken checkpoint's NaN row): greedy's rule, as the greedy
+        # path gives it, where this raised (argmax of nothing) and the request failed with a 500
+        return int(np.argmax(logits))
     u = keyed_uniforms(seed, position, x.shape[0], ids)
     g = x[ids] - np.log(-np.log(u))
     return int(ids[np.argmax(g)])  # argmax returns the lowest id among equal maxima
