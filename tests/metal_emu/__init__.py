@@ -324,9 +324,7 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
             if init_value is not None:
                 o = _to_numpy(mx.full(tuple(shp), init_value, dtype=d))
             else:   # uninitialized memory: NaN / all-ones bytes, so an unwritten element shows
-                o = np.full(tuple(shp), 0xFF, dtype=np.uint8).view(np_t) if np.dtype(np_t).itemsize == 1 \
-                    else np.frombuffer(b"\xff" * (int(np.prod(shp)) * np.dtype(np_t).itemsize),
-                                       dtype=np_t).reshape(tuple(shp)).copy()
+                o = np.full(int(np.prod(shp)) * np.dtype(np_t).itemsize, 0xFF, np.uint8).view(np_t).reshape(tuple(shp))
             outs.append(o)
         arrs = host + outs
         n = len(arrs)

@@ -159,12 +159,9 @@ def _without_build_id(data: bytes) -> bytes:
 
 def _gpu_backend() -> str:
     """Which GPU backend this MLX has ("cuda" / "metal" / "none"): with the device and
-    TENSORFOLD_KERNELS, which face our kernels take."""
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    if hasattr(mx, "metal") and mx.metal.is_available():
-        return "metal"
-    return "none"
+    TENSORFOLD_KERNELS, which face our kernels take (the kernels' own checks)."""
+    from ..kernels import _cuda_available, _metal_available
+    return "cuda" if _cuda_available() else "metal" if _metal_available() else "none"
 
 
 @functools.lru_cache(maxsize=1)

@@ -48,7 +48,6 @@ class Penalties:
             for t in before:
                 counts[t] = counts.get(t, 0) + 1
         x = np.array(row, dtype=np.float64).reshape(-1)
-        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
         if self.repetition != 1.0:
             # one mask kept up to date, not the union of the prompt's ids and the reply's made again
             # at every token (a sort of the whole prompt a token)
@@ -63,7 +62,8 @@ class Penalties:
             v = x[seen]
             with np.errstate(over="ignore"):
                 x[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)
-        if len(ids) and (self.frequency != 0.0 or self.presence != 0.0):
+        if counts and (self.frequency != 0.0 or self.presence != 0.0):
+            ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
             c = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
             x[ids] -= self.frequency * c + self.presence
         # a logit pushed past float64's range (a repetition penalty of 1e-310 divides by it) stays

@@ -30,18 +30,17 @@ class Choice:
         of them)."""
         self.started = True
         final = ev.finish_reason is not None
-        if ev.prompt_logprobs is not None:
-            self.lps = [*(self.lps or ()), *ev.prompt_logprobs]       # a copy: the engine may keep its list
         r, c = self.splitter.feed(ev.text, final=final)
         first = self.tools.calls
         c, calls = (self.tools.stream_feed if self.stream else self.tools.feed)(c, final=final)
         self.reasoning.append(r)
         self.content.append(c)
         self.calls += calls
-        if ev.logprobs is not None:                 # extended in place: one event's worth a token, not the reply's
-            if self.lps is None:
-                self.lps = []
-            self.lps.extend(ev.logprobs)
+        for more in (ev.prompt_logprobs, ev.logprobs):
+            if more is not None:    # into a list of the choice's own (the engine keeps a prompt's scores
+                if self.lps is None:    # for the next choice), extended: one event's worth a token
+                    self.lps = []
+                self.lps.extend(more)
         self.finish = ev.finish_reason or self.finish
         self.stats = ev.stats or self.stats
         if final and self.calls and self.finish == "stop":
