@@ -271,6 +271,17 @@ def test_checkpoint_errors(tmp_path):
     fp8["model.layers.0.self_attn.o_proj.weight_scale_inv"] = mx.ones((1, 1))
     with pytest.raises(CheckpointError, match="FP8"):
         load_model(with_weights("fp8", fp8))
+    # layers past num_hidden_layers are DeepSeek's multi-token prediction layers, which mlx-lm's
+    # sanitize drops: loaded without them; any other tensor no module reads is refused
+    mtp = with_weights("mtp", dict(w))
+    cfg = json.loads((mtp / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    (mtp / "config.json").write_text(json.dumps(cfg))
+    assert load_model(mtp).cfg.num_layers == cfg["num_hidden_layers"]
+    stray = dict(w)
+    stray["model.layers.0.self_attn.extra.weight"] = mx.ones((4, 4))
+    with pytest.raises(CheckpointError, match="not used by a deepseek_v32 model.*self_attn.extra.weight"):
+        load_model(with_weights("stray", stray))
     cfg = json.loads((p / "config.json").read_text())
     for bad in ({"type": "dynamic", "factor": 2.0}, {"type": "yarn"}, {"type": "yarn", "factor": "40"},
                 {"type": "yarn", "factor": 40.0, "beta_fast": -1.0}):

@@ -371,16 +371,17 @@ def test_context_past_max_position(checkpoints, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tensorfold"):
         assert Engine(src, context=mp * 2).context_length == mp * 2
     assert "past the" in caplog.text
-    d = tmp_path / "yarn"
-    shutil.copytree(src, d)
-    c = json.loads((d / "config.json").read_text())
-    c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": mp}
-    (d / "config.json").write_text(json.dumps(c))
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tensorfold"):
-        assert Engine(d).context_length == 4 * mp
-        assert Engine(d, context=3 * mp).context_length == 3 * mp
-    assert "past the" not in caplog.text
+    for rtype in ("yarn", "deepseek_yarn"):      # mlx-lm's YarnRoPE for both (deepseek_yarn had mp)
+        d = tmp_path / rtype
+        shutil.copytree(src, d)
+        c = json.loads((d / "config.json").read_text())
+        c["rope_scaling"] = {"rope_type": rtype, "factor": 4.0, "original_max_position_embeddings": mp}
+        (d / "config.json").write_text(json.dumps(c))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tensorfold"):
+            assert Engine(d).context_length == 4 * mp
+            assert Engine(d, context=3 * mp).context_length == 3 * mp
+        assert "past the" not in caplog.text
 
 
 def test_out_of_range_generation_config_defaults_are_ignored(checkpoints, tmp_path, caplog):

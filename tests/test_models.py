@@ -118,6 +118,14 @@ def _copy(src, dst):
     ("awq", "quant_method 'awq' is not supported; convert"),
     ("index-map-list", "'weight_map' must map"),
     ("stray-bias", "o_proj.bias is not used"),
+    # tensors no module reads: config.json describes another model (mlx-lm refuses them too)
+    ("fewer-layers", "not used by a qwen3 model with this config.json: model.layers.1."),
+    ("qwen3-as-llama", "not used by a llama model with this config.json: model.layers.0.self_attn.k_norm"),
+    ("float-biases", "not used by a qwen3 model with this config.json: model.layers.0.mlp.down_proj.biases"),
+    ("norm-int", "input_layernorm.weight has unsupported dtype"),
+    # sizes the row-exact decode kernels cannot take (every request failed with a 500)
+    ("intermediate-not-16", "intermediate_size 136 is not a multiple of 16"),
+    ("head-dim-not-16", "head_dim 24 is not a multiple of 16"),
 ])
 def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, message):
     src = checkpoints["qwen3_hf_sharded" if breakage == "missing-shard" else "qwen3_hf_bf16"]
@@ -168,6 +176,21 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         w = mx.load(str(d / "model.safetensors"))
         w["model.layers.0.self_attn.o_proj.bias"] = mx.ones((cfg["hidden_size"],), mx.bfloat16)
         mx.save_safetensors(str(d / "model.safetensors"), w)
+    elif breakage == "fewer-layers":    # layer 1's weights are there, the config stops before it
+        cfg["num_hidden_layers"] = 1
+    elif breakage == "qwen3-as-llama":
+        cfg["model_type"] = "llama"
+    elif breakage in ("float-biases", "norm-int"):
+        w = mx.load(str(d / "model.safetensors"))
+        if breakage == "float-biases":
+            w["model.layers.0.mlp.down_proj.biases"] = mx.zeros((cfg["hidden_size"], 1), mx.bfloat16)
+        else:
+            w["model.layers.0.input_layernorm.weight"] = mx.ones((cfg["hidden_size"],), mx.int32)
+        mx.save_safetensors(str(d / "model.safetensors"), w)
+    elif breakage == "intermediate-not-16":
+        cfg["intermediate_size"] = 136
+    elif breakage == "head-dim-not-16":
+        cfg["head_dim"] = 24
     if breakage not in ("no-config", "bad-json"):
         (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
@@ -485,3 +508,57 @@ def test_info_leaves_modules_nn_quantize_skips_unquantized(tmp_path):
                 for line in describe(d).splitlines())
     assert rows["weights: attention"] == "bfloat16"
     assert rows["weights: mlp"] == "4-bit/g128, bfloat16"                     # down; gate / up
+
+
+def test_what_mlx_lm_drops_is_not_refused(checkpoints, tmp_path):
+    """Unused tensors are refused (test_bad_checkpoints_give_one_clear_error), less what mlx-lm's
+    sanitize drops before its strict load: precomputed RoPE frequencies and a tied model's
+    lm_head. With both added the checkpoint loads and equals mlx-lm."""
+    def add(w):
+        w["lm_head.weight"] = w["model.embed_tokens.weight"]
+        w["model.layers.0.self_attn.rotary_emb.inv_freq"] = mx.ones((8,), mx.float32)
+    _equal_mlx_lm(_with(checkpoints["qwen2_mlx_4bit_tied"], tmp_path / "m", edit_weights=add))
+
+
+def _logits(path, n=17):
+    m = load_model(path)
+    return m.forward(mx.array([_prompt(m.cfg.vocab_size, n, seed=3)]), m.new_cache(), exact=False,
+                     all_logits=True)
+
+
+@pytest.mark.parametrize("src, scaling, nulls", [
+    ("qwen3_mlx_4bit", dict(type="yarn", factor=4.0, original_max_position_embeddings=16),
+     ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")),
+    ("llama_hf_llama3_rope", None, ("low_freq_factor", "high_freq_factor")),
+], ids=["yarn", "llama3"])
+def test_null_rope_scaling_keys_read_as_absent(checkpoints, tmp_path, src, scaling, nulls):
+    """A rope_scaling key set to null is the key left out (transformers reads `get(key) or
+    default`): yarn's beta_fast / mscale and llama3's factors were compared and multiplied as
+    None, a TypeError at load ("'>' not supported between 'NoneType' and 'int'")."""
+    if scaling is None:
+        scaling = json.loads((checkpoints[src] / "config.json").read_text())["rope_scaling"]
+    plain = {k: v for k, v in scaling.items() if k not in nulls}
+    a = _with(checkpoints[src], tmp_path / "a", lambda c: c.update(rope_scaling=plain))
+    b = _with(checkpoints[src], tmp_path / "b",
+              lambda c: c.update(rope_scaling=dict(plain, **{k: None for k in nulls})))
+    assert mx.array_equal(_logits(a), _logits(b)).item()
+
+
+def test_rope_parameters_mlx_lm_ignores_are_said(checkpoints, tmp_path, caplog):
+    """transformers 5 writes RoPE under rope_parameters and may keep rope_theta at the top level
+    (tinycode's config.json has both). mlx-lm 0.32's llama reads only the top-level keys, so a
+    llama3 scaling under rope_parameters is read here (the checkpoint's RoPE) and said, with
+    rope_theta at the top level too (the warning needed both absent); qwen3, whose mlx-lm reads
+    rope_parameters, gets no warning."""
+    def nest(c):
+        c["rope_parameters"] = dict(c.pop("rope_scaling"), rope_theta=c["rope_theta"])
+    d = _with(checkpoints["llama_hf_llama3_rope"], tmp_path / "llama", nest)
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        assert mx.array_equal(_logits(d), _logits(checkpoints["llama_hf_llama3_rope"])).item()
+    assert "rope_parameters (mlx-lm 0.32's llama ignores it" in caplog.text
+    caplog.clear()
+    q = _with(checkpoints["qwen3_mlx_4bit"], tmp_path / "qwen3",
+              lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}))
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        load_model(q)
+    assert "rope_parameters" not in caplog.text

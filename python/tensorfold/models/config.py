@@ -139,7 +139,7 @@ class ModelConfig:
         original_max_position_embeddings where that is more (Qwen's long-context recipe adds yarn
         and leaves max_position_embeddings at the original 40,960)."""
         sc = self.rope_scaling or {}
-        if rope_type_of(sc) == "yarn" and sc.get("factor"):
+        if rope_type_of(sc) in YARN_TYPES and sc.get("factor"):   # deepseek_yarn is yarn too
             scaled = int(sc["factor"] * sc.get("original_max_position_embeddings", self.max_position))
             return max(self.max_position, scaled)
         return self.max_position
@@ -230,13 +230,19 @@ class ModelConfig:
             raise CheckpointError(f"config.json: llama layer_types {sorted(set(map(str, types)))!r}: "
                                   "sliding-window layers are not supported")
         # mlx-lm's defaults: qwen2 1e6, the others 10000 (qwen3's requires it)
-        rope_theta = opt_num("rope_theta", opt_num("rope_theta", 1e6 if mt == "qwen2" else 10000.0, rope_params))
+        default_theta = 1e6 if mt == "qwen2" else 10000.0
+        rope_theta = opt_num("rope_theta", opt_num("rope_theta", default_theta, rope_params))
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
-        if rope_params and mt in ("llama", "qwen2") and not (raw.get("rope_theta") or raw.get("rope_scaling")):
-            # transformers 5 nests RoPE under rope_parameters; mlx-lm 0.32's llama / qwen2 do not
-            # read it (they run the default RoPE, another model). Read here: the checkpoint's RoPE
-            log.warning("config.json: RoPE read from rope_parameters (mlx-lm 0.32's %s ignores it: "
-                        "its logits differ from these)", mt)
+        if rope_params and mt != "qwen3":
+            # transformers 5 nests RoPE under rope_parameters (and may keep rope_theta at the top
+            # level too); of mlx-lm 0.32's families here only qwen3 reads it: the others run the
+            # top-level keys' RoPE, another model. Read here (the checkpoint's RoPE), said where
+            # it changes anything mlx-lm would compute
+            scaled = not raw.get("rope_scaling") and mt not in MOE_FAMILIES and (
+                rope_type_of(rope_params) != "default" or set(rope_params) - {"rope_theta", "rope_type", "type"})
+            if scaled or rope_theta != opt_num("rope_theta", default_theta):
+                log.warning("config.json: RoPE read from rope_parameters (mlx-lm 0.32's %s ignores it: "
+                            "its logits differ from these)", mt)
         if mt in MOE_FAMILIES and rope_scaling:
             # mlx-lm's qwen3_moe builds plain RoPE and never reads rope_scaling (so Qwen's yarn
             # recipe loads and runs unscaled there): the same here, or prefill != mlx-lm's
@@ -245,6 +251,8 @@ class ModelConfig:
             rope_scaling = None
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
+        if rope_scaling:   # a key set to null is the key left out (as in _yarn_rope_scaling)
+            rope_scaling = {k: v for k, v in rope_scaling.items() if v is not None}
         if rope_scaling and (mt in DSA_FAMILIES or rope_type_of(rope_scaling) in YARN_TYPES):
             # deepseek_v32's, and YarnRoPE as mlx-lm's initialize_rope builds it for every family
             # (Qwen's long-context recipe: {"rope_type": "yarn", "factor": 4.0, ...: 32768})
@@ -277,6 +285,15 @@ class ModelConfig:
         if quant is not None:
             cls._check_quant(quant)
         family = FAMILIES[mt]
+        sizes = [("hidden_size", hidden), ("intermediate_size", need("intermediate_size"))]
+        if family not in DSA_FAMILIES:    # deepseek_v32's head sizes: _dsa_fields
+            sizes.append(("head_dim", head_dim))
+        for key, size in sizes:
+            if size % 16:
+                # every decode step runs the row-exact kernels (row_matmul's K, row_attention's
+                # head size: multiples of 16); served, such a model failed each request with a 500
+                raise CheckpointError(f"config.json: {key} {size} is not a multiple of 16 "
+                                      "(the row-exact decode kernels need it)")
         moe = cls._moe_fields(raw, need, hidden) if family in MOE_FAMILIES else {}
         if family in DSA_FAMILIES:
             moe = cls._dsa_fields(raw, need, hidden, heads)
@@ -344,6 +361,9 @@ class ModelConfig:
         yarn types of the dense families. The returned dict's "type" is the type read."""
         if not isinstance(sc, dict):
             raise CheckpointError("config.json: rope_scaling must be an object")
+        # a key set to null is the key left out (transformers reads `get(key) or default`): kept,
+        # it reached the comparisons below and the model's RoPE as None (a TypeError at load)
+        sc = {k: v for k, v in sc.items() if v is not None}
         rtype = rope_type_of(sc)
         if rtype not in ("default", "linear", *YARN_TYPES):
             raise CheckpointError(f"{family}: unsupported rope_scaling type {rtype!r} "

@@ -240,7 +240,7 @@ class DSAModel(BoundedPrefill, DenseModel):
         if any(k.endswith("weight_scale_inv") for k in weights):
             raise CheckpointError(f"{cfg.path}: FP8 (weight_scale_inv) checkpoints are not supported; "
                                   "convert with mlx-lm first")
-        weights = dict(weights)    # kv_b_proj is split in place
+        weights = weights.copy()   # kv_b_proj is split in place (a TrackedWeights copy shares its record)
         super().__init__(cfg, weights)
         sc = cfg.rope_scaling
         self.rope = make_dsa_rope(cfg, traditional=True)

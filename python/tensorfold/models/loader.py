@@ -10,6 +10,47 @@ from ..errors import CheckpointError
 from .config import ModelConfig, weight_files
 
 
+class TrackedWeights(dict):
+    """A checkpoint's tensors that remember which names the model read (get, [], pop), so that
+    load_model can refuse the others: a tensor no module takes means config.json describes
+    another model (fewer layers, another family), as mlx-lm's strict load refuses it. `copy`
+    shares the record (deepseek_v32 splits kv_b_proj in a copy)."""
+
+    def __init__(self, *args, used: set | None = None):
+        super().__init__(*args)
+        self.used = set() if used is None else used
+
+    def get(self, key, default=None):
+        if key in self:
+            self.used.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        v = super().__getitem__(key)
+        self.used.add(key)
+        return v
+
+    def pop(self, key, *default):
+        if key in self:
+            self.used.add(key)
+        return super().pop(key, *default)
+
+    def copy(self) -> "TrackedWeights":
+        return TrackedWeights(self, used=self.used)
+
+    def unused(self, cfg: ModelConfig) -> list[str]:
+        """The names no module read, less what mlx-lm's sanitize drops for these families:
+        precomputed RoPE frequencies, a tied model's lm_head, deepseek_v32's multi-token
+        prediction layers (model.layers.N and up)."""
+        def dropped(k: str) -> bool:
+            if "rotary_emb.inv_freq" in k or (cfg.tie_embeddings and k.startswith("lm_head.")):
+                return True
+            parts = k.split(".")
+            return (cfg.is_dsa and len(parts) >= 3 and parts[:2] == ["model", "layers"]
+                    and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
+        return sorted(k for k in self if k not in self.used and not dropped(k))
+
+
 def load_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of the checkpoint, lazily (MLX maps them on first use)."""
     weights: dict[str, mx.array] = {}
@@ -151,6 +192,9 @@ def take_vector(cfg: ModelConfig, weights: dict, name: str, size: int):
         raise CheckpointError(f"{cfg.path}: missing tensor {name}")
     if tuple(t.shape) != (size,):
         raise CheckpointError(f"{cfg.path}: {name} has shape {tuple(t.shape)}, expected {(size,)}")
+    if t.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        # an integer norm weight would have been promoted through the layer (float32 activations)
+        raise CheckpointError(f"{cfg.path}: {name} has unsupported dtype {t.dtype}")
     return t
 
 
