@@ -33,6 +33,22 @@ def tok(tmp_path_factory):
     return Tokenizer.from_dir(d)
 
 
+@pytest.mark.parametrize("name, text", [
+    ("tokenizer_config.json", '{"eos_token": "<|im_end|>",}'),
+    ("generation_config.json", '{"eos_token_id": 2'),
+    ("chat_template.json", '["not an object"]'),
+])
+def test_unreadable_side_files_are_errors(tmp_path, name, text):
+    """A side file that is there but is not a JSON object is an error at load naming it (as
+    transformers / mlx-lm make it). Read as empty, a trailing comma in tokenizer_config.json
+    dropped the chat template and the eos token: no stop token, and chat requests refused with
+    'this model has no chat template'."""
+    d = _write_tok_dir(tmp_path / "t", template=None)   # chat_template.json is read where no other is
+    (d / name).write_text(text)
+    with pytest.raises(ValueError, match=name):
+        Tokenizer.from_dir(d)
+
+
 # ---------------------------------------------------------------------------------------------
 # basics
 

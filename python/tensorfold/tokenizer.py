@@ -43,14 +43,19 @@ class TemplateError(ValueError):
 
 
 def _read_json(path: pathlib.Path) -> dict:
+    """A side file's JSON object ({} where the file is absent). A file that is there but cannot be
+    read is an error at load, as transformers / mlx-lm make it: read as empty, a trailing comma in
+    tokenizer_config.json dropped the chat template and the eos token without a word."""
     if not path.is_file():
         return {}
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _token_content(tok: Any) -> str | None:

@@ -169,10 +169,10 @@ class Engine:
         if f.is_file():
             try:
                 g = json.loads(f.read_text())
-            except (OSError, ValueError):
-                g = {}
+            except (OSError, ValueError) as e:   # as the tokenizer's side files (tokenizer._read_json)
+                raise ValueError(f"{f}: cannot read ({type(e).__name__}: {str(e)[:200]})") from None
             if not isinstance(g, dict):
-                g = {}
+                raise ValueError(f"{f}: expected a JSON object, got {type(g).__name__}")
             for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
                 v = g.get(k)
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
