@@ -138,11 +138,13 @@ mx::array row_attention(const mx::array& q, const mx::array& k, const mx::array&
   if (q.shape(3) % 16 != 0) fail("head dim must be a multiple of 16 (64/80/96/128/256)");
   if (k.shape(2) < q.shape(2)) fail("KV capacity smaller than the number of query rows");
   if (offset.size() != 1) fail("offset must be a scalar");
+  // int32 only: a cast here read 2^32 + 5 as 5 and 5.9 as 5 (the Python wrapper clips or refuses)
+  if (offset.dtype() != mx::int32) fail("offset must be an int32 array");
   cpu::ftype_of(q.dtype(), "q");
   cpu::ftype_of(k.dtype(), "k");
   cpu::ftype_of(v.dtype(), "v");
   auto s = cpu::cpu_stream();
-  auto off = mx::reshape(mx::astype(offset, mx::int32, s), {}, s);
+  auto off = mx::reshape(offset, {}, s);
   return mx::array(q.shape(), q.dtype(), std::make_shared<RowAttention>(s, scale),
                    {mx::contiguous(q, false, s), mx::contiguous(k, false, s),
                     mx::contiguous(v, false, s), mx::contiguous(off, false, s)});

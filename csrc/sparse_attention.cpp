@@ -177,14 +177,16 @@ mx::array sparse_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (indices.ndim() != 3 || indices.shape(0) != q.shape(0) || indices.shape(1) != q.shape(2)) {
     fail("indices must be [B, M, T]");
   }
-  if (!mx::issubdtype(indices.dtype(), mx::integer)) fail("indices must be integers (int32)");
+  // int32 only: a cast here read 2^32 + 3 as key 3 (the Python wrapper clips or refuses)
+  if (indices.dtype() != mx::int32) fail("indices must be an int32 array");
   if (offset.size() != 1) fail("offset must be a scalar");
+  if (offset.dtype() != mx::int32) fail("offset must be an int32 array");
   cpu::ftype_of(q.dtype(), "q");
   cpu::ftype_of(k.dtype(), "k");
   cpu::ftype_of(v.dtype(), "v");
   auto s = cpu::cpu_stream();
-  auto off = mx::reshape(mx::astype(offset, mx::int32, s), {}, s);
-  auto ind = mx::astype(indices, mx::int32, s);
+  auto off = mx::reshape(offset, {}, s);
+  const auto& ind = indices;
   return mx::array(q.shape(), q.dtype(), std::make_shared<SparseAttention>(s, scale),
                    {mx::contiguous(q, false, s), mx::contiguous(k, false, s),
                     mx::contiguous(v, false, s), mx::contiguous(ind, false, s),

@@ -415,7 +415,8 @@ def test_matmul_row_exact(device, dtype, wdtype):
     w = rand(rng, (N, Kd), dtype if wdtype == "same" else mx.float32, 0.05)
     x = rand(rng, (MAX_M, Kd), dtype)
     op = lambda xx: K.row_matmul(xx, w)  # noqa: E731
-    assert op(x).shape == (MAX_M, N) and op(x).dtype == dtype
+    # fp32 weights beside 16-bit x: fp32 out, as MLX's matmul promotes (kernels.promoted)
+    assert op(x).shape == (MAX_M, N) and op(x).dtype == (dtype if wdtype == "same" else mx.float32)
     assert_rows_exact(op, x, rng)
 
 
@@ -610,6 +611,64 @@ def test_kernel_inputs_refused_or_clipped_not_misread(device):
         assert np.isnan(y[1]).all()                          # not expert 1
     with pytest.raises(ValueError):
         K.row_expert_matmul(x, w, None, None, mx.array([[0.5], [1.0]]))
+
+
+def test_mixed_dtypes_promote_as_mlx_does(device):
+    """Operands of two float types: the result has the type MLX's own op gives (bf16 x with fp32
+    weights: fp32), and equals the op on x cast to that type (an exact cast). The kernels rounded
+    it to x's type, 10^3 times MLX's error (a kernel audit)."""
+    rng = _rng("promote")
+    x = rand(rng, (3, 128), mx.bfloat16)
+    w = rand(rng, (24, 128), mx.float32)
+    wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+    x32 = x.astype(mx.float32)
+    for got, want, ref in [
+        (K.row_matmul(x, w), K.row_matmul(x32, w), x @ w.T),
+        (K.row_matmul(x, w.astype(mx.float16)), K.row_matmul(x32, w.astype(mx.float16)),
+         x @ w.astype(mx.float16).T),
+        (K.row_quantized_matmul(x, wq, sc, bi, 64, 4), K.row_quantized_matmul(x32, wq, sc, bi, 64, 4),
+         mx.quantized_matmul(x, wq, sc, bi, group_size=64, bits=4)),
+        (K.row_expert_matmul(x, wq[None], sc[None], bi[None], mx.zeros((3, 1), mx.int32), 64, 4)[:, 0],
+         K.row_quantized_matmul(x32, wq, sc, bi, 64, 4), None),
+    ]:
+        assert got.dtype == want.dtype == mx.float32
+        assert ref is None or ref.dtype == got.dtype
+        assert np.array_equal(bits(got), bits(want))
+    same = K.row_matmul(x, w.astype(mx.bfloat16))          # one type: unchanged
+    assert same.dtype == mx.bfloat16
+    k, v = make_kv(rng, 1, 1, 16, 64, mx.float32, 16)
+    q = rand(rng, (1, 2, 2, 64), mx.bfloat16)
+    got = K.row_attention(q, k, v, 14, 0.125)
+    assert got.dtype == mx.float32
+    assert np.array_equal(bits(got), bits(K.row_attention(q.astype(mx.float32), k, v, 14, 0.125)))
+    idx = mx.array([[[0, 3, 9], [1, 2, 15]]], dtype=mx.int32)
+    got = K.sparse_attention(q, k, v, idx, 14, 0.125)
+    assert got.dtype == mx.float32
+    assert np.array_equal(bits(got), bits(K.sparse_attention(q.astype(mx.float32), k, v, idx, 14, 0.125)))
+
+
+def test_wrong_argument_types_are_value_errors():
+    """A quantized call without biases, or with float bits / group size, is a ValueError naming
+    them (an AttributeError, and nanobind's 'incompatible function arguments', before); the
+    native ops take int32 offsets and indices only (a cast there read 2^32 + 5 as 5)."""
+    from tensorfold import _ext
+    wq, sc, bi = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
+    x = mx.ones((1, 64))
+    with pytest.raises(ValueError, match="biases"):
+        K.row_quantized_matmul(x, wq, sc, None, 64, 4)
+    with pytest.raises(ValueError, match="integers"):
+        K.row_quantized_matmul(x, wq, sc, bi, 64.0, 4)
+    with pytest.raises(ValueError, match="integers"):
+        K.row_quantized_matmul(x, wq, sc, bi, 64, 4.0)
+    q, kv = mx.ones((1, 1, 1, 64)), mx.ones((1, 1, 8, 64))
+    for off in (mx.array([2**32 + 5], dtype=mx.int64), mx.array([5.9])):
+        with pytest.raises(ValueError, match="int32"):
+            _ext.row_attention(q, kv, kv, off, 0.1)
+        with pytest.raises(ValueError, match="int32"):
+            _ext.sparse_attention(q, kv, kv, mx.zeros((1, 1, 2), mx.int32), off, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        _ext.sparse_attention(q, kv, kv, mx.array([[[2**32 + 3]]], dtype=mx.int64),
+                              mx.array([5], dtype=mx.int32), 0.1)
 
 
 def test_empty_calls(device):

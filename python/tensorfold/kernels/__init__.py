@@ -129,6 +129,15 @@ def as_index(v, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {v!r}") from None
 
 
+def promoted(x: mx.array, *others) -> mx.array:
+    """x cast to the float type MLX's own op would return for these operands (its promotion: one
+    dtype stays; bf16 with fp16, or anything with fp32, is fp32), so that the kernels' output
+    type, x's, is MLX's: with bf16 x and fp32 weights the result was rounded to bf16, 10^3 times
+    MLX's error. The cast is exact; the engine's calls share one dtype and never take it."""
+    types = {x.dtype, *(o.dtype for o in others if o is not None)}
+    return x if len(types) == 1 or x.dtype == mx.float32 else x.astype(mx.float32)
+
+
 def _check_k(x: mx.array, what: str) -> None:
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"{what}: x must have a positive number of columns (K), got shape {x.shape}")
@@ -143,6 +152,10 @@ GROUP_SIZES = (32, 64, 128)
 
 
 def _check_quantized(x, w, scales, biases, group_size, bits, what: str) -> None:
+    if not isinstance(scales, mx.array) or not isinstance(biases, mx.array):
+        raise ValueError(f"{what}: scales and biases must be arrays (MLX affine quantization)")
+    if type(bits) is not int or type(group_size) is not int:   # 4.0 passed `in` and then nanobind
+        raise ValueError(f"{what}: bits and group_size must be integers, got {bits!r} / {group_size!r}")
     if bits not in QUANT_BITS:
         raise ValueError(f"{what}: bits must be one of {QUANT_BITS}, got {bits}")
     if group_size not in GROUP_SIZES:
@@ -184,7 +197,8 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     """Row-exact ``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``.
 
     x [..., M, K] (float32 / bfloat16 / float16); w uint32 [N, K*bits/32]; scales and
-    biases [N, K/group_size]. Returns [..., M, N] in x's dtype, fp32 accumulation.
+    biases [N, K/group_size]. Returns [..., M, N] in x's dtype promoted with the scales' as MLX's
+    op promotes it (`promoted`), fp32 accumulation.
     bits in {2, 3, 4, 5, 6, 8}; group_size in {32, 64, 128}.
 
     residual [..., M, N]: returns ``product + residual`` (a layer's residual add). The CUDA
@@ -194,6 +208,7 @@ def row_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     """
     _check_k(x, "row_quantized_matmul")
     _check_quantized(x, w, scales, biases, group_size, bits, "row_quantized_matmul")
+    x = promoted(x, scales, biases)
     if x.size == 0 or w.shape[0] == 0:
         y = _empty((*x.shape[:-1], w.shape[0]), x.dtype)
         return y if residual is None else y + residual
@@ -250,9 +265,11 @@ def _empty(shape, dtype) -> mx.array:
 
 
 def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.array:
-    """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16)."""
+    """Row-exact ``x @ w.T`` with w [N, K] (float32 / bfloat16 / float16), in x's dtype promoted
+    with w's (`promoted`)."""
     _check_k(x, "row_matmul")
     _check_dense(x, w, "row_matmul")
+    x = promoted(x, w)
     if x.size == 0 or w.shape[0] == 0:
         return _empty((*x.shape[:-1], w.shape[0]), x.dtype)
     face = backend_face(stream)
@@ -287,12 +304,14 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
 
     q [B, Hq, M, D]; k, v [B, Hkv, cap, D] with the M new keys already written at
     offset..offset+M-1. Query row i sits at position offset+i and attends to keys
-    0..offset+i. offset: int or int32 scalar array. Returns [B, Hq, M, D] in q's dtype.
+    0..offset+i. offset: int or int32 scalar array. Returns [B, Hq, M, D] in q's dtype promoted
+    with k's and v's (`promoted`).
     Rows whose position falls outside the buffer come back NaN (an int offset is checked
     up front and raises instead).
     """
     check_attention_shapes(q, k, v, "row_attention")
     off = _offset_array(offset, q, k)
+    q = promoted(q, k, v)
     if q.size == 0:
         return _empty(q.shape, q.dtype)
     face = backend_face(stream)
@@ -339,7 +358,7 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     x [..., K] (float32 / bfloat16 / float16); indices [..., k] int32 with x's leading dims;
     w uint32 [E, N, K*bits/32] with scales / biases [E, N, K/group_size] (MLX affine, as
     mx.gather_qmm takes them), or scales = biases = None and a float w [E, N, K].
-    Returns [..., k, N] in x's dtype. Each (row, j) is the fixed-order dot product of
+    Returns [..., k, N] in x's dtype promoted (`promoted`). Each (row, j) is the fixed-order dot product of
     row_quantized_matmul / row_matmul (bit-identical to it on that expert's weight): it
     depends on K only, never on the other rows or their experts. An index outside [0, E)
     gives a NaN row (CPU face).
@@ -347,6 +366,7 @@ def row_expert_matmul(x: mx.array, w: mx.array, scales: Optional[mx.array],
     indices = as_int32(indices, "row_expert_matmul: indices")
     _check_k(x, "row_expert_matmul")
     check_expert_args(x.shape, w, scales, biases, indices.shape, group_size, bits, "row_expert_matmul")
+    x = promoted(x, scales, biases) if scales is not None else promoted(x, w)
     if x.size == 0 or indices.size == 0 or w.shape[1] == 0:
         return _empty((*x.shape[:-1], indices.shape[-1], w.shape[1]), x.dtype)
     face = backend_face(stream)

@@ -73,7 +73,7 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
     [B, M, T] int32: row i of batch b attends to keys ``indices[b, i, t]`` that satisfy
     ``0 <= e <= offset+i`` (entries < 0 are padding, larger ones are ignored: causal by
     construction), shared by all heads. offset: int or int32 scalar array. Returns
-    [B, Hq, M, D] in q's dtype. A row with no kept index returns zeros; a row whose
+    [B, Hq, M, D] in q's dtype promoted with k's and v's. A row with no kept index returns zeros; a row whose
     position falls outside the buffer returns NaN (an int offset is checked up front and
     raises instead). Duplicate entries count once per occurrence.
 
@@ -87,7 +87,8 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
         raise ValueError("sparse_attention: indices must be [B, M, T]")
     indices = as_int32(indices, "sparse_attention: indices")
     off = _offset_value(offset, q.shape[2], k.shape[2], "sparse_attention")
-    from . import backend_face, _gpu_stream, _empty
+    from . import backend_face, _gpu_stream, _empty, promoted
+    q = promoted(q, k, v)
     if q.size == 0:
         return _empty(q.shape, q.dtype)
     face = backend_face(stream)
