@@ -1342,6 +1342,22 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     SUITE=${SUITE:-"tests/test_kernels.py tests/test_sparse_attention.py tests/test_moe.py tests/test_compiled_step.py tests/test_cuda_launches.py"} \
         PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
+  s55)      # session 55: s53's list (never run: no machine was lent in sessions 53-54), and session 55's kernel tests
+            # (mixed operand types promoted as MLX promotes them; argument types refused)
+    { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_dsa.py;
+      collect tests/test_engine.py -k "another_thread or serves_on_another or catch_up";
+      collect tests/test_prompt_cache.py -k "warm or hold_what or environment";
+      collect tests/test_logprobs.py tests/test_penalties.py;
+      collect tests/test_kernels.py -k "empty_calls or promote or wrong_argument";
+      collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s55.ids"
+    IDS="$out/s55.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
+    ;;
+  s55b)     # session 55, second machine: the two CUDA test fixes (the MoE peak test warmed first; the DSA indexer-memory
+            # test at qk_nope_head_dim 64, a K MLX's CUDA quantized_matmul has a kernel for), the model-loading tests
+    { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_dsa.py -k "memory_does_not_scale or checkpoint_errors"
+      collect tests/test_models.py -k "drops or null_rope or rope_parameters or bad_checkpoints"; } > "$out/s55b.ids"
+    IDS="$out/s55b.ids" PROCS=${PROCS:-6} LIMIT=${LIMIT:-240} bash "$0" suite
+    ;;
   s53)      # prepared in session 53 (no machine was lent), not run: the MoE peak test in its bf16-on-CUDA form (not run
             # there since it was rewritten), the whole of test_dsa.py (21 of its 31 ids were cut in s52c), and session
             # 53's tests of MLX's per-thread streams (an engine on another thread; the warm-up's arrays)

@@ -512,8 +512,11 @@ def test_sparse_prefill_memory_does_not_scale_with_index_heads(tmp_path):
     (mlx-lm's [Hi, L, S]; an audit measured 46 / 94 MiB more per 1k prompt tokens with 8 / 32
     index heads, ~5 after)."""
     from tensorfold.engine.prefill import PrefillMode, prefill
+    # qk_nope_head_dim 64, not the defaults' 32: embed_q's K (the absorbed q, per head) at 32 has
+    # no kernel in MLX 0.32's CUDA quantized_matmul past 7 rows ("No implementation for problem
+    # shape", H200, session 55); real checkpoints have 128
     p = write_checkpoint(tmp_path / "m", family="deepseek_v32", layout="mlx", bits=4, group_size=32,
-                         seed=1, layers=2, dsa=dict(index_topk=256, index_n_heads=32))
+                         seed=1, layers=2, dsa=dict(index_topk=256, index_n_heads=32, qk_nope_head_dim=64))
     m = load_model(p)
     mx.eval(m.parameters())
     extra = []

@@ -651,6 +651,13 @@ def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
     excess = {}
     for name, m in (("moe", moe), ("dense", dense)):
         mx.eval(m.parameters())
+        if dtype == "bfloat16":
+            # CUDA: one untimed prefill of the longest prompt first, so that what a backend
+            # allocates once per shape (cuDNN's attention plans and workspaces) is held before the
+            # measures. Cold, the H200 gave 3.4 / -1.0 / 8.6 MiB in one run and a flat run after
+            # (session 55): a one-off allocation in the dense model's 2-cell prefill, not a leak
+            warm = np.random.default_rng(9).integers(3, m.cfg.vocab_size, grid * 4).tolist()
+            mx.eval(prefill(m, m.new_cache(), warm, PrefillMode(grid=grid)))
         for cells in (1, 2, 4):
             ids = np.random.default_rng(cells).integers(3, m.cfg.vocab_size, grid * cells).tolist()
             mx.clear_cache()
