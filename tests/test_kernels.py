@@ -649,7 +649,8 @@ def test_mixed_dtypes_promote_as_mlx_does(device):
 
 def test_wrong_argument_types_are_value_errors():
     """A quantized call without biases, or with float bits / group size, is a ValueError naming
-    them (an AttributeError, and nanobind's 'incompatible function arguments', before); the
+    them (an AttributeError, and nanobind's 'incompatible function arguments', before); k and v
+    of two dtypes are refused (the CUDA face staged V as K's type: garbage, no error); the
     native ops take int32 offsets and indices only (a cast there read 2^32 + 5 as 5)."""
     from tensorfold import _ext
     wq, sc, bi = mx.quantize(mx.ones((8, 64)), group_size=64, bits=4)
@@ -661,6 +662,10 @@ def test_wrong_argument_types_are_value_errors():
     with pytest.raises(ValueError, match="integers"):
         K.row_quantized_matmul(x, wq, sc, bi, 64, 4.0)
     q, kv = mx.ones((1, 1, 1, 64)), mx.ones((1, 1, 8, 64))
+    for op in (lambda k, v: K.row_attention(q, k, v, 3, 0.1),
+               lambda k, v: K.sparse_attention(q, k, v, mx.zeros((1, 1, 2), mx.int32), 3, 0.1)):
+        with pytest.raises(ValueError, match="same dtype"):   # the CUDA face read V as K's type
+            op(kv.astype(mx.bfloat16), kv.astype(mx.float16))
     for off in (mx.array([2**32 + 5], dtype=mx.int64), mx.array([5.9])):
         with pytest.raises(ValueError, match="int32"):
             _ext.row_attention(q, kv, kv, off, 0.1)

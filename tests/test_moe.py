@@ -788,3 +788,28 @@ def test_moe_helpers_read_ids_and_residuals_as_row_expert_matmul_does():
             call()
     assert np.array_equal(np.array(K.row_attention(q, kv, kv, np.int64(2), 0.1)),
                           np.array(K.row_attention(q, kv, kv, 2, 0.1)))
+
+
+def test_moe_ops_on_no_rows():
+    """No row (or no expert a row): the shapes, zeros (plus the residual), nothing launched. The
+    CUDA paths launched a grid of 0 blocks, which CUDA refuses, and expert_sum's other faces
+    indexed y[:, 0] of an empty k (a static audit of the CUDA face)."""
+    from tensorfold.kernels import moe as km
+    rng = np.random.default_rng(0)
+    wq, s, b, _ = _experts(rng, 4, 32, 64, 4, mx.bfloat16)
+    gate = up = (wq, s, b, 64, 4)
+    down = _experts(rng, 4, 64, 32, 4, mx.bfloat16, gs=32)[:3] + (32, 4)
+    x = mx.zeros((0, 64), mx.bfloat16)
+    logits = km.router_logits(x, (mx.zeros((4, 64), mx.bfloat16), None, None, None, None))
+    assert logits.shape == (0, 4) and logits.dtype == mx.float32
+    inds, scores = km.route(logits, 2, True)
+    assert inds.shape == scores.shape == (0, 2)
+    assert km.expert_glu(x, gate, up, inds).shape == (0, 2, 32)
+    h, i2, s2 = km.route_glu(x, logits, gate, up, 2, True)
+    assert h.shape == (0, 2, 32) and i2.shape == s2.shape == (0, 2)
+    assert km.expert_sum(h, down, i2, s2).shape == (0, 64)
+    # k = 0: a sum of nothing, the residual through
+    h0 = mx.zeros((3, 0, 32), mx.bfloat16)
+    res = mx.ones((3, 64), mx.bfloat16)
+    out = km.expert_sum(h0, down, mx.zeros((3, 0), mx.int32), mx.zeros((3, 0)), res)
+    assert out.shape == (3, 64) and np.array_equal(np.array(out.astype(mx.float32)), np.ones((3, 64)))

@@ -180,11 +180,15 @@ def _check_dense(x, w, what: str) -> None:
 
 
 def check_attention_shapes(q, k, v, what: str) -> None:
-    """q [B, Hq, M, D], k and v [B, Hkv, cap, D] of one shape, Hq a multiple of Hkv."""
+    """q [B, Hq, M, D], k and v [B, Hkv, cap, D] of one shape and dtype, Hq a multiple of Hkv."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"{what}: q [B, Hq, M, D], k/v [B, Hkv, cap, D]")
     if k.shape != v.shape:
         raise ValueError(f"{what}: k and v must have the same shape, got {k.shape} / {v.shape}")
+    if k.dtype != v.dtype:
+        # one KV buffer type (the engine's caches): the CUDA face stages V as K's type, and read
+        # mixed it gave garbage with no error (a static audit; the CPU and Metal faces took it)
+        raise ValueError(f"{what}: k and v must have the same dtype, got {k.dtype} / {v.dtype}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"{what}: q {q.shape} and k {k.shape} differ in batch or head size")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
