@@ -204,3 +204,16 @@ def test_a_row_without_a_finite_logit_samples_as_greedy_does():
         want = sample(row, 0, 0, SamplingParams(temperature=0.0))
         for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.5, top_k=5, min_p=0.1)):
             assert sample(row, 3, 9, p) == want
+
+
+def test_positive_infinite_logits_outweigh_the_finite_ones():
+    """A row with +inf logits: greedy takes the first +inf id; sampling had dropped them (as NaN)
+    and picked among the finite ids. Now the +inf ids alone are candidates, equally likely."""
+    row = np.linspace(-1, 5, 40).astype(np.float32)
+    row[7] = np.inf
+    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.5, top_k=5, min_p=0.1)):
+        assert {sample(row, seed, 3, p) for seed in range(20)} == {7}
+    row[30] = np.inf
+    got = {sample(row, seed, 3, SamplingParams(temperature=1.0)) for seed in range(40)}
+    assert got == {7, 30}
+    assert sample(row, 0, 0, SamplingParams(temperature=0.0)) == 7

@@ -67,8 +67,13 @@ def filtered_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
 
     Scaled as (logit - max) / T, the largest at 0: with a tiny positive T (1e-310 is valid JSON)
     logit / T overflowed, the best ids became +inf and then left the candidates. Non-finite
-    logits are out."""
+    logits are out, except +inf: where a row has +inf logits they outweigh every finite one
+    (softmax's limit), so the +inf ids alone stay, equally likely (greedy picks the first of them;
+    they had been dropped with NaN, and sampling picked among the finite ones)."""
     x = logits.astype(np.float64)
+    pos = np.isposinf(x)
+    if pos.any():
+        x = np.where(pos, 0.0, -np.inf)
     finite = np.isfinite(x)
     top = np.max(x[finite]) if finite.any() else 0.0
     with np.errstate(over="ignore"):
