@@ -186,10 +186,9 @@ mx::array sparse_attention(const mx::array& q, const mx::array& k, const mx::arr
   cpu::ftype_of(v.dtype(), "v");
   auto s = cpu::cpu_stream();
   auto off = mx::reshape(offset, {}, s);
-  const auto& ind = indices;
   return mx::array(q.shape(), q.dtype(), std::make_shared<SparseAttention>(s, scale),
                    {mx::contiguous(q, false, s), mx::contiguous(k, false, s),
-                    mx::contiguous(v, false, s), mx::contiguous(ind, false, s),
+                    mx::contiguous(v, false, s), mx::contiguous(indices, false, s),
                     mx::contiguous(off, false, s)});
 }
 

@@ -42,7 +42,7 @@ class TemplateError(ValueError):
 # helpers
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json_object(path: pathlib.Path) -> dict:
     """A side file's JSON object ({} where the file is absent). A file that is there but cannot be
     read is an error at load, as transformers / mlx-lm make it: read as empty, a trailing comma in
     tokenizer_config.json dropped the chat template and the eos token without a word."""
@@ -298,9 +298,9 @@ class Tokenizer:
         # cut or pad every prompt: transformers turns both off unless asked, and so does this
         tok.no_truncation()
         tok.no_padding()
-        tcfg = _read_json(path / "tokenizer_config.json")
-        gcfg = _read_json(path / "generation_config.json")
-        mcfg = _read_json(path / "config.json")
+        tcfg = read_json_object(path / "tokenizer_config.json")
+        gcfg = read_json_object(path / "generation_config.json")
+        mcfg = read_json_object(path / "config.json")
 
         template = None
         jinja_file = path / "chat_template.jinja"
@@ -310,7 +310,7 @@ class Tokenizer:
             template = _pick_template(tcfg.get("chat_template"))
             if template is None:
                 # some repos ship chat_template.json {"chat_template": ...}
-                template = _pick_template(_read_json(path / "chat_template.json").get("chat_template"))
+                template = _pick_template(read_json_object(path / "chat_template.json").get("chat_template"))
 
         # mlx-lm's chat_template_type: a template written in Python, used before a Jinja one
         template_fn = None

@@ -9,7 +9,6 @@ Not thread-safe: one thread owns an Engine (and MLX)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -25,7 +24,7 @@ from ..errors import RequestError
 from ..models import load_model
 from .. import kernels
 from ..models.loader import mlx_cuda_qmm_overreads
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_json_object
 from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
@@ -165,26 +164,19 @@ class Engine:
     # ---- settings ---------------------------------------------------------------------------
     def _read_generation_defaults(self) -> dict:
         out = {}
-        f = self.model_path / "generation_config.json"
-        if f.is_file():
-            try:
-                g = json.loads(f.read_text())
-            except (OSError, ValueError) as e:   # as the tokenizer's side files (tokenizer._read_json)
-                raise ValueError(f"{f}: cannot read ({type(e).__name__}: {str(e)[:200]})") from None
-            if not isinstance(g, dict):
-                raise ValueError(f"{f}: expected a JSON object, got {type(g).__name__}")
-            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-                v = g.get(k)
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    continue
-                if k == "top_k" and isinstance(v, int) and v < 0:
-                    v = 0               # -1: off (vLLM's spelling), as a request's top_k -1 is
-                if _sampling_error(**{k: v}) is None:
-                    out[k] = v
-                else:                   # every request leaving it unset would have got a 400
-                    log.warning("generation_config.json: ignoring %s = %r (out of range)", k, v)
-            if g.get("do_sample") is False:
-                out["temperature"] = 0.0
+        g = read_json_object(self.model_path / "generation_config.json")   # {} where absent
+        for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            v = g.get(k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            if k == "top_k" and isinstance(v, int) and v < 0:
+                v = 0               # -1: off (vLLM's spelling), as a request's top_k -1 is
+            if _sampling_error(**{k: v}) is None:
+                out[k] = v
+            else:                   # every request leaving it unset would have got a 400
+                log.warning("generation_config.json: ignoring %s = %r (out of range)", k, v)
+        if g.get("do_sample") is False:
+            out["temperature"] = 0.0
         return out
 
     # ---- prompt -----------------------------------------------------------------------------

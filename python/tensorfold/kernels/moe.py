@@ -66,9 +66,8 @@ def route(logits: mx.array, k: int, normalize: bool):
     E = logits.shape[1]
     if not 1 <= k <= E:
         raise ValueError(f"route: k = {k} out of range for {E} experts")
-    if logits.shape[0] == 0:     # no row: nothing launched (a CUDA grid of 0 blocks is refused)
-        return mx.zeros((0, k), mx.int32), mx.zeros((0, k), mx.float32)
-    if _face() == "cuda" and k <= 32 and E <= 1024:
+    # (no row: MLX's ops below, not a CUDA grid of 0 blocks, which CUDA refuses; so in each op here)
+    if _face() == "cuda" and logits.shape[0] and k <= 32 and E <= 1024:
         from . import _cuda, _gpu_stream
         return _cuda.moe_route(logits, k, normalize, _gpu_stream(None))
     gates = mx.softmax(logits, axis=-1, precise=True)
@@ -89,9 +88,7 @@ def router_logits(x: mx.array, router: Weights) -> mx.array:
     D = w.shape[1] * 32 // bits if sc is not None else w.shape[1]
     if x.shape[1] != D:
         raise ValueError(f"router_logits: x {x.shape} does not fit the router {w.shape} ({bits} bits)")
-    if x.shape[0] == 0:
-        return mx.zeros((0, w.shape[0]), mx.float32)
-    if _face() == "cuda" and D % 32 == 0:
+    if _face() == "cuda" and x.shape[0] and D % 32 == 0:
         from . import _cuda, _gpu_stream
         if sc is not None:
             return _cuda.quantized_matmul(x, w, sc, bi, gs, bits, _gpu_stream(None), out_float=True)
@@ -133,9 +130,7 @@ def expert_glu(x: mx.array, gate: Weights, up: Weights, indices: mx.array) -> mx
     _check_experts(x.shape, gate, indices.shape, "expert_glu")
     _check_experts(x.shape, up, indices.shape, "expert_glu")
     indices = as_int32(indices, "expert_glu: indices")     # clipped, not wrapped: a bad id stays bad
-    if x.shape[0] == 0 or indices.shape[1] == 0:
-        return mx.zeros((x.shape[0], indices.shape[1], gate[0].shape[1]), x.dtype)
-    if _face() == "cuda" and _same_quantization(gate, up):
+    if _face() == "cuda" and indices.size and _same_quantization(gate, up):
         from . import _cuda, _gpu_stream
         return _cuda.expert_glu(x, gate, up, indices, gate[3], gate[4], _gpu_stream(None))
     # other faces, and gate / up quantized differently: the same definition in separate calls
@@ -153,10 +148,7 @@ def route_glu(x: mx.array, logits: mx.array, gate: Weights, up: Weights, k: int,
         raise ValueError(f"route_glu: {E} logits per row, {gate[0].shape[0]} experts, k = {k}")
     _check_experts(x.shape, gate, (x.shape[0], k), "route_glu")
     _check_experts(x.shape, up, (x.shape[0], k), "route_glu")
-    if x.shape[0] == 0:
-        return (mx.zeros((0, k, gate[0].shape[1]), x.dtype), mx.zeros((0, k), mx.int32),
-                mx.zeros((0, k), mx.float32))
-    if _face() == "cuda" and _same_quantization(gate, up) and k <= 32 and E <= 1024:
+    if _face() == "cuda" and x.shape[0] and _same_quantization(gate, up) and k <= 32 and E <= 1024:
         from . import _cuda, _gpu_stream
         return _cuda.expert_glu_route(x, gate, up, logits, k, normalize, gate[3], gate[4],
                                       _gpu_stream(None))
@@ -181,16 +173,15 @@ def expert_sum(h: mx.array, down: Weights, indices: mx.array, scores: mx.array,
         raise ValueError(f"expert_sum: residual {residual.shape} must be [R, D] = [{R}, {D}]")
     from . import as_int32
     indices, scores = as_int32(indices, "expert_sum: indices"), scores.astype(mx.float32)
-    if R == 0 or k == 0:         # no row, or no expert a row: a sum of nothing (no launch)
-        out = mx.zeros((R, D), h.dtype)
-        return out if residual is None else residual.reshape(out.shape).astype(h.dtype) + out
-    if _face() == "cuda" and k <= 32:
+    if _face() == "cuda" and indices.size and k <= 32:
         from . import _cuda, _gpu_stream
         return _cuda.expert_sum(h, down, indices, scores, residual, down[3], down[4],
                                 _gpu_stream(None))
-    y = _matmul(h.reshape(R * k, F), down, indices.reshape(R * k, 1)).reshape(R, k, -1)
-    acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
-    for j in range(1, k):
-        acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
+    acc = mx.zeros((R, D), mx.float32)      # k = 0: a sum of nothing
+    if k:
+        y = _matmul(h.reshape(R * k, F), down, indices.reshape(R * k, 1)).reshape(R, k, D)
+        acc = y[:, 0].astype(mx.float32) * scores[:, 0:1]
+        for j in range(1, k):
+            acc = acc + y[:, j].astype(mx.float32) * scores[:, j:j + 1]
     out = acc.astype(h.dtype)
     return out if residual is None else residual.reshape(out.shape).astype(h.dtype) + out

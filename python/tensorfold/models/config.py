@@ -251,7 +251,9 @@ class ModelConfig:
             rope_scaling = None
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise CheckpointError(f"config.json: 'rope_scaling' must be an object, got {rope_scaling!r}")
-        if rope_scaling:   # a key set to null is the key left out (as in _yarn_rope_scaling)
+        if rope_scaling:
+            # a key set to null is the key left out (transformers reads `get(key) or default`):
+            # kept, it reached the checks below and the model's RoPE as None (a TypeError at load)
             rope_scaling = {k: v for k, v in rope_scaling.items() if v is not None}
         if rope_scaling and (mt in DSA_FAMILIES or rope_type_of(rope_scaling) in YARN_TYPES):
             # deepseek_v32's, and YarnRoPE as mlx-lm's initialize_rope builds it for every family
@@ -285,7 +287,8 @@ class ModelConfig:
         if quant is not None:
             cls._check_quant(quant)
         family = FAMILIES[mt]
-        sizes = [("hidden_size", hidden), ("intermediate_size", need("intermediate_size"))]
+        inter = need("intermediate_size")
+        sizes = [("hidden_size", hidden), ("intermediate_size", inter)]
         if family not in DSA_FAMILIES:    # deepseek_v32's head sizes: _dsa_fields
             sizes.append(("head_dim", head_dim))
         for key, size in sizes:
@@ -301,7 +304,7 @@ class ModelConfig:
         return cls(
             path=path, family=family, hidden_size=hidden, num_layers=need("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
+            intermediate_size=inter, vocab_size=need("vocab_size"),
             rms_norm_eps=opt_num("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             rope_scaling=rope_scaling, max_position=opt_int("max_position_embeddings", 4096),
             # deepseek_v32 always has its own lm_head (mlx-lm's has no tie_word_embeddings)
@@ -361,9 +364,6 @@ class ModelConfig:
         yarn types of the dense families. The returned dict's "type" is the type read."""
         if not isinstance(sc, dict):
             raise CheckpointError("config.json: rope_scaling must be an object")
-        # a key set to null is the key left out (transformers reads `get(key) or default`): kept,
-        # it reached the comparisons below and the model's RoPE as None (a TypeError at load)
-        sc = {k: v for k, v in sc.items() if v is not None}
         rtype = rope_type_of(sc)
         if rtype not in ("default", "linear", *YARN_TYPES):
             raise CheckpointError(f"{family}: unsupported rope_scaling type {rtype!r} "
