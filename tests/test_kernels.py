@@ -676,6 +676,47 @@ def test_wrong_argument_types_are_value_errors():
                               mx.array([5], dtype=mx.int32), 0.1)
 
 
+def test_fused_qk_norm_rope_arguments_checked():
+    """fused_qk_norm_rope's CUDA launch reads its arguments unchecked (qkv's row stride from H, Hk
+    and hd; the kv buffers as [B, Hk, cap, hd] of qkv's type; offset as int32): the wrapper's
+    check_fused_qk refuses what would be misread. Face-independent, so tested here."""
+    H, Hk, hd, L, cap = 4, 2, 64, 3, 32
+    qkv = mx.ones((1, L, (H + 2 * Hk) * hd), mx.bfloat16)
+    n, inv = mx.ones((hd,), mx.bfloat16), mx.ones((hd // 2,), mx.float32)
+    kc = mx.zeros((1, Hk, cap, hd), mx.bfloat16)
+    chk = K.check_fused_qk
+    off = chk(qkv, H, Hk, n, n, inv, 5, (kc, kc))
+    assert off.dtype == mx.int32 and off.tolist() == [5]
+    assert chk(qkv, H, Hk, None, None, inv, mx.array([7], mx.int64)).dtype == mx.int32
+    assert chk(qkv, H, Hk, n, n, inv, cap - 1, (kc, kc)).tolist() == [cap - 1]   # rows past cap: unwritten
+    bad = [
+        (dict(qkv=mx.ones((1, L, (H + 2 * Hk) * hd + 2), mx.bfloat16)), "last axis"),
+        (dict(heads=3), "multiple"),
+        (dict(heads=4.0), "integer"),
+        (dict(q_norm=None), "both"),
+        (dict(k_norm=mx.ones((hd + 1,), mx.bfloat16)), "both"),
+        (dict(inv_freq=mx.ones((hd // 2,), mx.bfloat16)), "float32"),
+        (dict(inv_freq=mx.ones((hd,), mx.float32)), "float32"),
+        (dict(offset=-1), "offset"),
+        (dict(offset=2.5), "integer"),
+        (dict(offset=mx.array([1.5])), "integers"),
+        (dict(offset=mx.array([1, 2], mx.int32)), "scalar"),
+        (dict(kv=(kc, kc.astype(mx.float16))), "kv buffers"),
+        (dict(kv=(kc[:, :1], kc[:, :1])), "kv buffers"),
+        (dict(kv=(kc, kc[:, :, :8])), "kv buffers"),
+        (dict(kv=(kc[..., :32], kc[..., :32])), "kv buffers"),
+        (dict(kv=(kc,)), "kv must be"),
+    ]
+    for change, msg in bad:
+        args = dict(qkv=qkv, heads=H, kv_heads=Hk, q_norm=n, k_norm=n, inv_freq=inv, offset=5,
+                    kv=(kc, kc))
+        args.update(change)
+        with pytest.raises(ValueError, match=msg):
+            chk(**args)
+    # 2^32 + 5 is clipped, never read as 5
+    assert chk(qkv, H, Hk, n, n, inv, mx.array([2**32 + 5], mx.int64)).tolist() == [2**31 - 1]
+
+
 def test_empty_calls(device):
     """No row (or no column): the shapes of the product, zeros, and nothing launched (a GPU grid
     of 0 threads: CUDA refuses the launch, MLX would hand Metal a threadgroup of 0 threads)."""

@@ -430,6 +430,28 @@ BAD = [
     ("echo a number", "/v1/completions", {"prompt": "a", "echo": 1}, 400, "echo", None),
     ("best_of asked", "/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
     ("suffix asked", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "suffix", "unsupported_parameter"),
+    # an assistant turn's tool_calls, OpenAI's shape (a template that ignores them took these with a 200)
+    ("tool_calls not a list", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": "x", "tool_calls": "f()"}, {"role": "user", "content": "y"}]), 400,
+     "messages[0].tool_calls", None),
+    ("tool_calls on a user turn", "/v1/chat/completions", _msg(messages=[
+        {"role": "user", "content": "x", "tool_calls": []}]), 400, "messages[0].tool_calls", None),
+    ("tool call not an object", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [7]}, {"role": "user", "content": "y"}]), 400,
+     "messages[0].tool_calls[0]", None),
+    ("tool call without a function", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "user", "content": "y"}]), 400, "messages[0].tool_calls[0].function", None),
+    ("tool call without a name", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]},
+        {"role": "user", "content": "y"}]), 400, "messages[0].tool_calls[0].function.name", None),
+    ("tool call arguments a number", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+        {"role": "user", "content": "y"}]), 400, "messages[0].tool_calls[0].function.arguments", None),
+    ("tool call of another type", "/v1/chat/completions", _msg(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "custom", "function": {"name": "f",
+                                                                                               "arguments": "{}"}}]},
+        {"role": "user", "content": "y"}]), 400, "messages[0].tool_calls[0].type", None),
 ]
 
 

@@ -255,10 +255,52 @@ def fused_qk_norm_rope(qkv: mx.array, heads: int, kv_heads: int, q_norm: Optiona
         return None
     if q_norm is not None and not (q_norm.dtype == k_norm.dtype == qkv.dtype):
         return None
-    if isinstance(offset, int):
-        offset = mx.array([offset], dtype=mx.int32)
+    offset = check_fused_qk(qkv, heads, kv_heads, q_norm, k_norm, inv_freq, offset, kv)
     return _cuda.qk_norm_rope(qkv, heads, kv_heads, q_norm, k_norm, eps, inv_freq, rope_scale,
                               offset, _gpu_stream(stream), kv=kv)
+
+
+def check_fused_qk(qkv: mx.array, heads: int, kv_heads: int, q_norm, k_norm, inv_freq: mx.array,
+                   offset, kv=None) -> mx.array:
+    """fused_qk_norm_rope's arguments checked (ValueError) before its CUDA launch, which reads
+    them unchecked: qkv [B, L, (H + 2 Hk) hd], norms [hd] (both or neither), inv_freq float32
+    [hd / 2], the kv buffers [B, Hk, cap, hd] of qkv's dtype, and offset an integer (rows offset
+    .. offset + L - 1 in int32; the rows past a kv buffer's capacity are not written) or an
+    integer [1] array. Returns the offset as an int32 [1] array. Face-independent, so the CPU suite tests it (tests/test_kernels.py)."""
+    heads, kv_heads = as_index(heads, "fused_qk_norm_rope: heads"), as_index(
+        kv_heads, "fused_qk_norm_rope: kv_heads")
+    if qkv.ndim != 3 or heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"fused_qk_norm_rope: qkv [B, L, C] and heads a multiple of kv_heads, got "
+                         f"shape {qkv.shape}, heads {heads}, kv_heads {kv_heads}")
+    B, L, C = qkv.shape
+    hd = C // (heads + 2 * kv_heads)
+    if hd == 0 or hd % 2 or hd * (heads + 2 * kv_heads) != C:
+        raise ValueError(f"fused_qk_norm_rope: qkv's last axis {C} is not (heads + 2 kv_heads) x "
+                         f"an even head size")
+    if (q_norm is None) != (k_norm is None) or any(
+            n is not None and tuple(n.shape) != (hd,) for n in (q_norm, k_norm)):
+        raise ValueError(f"fused_qk_norm_rope: q_norm and k_norm must both be [{hd}] or both None")
+    if inv_freq.dtype != mx.float32 or tuple(inv_freq.shape) != (hd // 2,):
+        raise ValueError(f"fused_qk_norm_rope: inv_freq must be float32 [{hd // 2}], got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    if kv is not None:
+        if len(kv) not in (2, 3):
+            raise ValueError("fused_qk_norm_rope: kv must be (k_cache, v_cache[, fence])")
+        kc, vc = kv[0], kv[1]
+        if kc.ndim != 4 or tuple(kc.shape) != tuple(vc.shape) or tuple(kc.shape[:2]) != (B, kv_heads) \
+                or kc.shape[3] != hd or not (kc.dtype == vc.dtype == qkv.dtype):
+            raise ValueError(f"fused_qk_norm_rope: kv buffers must be [{B}, {kv_heads}, cap, {hd}] "
+                             f"of {qkv.dtype}, got {kc.dtype} {tuple(kc.shape)} and {vc.dtype} "
+                             f"{tuple(vc.shape)}")
+    if isinstance(offset, mx.array):
+        if offset.size != 1:
+            raise ValueError("fused_qk_norm_rope: offset must be a scalar")
+        return as_int32(offset if offset.ndim == 1 else offset.reshape(1),
+                        "fused_qk_norm_rope: offset", low=-2**31)
+    offset = as_index(offset, "fused_qk_norm_rope: offset")
+    if offset < 0 or offset + L > 2**31 - 1:
+        raise ValueError(f"fused_qk_norm_rope: offset must be in 0 .. 2^31 - 1 - L, got {offset}")
+    return mx.array([offset], dtype=mx.int32)
 
 
 def _empty(shape, dtype) -> mx.array:

@@ -138,8 +138,36 @@ def _messages(v) -> list:
                     raise _bad(f"{p}.content[{j}].type", f"unsupported content part {part['type']!r}.")
         elif not isinstance(c, str):
             raise _bad(f"{p}.content", "expected a string or an array of content parts.")
+        if m.get("tool_calls") is not None:
+            _tool_calls(m["tool_calls"], role, f"{p}.tool_calls")
         out.append(m)
     return out
+
+
+def _tool_calls(v, role: str, p: str) -> None:
+    """An assistant turn's tool_calls, OpenAI's shape: [{"id"?, "type"?: "function", "function":
+    {"name": str, "arguments": str (JSON) or object}}]. A template that renders them reads these
+    keys; one that does not would have taken a malformed list silently (a 200 for a request
+    OpenAI refuses), and one that does raised mid-render."""
+    if role != "assistant":
+        raise _bad(p, f"only assistant messages carry tool_calls, not {role!r}.")
+    if not isinstance(v, list):
+        raise _bad(p, "expected an array of tool call objects.")
+    for j, call in enumerate(v):
+        q = f"{p}[{j}]"
+        if not isinstance(call, dict):
+            raise _bad(q, "expected a tool call object.")
+        if call.get("type") not in (None, "function"):
+            raise _bad(f"{q}.type", f"unsupported tool call type {json.dumps(call['type'])[:40]} (expected 'function').")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise _bad(f"{q}.id", "expected a string.")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{q}.function", "missing or not an object.")
+        if not isinstance(fn.get("name"), str):
+            raise _bad(f"{q}.function.name", "missing or not a string.")
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise _bad(f"{q}.function.arguments", "missing, or not a string (JSON) or an object.")
 
 
 def _prompt(v):
