@@ -1358,7 +1358,9 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       collect tests/test_models.py -k "drops or null_rope or rope_parameters or bad_checkpoints"
       collect tests/test_kernels.py -k "wrong_argument or promote"; collect tests/test_moe.py -k no_rows
       # the two logprobs tests s55 could not import (tensorfold.server needed fastapi; now loaded when named)
-      collect tests/test_logprobs.py -k "text_offsets or echo_offsets"; } > "$out/s55b.ids"
+      collect tests/test_logprobs.py -k "text_offsets or echo_offsets"
+      # session 56: fused_qk_norm_rope's argument checks (check_fused_qk) before its launch
+      collect tests/test_kernels.py -k fused_qk; collect tests/test_cuda_launches.py; } > "$out/s55b.ids"
     IDS="$out/s55b.ids" PROCS=${PROCS:-6} LIMIT=${LIMIT:-240} bash "$0" suite
     ;;
   s53)      # prepared in session 53 (no machine was lent), not run: the MoE peak test in its bf16-on-CUDA form (not run
