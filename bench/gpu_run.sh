@@ -1352,6 +1352,12 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s55.ids"
     IDS="$out/s55.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
+  s56)      # session 56: the MoE peak test with its CUDA measure the least of three prefills (s55b on an H100 gave
+            # 8.0 / 4.9 / 10.5 MiB through gather_qmm, warm: one ~5.6 MiB buffer, there or not), each path twice in
+            # four processes side by side (the suites' conditions)
+    { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_moe.py -k peak_memory_flat; } > "$out/s56.ids"
+    IDS="$out/s56.ids" PROCS=${PROCS:-4} LIMIT=${LIMIT:-300} bash "$0" suite
+    ;;
   s55b)     # session 55, second machine: the two CUDA test fixes (the MoE peak test warmed first; the DSA indexer-memory
             # test at qk_nope_head_dim 64, a K MLX's CUDA quantized_matmul has a kernel for), the model-loading tests
     { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_dsa.py -k "memory_does_not_scale or checkpoint_errors"

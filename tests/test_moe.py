@@ -660,20 +660,27 @@ def test_prefill_peak_memory_flat(tmp_path, monkeypatch, experts_path):
             mx.eval(prefill(m, m.new_cache(), warm, PrefillMode(grid=grid)))
         for cells in (1, 2, 4):
             ids = np.random.default_rng(cells).integers(3, m.cfg.vocab_size, grid * cells).tolist()
-            mx.clear_cache()
-            base = mx.get_active_memory()        # the weights (and nothing else) are live here
-            mx.reset_peak_memory()
-            c = m.new_cache()
-            mx.eval(prefill(m, c, ids, PrefillMode(grid=grid)))
-            kv = sum(a.nbytes for a in c.arrays())
-            excess[name, cells] = mx.get_peak_memory() - base - kv
-            del c
+            seen = []
+            # CUDA: the least of three. How far the host runs ahead of the device decides how many
+            # finished buffers are still unreleased at the peak, and only ever adds: the H100 gave
+            # 8.0 / 4.9 / 10.5 MiB warm (session 56), the H200 4.9 / 10.5 / 10.5 (session 52),
+            # steps of one ~5.6 MiB buffer with no order in the prompt's length. A leak is in every
+            # repeat, so the least still shows it.
+            for _ in range(3 if dtype == "bfloat16" else 1):
+                mx.clear_cache()
+                base = mx.get_active_memory()        # the weights (and nothing else) are live here
+                mx.reset_peak_memory()
+                c = m.new_cache()
+                mx.eval(prefill(m, c, ids, PrefillMode(grid=grid)))
+                kv = sum(a.nbytes for a in c.arrays())
+                seen.append(mx.get_peak_memory() - base - kv)
+                del c
+            excess[name, cells] = min(seen)
         if name == "moe":
             assert m.last_queue.max_in_flight <= 2
     diff = [(excess["moe", c] - excess["dense", c]) / 2**20 for c in (1, 2, 4)]
-    # flat with the prompt's length: 4 cells within 2 MiB of 2, and 1 cell not above them (on the
-    # H200, session 52, bf16 through gather_qmm: 4.9 / 10.5 / 10.5 MiB -- a one-chunk prompt has
-    # no next chunk's layers in flight beside its last ones)
+    # flat with the prompt's length: 4 cells within 2 MiB of 2, and 1 cell not above them (a
+    # one-chunk prompt has no next chunk's layers in flight beside its last ones)
     assert abs(diff[2] - diff[1]) < 2.0 and diff[0] < diff[1] + 2.0, (diff, excess)
 
 
