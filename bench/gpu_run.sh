@@ -1352,7 +1352,7 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s55.ids"
     IDS="$out/s55.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
-  s56)      # session 56: the MoE peak test with its CUDA measure the least of three prefills (s55b on an H100 gave
+  s56)      # session 56: the MoE peak test on CUDA as a bound (8 cells no worse than 1-4, the worst of three each; s55b gave
             # 8.0 / 4.9 / 10.5 MiB through gather_qmm, warm: one ~5.6 MiB buffer, there or not), each path twice in
             # four processes side by side (the suites' conditions)
     { collect tests/test_moe.py -k peak_memory_flat; collect tests/test_moe.py -k peak_memory_flat; } > "$out/s56.ids"
