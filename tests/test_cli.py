@@ -93,6 +93,42 @@ def test_serve_refuses_bad_flags_before_loading(tmp_path):
         assert f"cannot listen on 127.0.0.1:{port}" in line and time.monotonic() - t0 < 30
 
 
+def test_argument_errors_are_one_line_naming_the_subcommand():
+    """argparse's errors in the project's form: one line, exit 2. A bad value printed serve's whole
+    twelve-line usage first, and an unknown flag after a subcommand was named by the top level
+    (`tensorfold: error: unrecognized arguments`, with the top level's usage)."""
+    for args, want in [(["serve", "--port", "abc"], "argument --port: invalid int value: 'abc' (see tensorfold serve --help)"),
+                       (["serve", "--prefill", "foo"], "see tensorfold serve --help"),
+                       (["serve", "--bogus"], "unrecognized arguments: --bogus (see tensorfold serve --help)"),
+                       (["info", "a", "b"], "unrecognized arguments: b (see tensorfold info --help)"),
+                       (["info", "--bogus"], "(see tensorfold info --help)"),
+                       (["bogus"], "invalid choice: 'bogus'"),
+                       (["--bogus"], "unrecognized arguments: --bogus (see tensorfold --help)")]:
+        assert want in _one_line_error(run(*args)), args
+
+
+def test_port_0_names_the_port_it_listens_on(tmp_path):
+    """--port 0 (the system picks one): the ready line said http://127.0.0.1:0/v1; it now names the
+    port the server listens on."""
+    import re
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w+")
+    p = subprocess.Popen(CMD + ["serve", "--port", "0", "--snapshot-dir", "none"],
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, port = time.monotonic() + 120, None
+        while port is None:
+            assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            m = re.search(r"OpenAI API at http://127\.0\.0\.1:(\d+)/v1", log_path.read_text())
+            port = int(m.group(1)) if m else None
+            time.sleep(0.1)
+        assert port != 0
+        _wait_healthy(p, port, log_path)
+    finally:
+        _stop(p)
+        log.close()
+
+
 def _serve_error(r):
     """serve's one error line (after its INFO lines), exit 2, no traceback."""
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -35,6 +35,14 @@ class CliError(Exception):
     """A one-line error for the user; exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors: `error: MESSAGE (see PROG --help)`, exit 2,
+    where argparse printed the whole usage (twelve lines for serve) before its message."""
+
+    def error(self, message):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def embedded_model_path() -> Path:
     return Path(__file__).resolve().parent / "data" / EMBEDDED_NAME
 
@@ -89,7 +97,7 @@ def default_snapshot_dir() -> str:
 # -- parser ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tensorfold",
         description="TensorFold: an exact, fast LLM server on MLX (OpenAI-compatible HTTP API).")
     p.add_argument("--version", action="version", version=f"tensorfold {__version__}")
@@ -151,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", nargs="?", metavar="PATH",
                    help=f"a model directory or Hugging Face id (default: the embedded {EMBEDDED_NAME} model)")
     i.set_defaults(func=cmd_info)
+    p.set_defaults(subparsers={"serve": s, "info": i})
     return p
 
 
@@ -312,11 +321,15 @@ def cmd_serve(a) -> int:
     app = create_app(worker, model_name=a.name or hf_id, aliases=(hf_id,) if hf_id else (),
                      api_key=api_key, defaults=defaults,
                      max_body=None if a.max_request_mib is None else max(1, int(a.max_request_mib * 2**20)))
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=2)
+    sockets, port = None, a.port
+    if a.port == 0:     # the port the system picks, bound here so that the line below can name it
+        sockets = [config.bind_socket()]
+        port = sockets[0].getsockname()[1]
     log.info("model %s: context %d tokens, drafting %s, prompt snapshots on disk: %s; OpenAI API at "
              "http://%s:%d/v1%s", app.state.model_name, eng.context_length,
              "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off", kwargs["snapshot_dir"] or "off",
-             a.host, a.port, " (API key required)" if api_key else "")
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=2)
+             f"[{a.host}]" if ":" in a.host else a.host, port, " (API key required)" if api_key else "")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -325,7 +338,7 @@ def cmd_serve(a) -> int:
             super().handle_exit(sig, frame)
 
     server = Server(config)
-    server.run()
+    server.run(sockets=sockets)
     worker.stop()
     return 0 if getattr(server, "started", True) else 1
 
@@ -346,7 +359,10 @@ def cmd_info(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # named by the subcommand that was given them (argparse named the top level)
+        parser = args.subparsers.get(getattr(args, "command", None) or "", parser)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
