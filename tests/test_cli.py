@@ -159,6 +159,10 @@ def test_malformed_checkpoint_files_are_one_line_errors(tmp_path):
     shutil.copytree(src, d)
     (d / "tokenizer.json").write_text('{"model": 1}')
     assert "tokenizer" in _serve_error(run("serve", str(d), "--port", "0"))
+    d = tmp_path / "template"       # a chat template that does not parse: refused at load
+    shutil.copytree(src, d)
+    (d / "chat_template.jinja").write_text("{% for %}")
+    assert "chat_template.jinja: chat template syntax error" in _serve_error(run("serve", str(d), "--port", "0"))
 
 
 def test_info():

@@ -176,9 +176,27 @@ def test_template_bugs_become_template_errors(tmp_path):
     t = Tokenizer.from_dir(_write_tok_dir(tmp_path, template="{{ messages[0].content.nope() }}"))
     with pytest.raises(TemplateError):
         t.apply_chat_template([{"role": "user", "content": "x"}])
-    t2 = Tokenizer.from_dir(_write_tok_dir(tmp_path / "b", template="{% if %}"))
-    with pytest.raises(TemplateError):
-        t2.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+
+def test_a_template_that_does_not_parse_is_refused_at_load(tmp_path):
+    """A chat template with a syntax error: the server started without a word, and then every chat
+    request got a 400 blaming its messages. It is now a one-line error at load naming the file,
+    whichever of the three places the template came from (a Python chat_template_type, which
+    takes the Jinja one's place, leaves it unread)."""
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat template syntax error \(line 1\)"):
+        Tokenizer.from_dir(_write_tok_dir(tmp_path / "b", template="{% if %}", jinja=False))
+    d = _write_tok_dir(tmp_path / "c", template="{{ 'x' }}")
+    (d / "chat_template.jinja").write_text("ok\n{% for %}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: chat template syntax error \(line 2\)"):
+        Tokenizer.from_dir(d)
+    d = _write_tok_dir(tmp_path / "d", template=None)
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "{{ x + }}"}))
+    with pytest.raises(ValueError, match=r"chat_template\.json: chat template syntax error"):
+        Tokenizer.from_dir(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template_type="deepseek_v32")))
+    assert Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize(

@@ -267,6 +267,7 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         unk_token: str | None = None,
+        compiled=None,
     ):
         self._tok = tokenizer
         self.chat_template = chat_template
@@ -280,7 +281,7 @@ class Tokenizer:
         added = tokenizer.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.added_ids: frozenset[int] = frozenset(added)
-        self._compiled = None
+        self._compiled = compiled
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -305,12 +306,13 @@ class Tokenizer:
         template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            template, source = jinja_file.read_text(encoding="utf-8"), jinja_file
         else:
-            template = _pick_template(tcfg.get("chat_template"))
+            template, source = _pick_template(tcfg.get("chat_template")), path / "tokenizer_config.json"
             if template is None:
                 # some repos ship chat_template.json {"chat_template": ...}
-                template = _pick_template(read_json_object(path / "chat_template.json").get("chat_template"))
+                source = path / "chat_template.json"
+                template = _pick_template(read_json_object(source).get("chat_template"))
 
         # mlx-lm's chat_template_type: a template written in Python, used before a Jinja one
         template_fn = None
@@ -321,6 +323,15 @@ class Tokenizer:
             if template_fn is None:
                 log.warning("tokenizer_config.json: chat_template_type %r is not one this server has (%s); "
                             "ignored", ttype, ", ".join(TEMPLATES))
+
+        compiled = None
+        if template and template_fn is None:
+            # compiled at load: a template that does not parse made every chat request a 400 that
+            # blamed the request's messages, on a server that had started without a word
+            try:
+                compiled = _compile_template(template)
+            except TemplateError as e:
+                raise ValueError(f"{source}: {e}") from None
 
         eos_token = _token_content(tcfg.get("eos_token"))
         bos_token = _token_content(tcfg.get("bos_token"))
@@ -343,6 +354,7 @@ class Tokenizer:
             eos_token=eos_token,
             pad_token=pad_token,
             unk_token=unk_token,
+            compiled=compiled,
         )
 
     # -- basic ops ---------------------------------------------------------------------------------
