@@ -107,14 +107,14 @@ def test_argument_errors_are_one_line_naming_the_subcommand():
         assert want in _one_line_error(run(*args)), args
 
 
-def test_port_0_names_the_port_it_listens_on(tmp_path):
-    """--port 0 (the system picks one): the ready line said http://127.0.0.1:0/v1; it now names the
-    port the server listens on."""
+def _serve_on_port_0(tmp_path, *extra):
+    """A `serve` process on a port the system picks (read from its ready line), healthy."""
     import re
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w+")
-    p = subprocess.Popen(CMD + ["serve", "--port", "0", "--snapshot-dir", "none"],
+    p = subprocess.Popen(CMD + ["serve", "--port", "0", "--snapshot-dir", "none", *extra],
                          stdout=log, stderr=subprocess.STDOUT, text=True)
+    p.log = log
     try:
         deadline, port = time.monotonic() + 120, None
         while port is None:
@@ -124,9 +124,49 @@ def test_port_0_names_the_port_it_listens_on(tmp_path):
             time.sleep(0.1)
         assert port != 0
         _wait_healthy(p, port, log_path)
-    finally:
+    except BaseException:
         _stop(p)
         log.close()
+        raise
+    return p, port
+
+
+def test_port_0_names_the_port_it_listens_on(tmp_path):
+    """--port 0 (the system picks one): the ready line said http://127.0.0.1:0/v1; it now names the
+    port the server listens on (_serve_on_port_0 reads it and waits for /health there)."""
+    p, _ = _serve_on_port_0(tmp_path)
+    _stop(p)
+    p.log.close()
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    """Ctrl-C in a long prefill: the first answers the request with a 503 and waits up to 10 s for
+    the engine's current MLX evaluation (one prefill chunk: minutes on a CPU); a second went
+    unheard through that wait (10.3 s to exit, session 56's CLI audit). It now exits at once, 130."""
+    import signal
+    import threading
+    p, port = _serve_on_port_0(tmp_path)
+    status = []
+    prompt = "def f(x):\n    return x + 1\n" * 150      # ~1,800 tokens: one chunk, > 10 s on 2 cores
+    t = threading.Thread(target=lambda: status.append(httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120).status_code),
+        daemon=True)
+    try:
+        t.start()
+        time.sleep(2.0)                         # inside the prefill
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        _stop(p)
+        p.log.close()
+    t.join(10)
+    out = (tmp_path / "serve.log").read_text()
+    assert rc == 130 and took < 5.0, (rc, took, out)
+    assert status == [503] and "a second signal: exiting now" in out and "Traceback" not in out, out
 
 
 def _serve_error(r):

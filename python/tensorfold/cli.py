@@ -335,12 +335,26 @@ def cmd_serve(a) -> int:
         def handle_exit(self, sig, frame):
             if not self.should_exit:
                 schedule_drain(worker)
+            else:
+                force_exit(sig)
             super().handle_exit(sig, frame)
 
     server = Server(config)
     server.run(sockets=sockets)
     worker.stop()
     return 0 if getattr(server, "started", True) else 1
+
+
+def force_exit(sig: int) -> None:
+    """A second SIGINT / SIGTERM while the server shuts down: exit now, 128 + the signal. The first
+    one waits up to 10 s for the engine's current MLX evaluation (a prefill chunk can take longer
+    on a CPU) and for queued prompt snapshots to reach the disk; a second Ctrl-C went unheard
+    through that wait. os._exit: no destructor runs under the engine's thread (MLX may be
+    mid-evaluation), and nothing saved is lost -- snapshots are written under a temporary name
+    and renamed when whole, and a temporary file is removed at the next start (cache/disk.py)."""
+    log.warning("a second signal: exiting now, without waiting for the engine")
+    logging.shutdown()
+    os._exit(128 + int(sig))
 
 
 def cmd_info(a) -> int:
