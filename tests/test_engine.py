@@ -359,6 +359,49 @@ def test_max_tokens_and_context_limit(checkpoints):
         assert e.value.code == "context_length_exceeded" and e.value.param == next(iter(kw))
 
 
+def test_python_api_arguments_checked(engines, checkpoints):
+    """Engine.generate's arguments, as the server checks a request's (engine/args.py): a
+    RequestError naming the argument, and the engine unchanged after (the next call equals the
+    first). max_tokens NaN passed `< 1` and decoded past the context; 2.5 failed inside MLX
+    (std::bad_cast); a numpy int64 seed overflowed in the sampler after the prefill; the others
+    were Python's own errors naming nothing, or read by truthiness ("no" drafted)."""
+    import numpy as np
+
+    from tensorfold.errors import RequestError
+    eng = engines["q4"]
+    kw = dict(prompt=list(range(3, 20)), max_tokens=6)
+    want = eng.generate_text(**kw, sampling=SamplingParams(temperature=1.0, seed=5))[:2]
+    # numpy integers are integers: the same reply as the Python int
+    assert eng.generate_text(**kw, sampling=SamplingParams(temperature=1.0, seed=np.int64(5)))[:2] == want
+    assert eng.generate_text(prompt=kw["prompt"], max_tokens=np.int32(6),
+                             sampling=SamplingParams(temperature=1.0, seed=5))[:2] == want
+    S = SamplingParams
+    bad = [(dict(max_tokens=float("nan")), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+           (dict(max_tokens=3.0), "max_tokens"), (dict(max_tokens="5"), "max_tokens"),
+           (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=None), "max_tokens"),
+           (dict(sampling=S(temperature="0.5")), "temperature"), (dict(sampling=S(temperature=None)), "temperature"),
+           (dict(sampling=S(top_p="x")), "top_p"), (dict(sampling=S(top_k="3")), "top_k"),
+           (dict(sampling=S(top_k=2.5)), "top_k"), (dict(sampling=S(top_k=float("nan"))), "top_k"),
+           (dict(sampling=S(seed=1.5)), "seed"), (dict(sampling=S(seed="1")), "seed"),
+           (dict(sampling=S(seed=2 ** 80)), "seed"), (dict(sampling=S(choice=-1)), "choice"),
+           (dict(sampling=S(choice=1.5)), "choice"), (dict(sampling={"temperature": 0.5}), "sampling"),
+           (dict(stop=123), "stop"), (dict(stop=[1]), "stop"), (dict(stop=b"x"), "stop"), (dict(stop=[None]), "stop"),
+           (dict(draft="no"), "draft"), (dict(ignore_eos=1), "ignore_eos"), (dict(keep_prompt="yes"), "keep_prompt"),
+           (dict(enable_thinking="x"), "enable_thinking"), (dict(tools="x"), "tools"), (dict(tools=[1]), "tools"),
+           (dict(cancel=True), "cancel"), (dict(prepared="x"), "prepared")]
+    for change, param in bad:
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(**dict(kw, **change))
+        assert e.value.param == param, (change, e.value.param, str(e.value))
+    assert eng.generate_text(**kw, sampling=SamplingParams(temperature=1.0, seed=5))[:2] == want
+    # the constructor's (ValueError, before the model loads); a prefill mode by its CLI name
+    for change in (dict(context=-5), dict(context=0), dict(context=2.5), dict(draft_width=-2),
+                   dict(prefill_mode="fast"), dict(prefill_mode=3)):
+        with pytest.raises(ValueError):
+            Engine(checkpoints["qwen3_mlx_4bit"], **change)
+    assert Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode="kernels").mode == PrefillMode(ops="kernels")
+
+
 def test_context_past_max_position(checkpoints, tmp_path, caplog):
     """An explicit context past max_position_embeddings is taken, with a warning (it was cut to
     max_position_embeddings silently); under yarn the default is factor x the original

@@ -25,6 +25,7 @@ from ..models import load_model
 from .. import kernels
 from ..models.loader import mlx_cuda_qmm_overreads
 from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_json_object
+from . import args
 from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
 from .rowcheck import row_check
@@ -66,6 +67,7 @@ class Engine:
                  prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
                  thinking: bool | None = None, prefill_mode: PrefillMode = PrefillMode(),
                  draft_width: int = 8):
+        context, draft_width, prefill_mode = args.constructor(context, draft_width, prefill_mode)
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
@@ -413,7 +415,11 @@ class Engine:
         scores) for the next call with the same ids, which then skips that work (a request's n
         choices; `forget_prompt` drops it)."""
         t0 = time.perf_counter()
-        p = sampling or SamplingParams()
+        p = args.sampling(sampling)
+        max_tokens = args.integer(max_tokens, "max_tokens")
+        stop = args.stops(stop)
+        args.other(draft=draft, ignore_eos=ignore_eos, keep_prompt=keep_prompt,
+                   enable_thinking=enable_thinking, tools=tools, cancel=cancel, prepared=prepared)
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
                               p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
@@ -421,8 +427,6 @@ class Engine:
         for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP):
                 raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {n!r}", param=name)
-        if isinstance(stop, str):
-            stop = [stop]
         scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed
         if prepared is None:        # prepare checks the prompt; one made elsewhere is checked here
             prepared = self.prepare(messages, prompt, enable_thinking, tools, room=0 if scoring_only else 1)
@@ -430,7 +434,7 @@ class Engine:
             self._check_prompt(prepared.ids, prepared.chat, 0 if scoring_only else 1)
         ids, chat = prepared.ids, prepared.chat
         n_prompt = len(ids)
-        if max_tokens is None or max_tokens < (0 if prompt_logprobs is not None else 1):
+        if max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
         seed = choice_seed(p.seed if p.seed is not None else prompt_seed(ids), p.choice)
