@@ -30,6 +30,18 @@ def test_uniforms_depend_on_seed_and_position_only():
     assert a.min() > 0 and a.max() < 1
 
 
+def test_a_uniform_is_never_one():
+    """((h >> 11) + 0.5) / 2^53 rounded to exactly 1.0 at the top 53-bit value (a tie, to even):
+    -log(-log(1)) = inf, and that id won against any logits. This (seed, position) hits it for
+    id 0 (found by inverting SplitMix64: session 56's sampling audit). Every other uniform keeps
+    its bits (the neighbours here, and the draws the other tests pin)."""
+    seed, pos = -2635710908111322571, 10
+    u = keyed_uniforms(seed, pos, 3)
+    assert u[0] == np.nextafter(1.0, 0.0) and 0 < u.min() and u.max() < 1
+    row = np.array([-30.0, 30.0, 29.0], dtype=np.float32)      # id 0: probability 6e-27
+    assert sample(row, seed, pos, SamplingParams(temperature=1.0)) in (1, 2)
+
+
 def test_greedy_ties_go_to_lower_id():
     logits = np.array([0.0, 3.0, 1.0, 3.0], dtype=np.float32)
     assert sample(logits, 0, 0, SamplingParams(temperature=0.0)) == 1

@@ -1,8 +1,8 @@
 """Log-probabilities of the generated tokens (a request's `logprobs` / `top_logprobs`).
 
-They are the model's own distribution: log_softmax of the raw logits row the sampler reads (float32,
-as `sample` gets it), before temperature and the top_k / min_p / top_p filters -- what vLLM returns
-by default. Computed on the host in float64 from that row alone, so a token's logprobs are a pure
+They are the model's own distribution: log_softmax of the model's raw logits row (float32), before
+the penalties (which give `sample` its own float64 row), temperature and the top_k / min_p / top_p
+filters -- what vLLM returns by default. Computed on the host in float64 from that row alone, so a token's logprobs are a pure
 function of its row's bits: drafted == serial and resumed == fresh hold for them bit for bit, as
 for the tokens (tests/test_logprobs.py).
 

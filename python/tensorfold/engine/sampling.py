@@ -17,6 +17,7 @@ from .types import SamplingParams
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _G = np.uint64(0x9E3779B97F4A7C15)
+_BELOW_ONE = np.nextafter(1.0, 0.0)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -32,7 +33,11 @@ def keyed_uniforms(seed: int, position: int, n: int, ids: np.ndarray | None = No
     with np.errstate(over="ignore"):
         base = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _mix(np.uint64(position) * _G + _G))
         h = _mix(base + (ids.astype(np.uint64) + np.uint64(1)) * _G)
-    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    # the top 53-bit value, 2^53 - 1, rounds to exactly 1.0 (+ 0.5 is a tie there, rounded to
+    # even): -log(-log(u)) = inf, and that id won whatever its logit (once in 2^53 ids). Only that
+    # value moves, to the largest double below 1; every other uniform keeps its bits.
+    return np.minimum(u, _BELOW_ONE)
 
 
 def choice_seed(seed: int, choice: int) -> int:
