@@ -2,9 +2,9 @@
 
 They are the model's own distribution: log_softmax of the model's raw logits row (float32), before
 the penalties (which give `sample` its own float64 row), temperature and the top_k / min_p / top_p
-filters -- what vLLM returns by default. Computed on the host in float64 from that row alone, so a token's logprobs are a pure
-function of its row's bits: drafted == serial and resumed == fresh hold for them bit for bit, as
-for the tokens (tests/test_logprobs.py).
+filters -- what vLLM returns by default. Computed on the host in float64 from that row alone, so a
+token's logprobs are a pure function of its row's bits: drafted == serial and resumed == fresh hold
+for them bit for bit, as for the tokens (tests/test_logprobs.py).
 
 The n most likely ids come most likely first; among equal logprobs the lower id first. A logprob
 that is not finite (a -inf logit; a broken row's NaN) is reported as -9999.0, OpenAI's value for a

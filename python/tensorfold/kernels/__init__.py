@@ -266,7 +266,8 @@ def check_fused_qk(qkv: mx.array, heads: int, kv_heads: int, q_norm, k_norm, inv
     them unchecked: qkv [B, L, (H + 2 Hk) hd], norms [hd] (both or neither), inv_freq float32
     [hd / 2], the kv buffers [B, Hk, cap, hd] of qkv's dtype, and offset an integer (rows offset
     .. offset + L - 1 in int32; the rows past a kv buffer's capacity are not written) or an
-    integer [1] array. Returns the offset as an int32 [1] array. Face-independent, so the CPU suite tests it (tests/test_kernels.py)."""
+    integer [1] array. Returns the offset as an int32 [1] array. Face-independent, so the CPU
+    suite tests it (tests/test_kernels.py)."""
     heads, kv_heads = as_index(heads, "fused_qk_norm_rope: heads"), as_index(
         kv_heads, "fused_qk_norm_rope: kv_heads")
     if qkv.ndim != 3 or heads <= 0 or kv_heads <= 0 or heads % kv_heads:
