@@ -9,7 +9,6 @@ SamplingParams is never changed."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import operator
 
@@ -57,9 +56,7 @@ def sampling(p) -> SamplingParams:
     floats = {f: real(getattr(p, f), f) for f in ("temperature", "top_p", "min_p", "presence_penalty",
                                                    "frequency_penalty", "repetition_penalty")}
     seed = None if p.seed is None else integer(p.seed, "seed", -2 ** (SEED_BITS - 1), 2 ** SEED_BITS - 1)
-    # top_k NaN was refused by its range check; a float one failed in numpy's partition
-    top_k = p.top_k if isinstance(p.top_k, float) and math.isnan(p.top_k) else integer(p.top_k, "top_k")
-    return dataclasses.replace(p, **floats, top_k=top_k, seed=seed,
+    return dataclasses.replace(p, **floats, top_k=integer(p.top_k, "top_k"), seed=seed,
                                choice=integer(p.choice, "choice", 0, 2 ** SEED_BITS - 1))
 
 

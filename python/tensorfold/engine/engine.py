@@ -424,9 +424,8 @@ class Engine:
                               p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
-        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP):
-                raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {n!r}", param=name)
+        logprobs, prompt_logprobs = (None if n is None else args.integer(n, name, 0, MAX_TOP)
+                                     for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)))
         scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed
         if prepared is None:        # prepare checks the prompt; one made elsewhere is checked here
             prepared = self.prepare(messages, prompt, enable_thinking, tools, room=0 if scoring_only else 1)

@@ -293,15 +293,8 @@ def check_fused_qk(qkv: mx.array, heads: int, kv_heads: int, q_norm, k_norm, inv
             raise ValueError(f"fused_qk_norm_rope: kv buffers must be [{B}, {kv_heads}, cap, {hd}] "
                              f"of {qkv.dtype}, got {kc.dtype} {tuple(kc.shape)} and {vc.dtype} "
                              f"{tuple(vc.shape)}")
-    if isinstance(offset, mx.array):
-        if offset.size != 1:
-            raise ValueError("fused_qk_norm_rope: offset must be a scalar")
-        return as_int32(offset if offset.ndim == 1 else offset.reshape(1),
-                        "fused_qk_norm_rope: offset", low=-2**31)
-    offset = as_index(offset, "fused_qk_norm_rope: offset")
-    if offset < 0 or offset + L > 2**31 - 1:
-        raise ValueError(f"fused_qk_norm_rope: offset must be in 0 .. 2^31 - 1 - L, got {offset}")
-    return mx.array([offset], dtype=mx.int32)
+    # (rows past a kv buffer's capacity are not written: the bound is int32's)
+    return offset_array(offset, L, 2**31 - 1, "fused_qk_norm_rope")
 
 
 def _empty(shape, dtype) -> mx.array:
@@ -329,19 +322,25 @@ def row_matmul(x: mx.array, w: mx.array, *, stream: StreamLike = None) -> mx.arr
     return _ext.row_matmul(x, w)
 
 
-def _offset_array(offset, q: mx.array, k: mx.array) -> mx.array:
+def offset_array(offset, rows: int, limit: int, who: str) -> mx.array:
+    """A kernel's offset as the int32 [1] array it reads: an integer with rows offset .. offset +
+    rows - 1 within `limit` positions (a KV buffer's capacity), or an integer scalar array (the
+    compiled step's, computed on the device: clipped to int32, never wrapped; its range is the
+    kernel's to check). The one reader of offsets for row_attention, sparse_attention and
+    fused_qk_norm_rope."""
     if isinstance(offset, mx.array):
         if offset.size != 1:
-            raise ValueError("row_attention: offset must be a scalar")
-        return as_int32(offset.reshape(1), "row_attention: offset", low=-2**31)
-    offset = as_index(offset, "row_attention: offset")
-    if offset < 0 or offset + q.shape[2] > k.shape[2]:
-        raise ValueError(
-            f"row_attention: rows {offset}..{offset + q.shape[2] - 1} do not fit a KV buffer "
-            f"of capacity {k.shape[2]}")
+            raise ValueError(f"{who}: offset must be a scalar")
+        return as_int32(offset if offset.shape == (1,) else offset.reshape(1), f"{who}: offset",
+                        low=-2**31)
+    offset = as_index(offset, f"{who}: offset")
+    if offset < 0 or offset + rows > limit:
+        raise ValueError(f"{who}: offset {offset}: rows {offset}..{offset + rows - 1} do not fit "
+                         f"{limit} positions")
     # a fresh host array (MLX's managed memory on CUDA): the compiled decode step passes a
     # device array instead (KVCache.step_offset); one made per call by a GPU op was slower
-    # (sparse_attention on the H200: 0.10 -> 0.23 ms per call, session 7)
+    # (sparse_attention on the H200: 0.10 -> 0.23 ms at M = 1, 0.29 -> 0.37 ms at M = 64, 64k
+    # keys; docs/benchmarks.md, "Sparse attention on the H200")
     return mx.array([offset], dtype=mx.int32)
 
 
@@ -357,7 +356,7 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     up front and raises instead).
     """
     check_attention_shapes(q, k, v, "row_attention")
-    off = _offset_array(offset, q, k)
+    off = offset_array(offset, q.shape[2], k.shape[2], "row_attention")
     q = promoted(q, k, v)
     if q.size == 0:
         return _empty(q.shape, q.dtype)

@@ -49,22 +49,6 @@ def use_sparse(chunk_end: int, topk: int) -> bool:
     return int(chunk_end) > int(topk)
 
 
-def _offset_value(offset, M: int, limit: int, who: str) -> mx.array:
-    if isinstance(offset, mx.array):
-        if offset.size != 1:
-            raise ValueError(f"{who}: offset must be a scalar")
-        from . import as_int32
-        return as_int32(offset.reshape(1), f"{who}: offset", low=-2**31)
-    from . import as_index
-    offset = as_index(offset, f"{who}: offset")
-    if offset < 0 or offset + M > limit:
-        raise ValueError(f"{who}: rows {offset}..{offset + M - 1} do not fit {limit} keys")
-    # (a host-made array. Made on the device by one GPU op instead, as _cuda.device_array does,
-    # the H200 call got slower: 0.10 -> 0.23 ms at M = 1, 0.29 -> 0.37 ms at M = 64, 64k keys;
-    # docs/benchmarks.md, "Sparse attention on the H200".)
-    return mx.array([offset], dtype=mx.int32)
-
-
 def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, offset,
                      scale: float, *, stream: StreamLike = None) -> mx.array:
     """Row-exact attention over selected keys (GQA).
@@ -81,12 +65,12 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
     head); CUDA: bf16 / f16 (q, k, v of one dtype) with D a multiple of 16 on tensor cores,
     any other dtype / D on CUDA cores (docs/kernels.md).
     """
-    from . import as_int32, check_attention_shapes
+    from . import as_int32, check_attention_shapes, offset_array
     check_attention_shapes(q, k, v, "sparse_attention")
     if indices.ndim != 3 or indices.shape[0] != q.shape[0] or indices.shape[1] != q.shape[2]:
         raise ValueError("sparse_attention: indices must be [B, M, T]")
     indices = as_int32(indices, "sparse_attention: indices")
-    off = _offset_value(offset, q.shape[2], k.shape[2], "sparse_attention")
+    off = offset_array(offset, q.shape[2], k.shape[2], "sparse_attention")
     from . import backend_face, _gpu_stream, _empty, promoted
     q = promoted(q, k, v)
     if q.size == 0:
