@@ -16,6 +16,8 @@ package builds it, then cut:
          after the last copy has landed, adds);
   nxm    no X = sum x mmas (X from the x pairs' bits): what precomputed group sums would save;
   xw0    every warp reads K slice 0's x (a block's warps share x through L1; timing only);
+  xpD    (session 57; same bits) chunk ci + D's x rows asked of L1 (prefetch.global.L1) at the top
+         of chunk ci, so its loads D turns later hit L1, not L2;
   il     chunks dealt to the warps in turn (w, w + SPLIT, ...), not as contiguous K slices: the
          block's warps read each row's next bytes side by side (DRAM locality; timing only).
 
@@ -93,8 +95,24 @@ _IL = [("const int blkw=warp*(KSL/32);", "const int blkw=warp*CB;"),
        ("wsrc[0]+(size_t)ci*CB*4;", "wsrc[0]+(size_t)ci*SPLIT*CB*4;"),
        ("wsrc[i]+(size_t)ci*CB*4);", "wsrc[i]+(size_t)ci*SPLIT*CB*4);"),
        ("xrow[mt]+(size_t)ci*CB*32+", "xrow[mt]+(size_t)ci*SPLIT*CB*32+")]
+# xpD (session 57; keeps every bit): at the top of chunk ci, before its x loads, each lane asks L1 for
+# one 128-byte line of chunk ci + D's x rows (prefetch.global.L1; 16 rows x CB / 2 lines, rows past
+# `rows` repeating the last), so XE 1's loads of that chunk, D turns later, hit L1 instead of L2
+_LOOP_TOP = _min("for (int ci = 0; ci < CPW; ++ci) {")
+_XP = """{
+  constexpr int LPR = CB / 2;
+  const int cn = ci + XPD;
+  if (two && cn < CPW) {
+#pragma unroll
+    for (int e = lane; e < 16 * LPR; e += 32) {
+      const int rr = min(e / LPR, rows - 1);
+      const T* pf = x + (size_t)(r0 + rr) * K + (size_t)blkw * 32 + (size_t)cn * CB * 32 + (e % LPR) * 64;
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(pf));
+    }
+  }
+}"""
 # cuts that keep every bit (their results are asserted equal to row_qmm_tc's)
-EXACT = {"full", "hi", "hi2"}
+EXACT = {"full", "hi", "hi2", "xp1", "xp2", "xp3"}
 
 
 def _replace(text: str, old: str, new: str) -> str:
@@ -131,6 +149,8 @@ def variant_text(variant: str) -> tuple[str, str]:
         elif cut == "il":
             for a, b in _IL:
                 body = _replace(body, a, b)
+        elif cut in ("xp1", "xp2", "xp3"):
+            body = _replace(body, _LOOP_TOP, _LOOP_TOP.rstrip("\n") + "\n" + _min(_XP.replace("XPD", cut[2:])))
         elif cut in _Q4_HI:
             header = _replace(header, _Q4_SHIFT, _Q4_HI[cut])
         elif cut != "full":

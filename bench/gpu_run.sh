@@ -1352,6 +1352,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s55.ids"
     IDS="$out/s55.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
+  s57a)     # session 57: x rows asked of L1 a chunk or two ahead (the floor's xpD cut: prefetch.global.L1, the
+            # same bits, asserted) at 16 rows, against the default staging; with the loads after the wait (xe0)
+            # and, on 4096 x 12288 (XE 2 / UR 2 by default), XE 1 with one chunk a turn
+    FLOOR_ROWS=${FLOOR_ROWS:-16} FLOOR_REPS=${FLOOR_REPS:-7} \
+    FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,xp1,xp2,xp1_xe0,xp1_xe1_ur1,full} floor floor57a ${LIMIT:-420}
+    ;;
+  s57b)     # session 57: the kernels the review commit 5464a64 touched (kernels.offset_array: row_attention,
+            # sparse_attention, the fused q/k check) on CUDA, with the engine suites (drafted == serial,
+            # resumed == fresh, the grid, the compiled step)
+    { collect tests/test_kernels.py -k "attention or fused_qk or offset"; collect tests/test_sparse_attention.py
+      engine_ids; } > "$out/s57b.ids"
+    IDS="$out/s57b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-450} bash "$0" suite
+    ;;
   s56)      # session 56: the MoE peak test on CUDA as a bound (8 cells no worse than 1-4, the worst of three each; s55b gave
             # 8.0 / 4.9 / 10.5 MiB through gather_qmm, warm: one ~5.6 MiB buffer, there or not), each path twice in
             # four processes side by side (the suites' conditions)
