@@ -1366,6 +1366,20 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       engine_ids; } > "$out/s57b.ids"
     IDS="$out/s57b.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-450} bash "$0" suite
     ;;
+  s57c)     # session 57: the rest of the engine-level suites on today's code (test_engine.py past s57b's
+            # drafted / fresh / grid ids, sampling, penalties, logprobs, tinycode's real text, the pipelined
+            # greedy steps, the prefill modes) and test_kernels.py past s57b's attention ids (the GEMMs, MoE-free)
+    { collect tests/test_engine.py -k "not (drafted or fresh or grid)"
+      collect tests/test_sampling.py tests/test_penalties.py tests/test_logprobs.py tests/test_tinycode.py \
+          tests/test_pipelined.py tests/test_prefill_modes.py
+      collect tests/test_kernels.py -k "not (attention or fused_qk or offset)"; } > "$out/s57c.ids"
+    IDS="$out/s57c.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-480} bash "$0" suite
+    ;;
+  s57d)     # session 57: test_stop_completed_by_a_byte_run_at_the_last_token_is_a_stop on its widened checkpoint
+            # (at width 64 MLX's CUDA quantized matmul gave NaN logits: every reply token 0, s57c's failure),
+            # with the quick ids s57c's limit cut (bench/s57d.ids)
+    IDS=bench/s57d.ids PROCS=${PROCS:-4} LIMIT=${LIMIT:-200} bash "$0" suite
+    ;;
   s56)      # session 56: the MoE peak test on CUDA as a bound (8 cells no worse than 1-4, the worst of three each; s55b gave
             # 8.0 / 4.9 / 10.5 MiB through gather_qmm, warm: one ~5.6 MiB buffer, there or not), each path twice in
             # four processes side by side (the suites' conditions)
