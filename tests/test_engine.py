@@ -640,3 +640,29 @@ def test_a_cancel_stops_the_drafters_prompt_catch_up(checkpoints):
     model.forward = real
     full = eng.generate_text(prompt=list(range(3, 200)), max_tokens=20)
     assert full[1] == Engine(path, prefill_mode=mode, drafts=False).generate_text(prompt=list(range(3, 200)), max_tokens=20)[1]
+
+
+def test_nan_logits_are_logged_once(tmp_path, engines, caplog):
+    """A model whose logits hold NaN (here its final norm's weight poisoned) emits its tokens by the
+    sampler's rules, as before, but the engine now says so in the log, once per engine: session 57
+    found a test model at width 64 giving NaN logits on MLX's CUDA backend, every reply token 0,
+    and nothing said it. A sound model says nothing."""
+    import logging
+    import shutil
+    from tensorfold.testing import widened, write_checkpoint
+    ck = write_checkpoint(tmp_path / "m", **widened(dict(family="qwen3", layout="hf", dtype="bfloat16", seed=2)))
+    w = mx.load(str(ck / "model.safetensors"))
+    w["model.norm.weight"] = mx.full(w["model.norm.weight"].shape, float("nan"), dtype=mx.bfloat16)
+    mx.save_safetensors(str(ck / "model.safetensors"), w, metadata={"format": "mlx"})
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        eng = Engine(ck, drafts=False, prefill_mode=PrefillMode(grid=GRID))
+        for seed in (0, 1):
+            text, ids, stats = eng.generate_text(prompt="def f(x):", max_tokens=4, ignore_eos=True,
+                                                 sampling=SamplingParams(temperature=0.0, seed=seed))
+            assert ids == [0] * 4 and stats.finish_reason == "length"   # greedy's rule: the first NaN id
+    assert caplog.text.count("logits hold NaN") == 1, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorfold"):
+        engines["q4"].generate_text(prompt="def f(x):", max_tokens=4)
+    assert "logits hold NaN" not in caplog.text
+    shutil.rmtree(ck)

@@ -72,6 +72,7 @@ class Engine:
         self.model_name = self.model_path.resolve().name
         self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
         self.model = load_model(self.model_path)
+        self._nan_warned = False        # _check_finite: a NaN logits row is logged once
         if kernels.mlx_runs_on_cuda():
             short = mlx_cuda_qmm_overreads(self.model.cfg)
             if short:
@@ -523,6 +524,7 @@ class Engine:
             return [token_logprob(rows[j].reshape(-1), t, logprobs) for j, t in enumerate(toks)]
 
         row0 = np.asarray(logits.astype(mx.float32))
+        self._check_finite(row0, n_prompt)
         first = sample(pen.apply(row0), seed, n_prompt, p)
         tokens.append(first)
         text, finish = accept(first)
@@ -666,6 +668,21 @@ class Engine:
             cur = nxt
         cache.trim(len(tokens) - 1)                  # what the host loop leaves: the last token unfed
         return finish
+
+    def _check_finite(self, row: np.ndarray, position: int) -> None:
+        """Warn, once per engine, where a request's first logits row holds NaN: the model's forward
+        is broken there (a checkpoint's NaN weights, an fp16 overflow, a backend fault such as MLX
+        0.32.4's CUDA quantized matmul at K = 64), and its replies mean nothing. Sampling still
+        follows its rules, so a reply is still a pure function of the row (NaN ids are never sampled; greedy, and a row of nothing finite, take the first NaN id, as
+        numpy's argmax does); the operator hears of it. Checked once a request, on the row read back
+        anyway (~V floats)."""
+        if self._nan_warned or not np.isnan(row).any():
+            return
+        self._nan_warned = True
+        log.warning("the model's logits hold NaN (%d of %d at position %d of a request): its replies "
+                    "are not meaningful. The forward is broken on this checkpoint or backend (NaN "
+                    "weights, an fp16 overflow, a kernel fault); said once per engine.",
+                    int(np.isnan(row).sum()), row.size, position)
 
     def generate_text(self, *args, **kwargs) -> tuple[str, list[int], GenerationStats]:
         """Run generate to the end: (text, reply token ids, stats)."""
