@@ -84,6 +84,53 @@ def test_penalty_ranges_and_generation_config(checkpoints, tmp_path):
         assert e.value.param == next(iter(bad))
 
 
+def test_logit_bias_is_added_first():
+    """logit_bias adds to the raw logits, before the penalties (mlx-lm's order): the repetition penalty
+    divides the biased value. Only the bias: the row plus the bias; none: the row itself."""
+    rng = np.random.default_rng(2)
+    row = rng.standard_normal(50).astype(np.float32)
+    bias = {3: 100.0, 10: -100.0, 11: 0.5}
+    got = Penalties(bias=bias).apply(row)
+    want = row.astype(np.float64)
+    for i, b in bias.items():
+        want[i] += b
+    assert np.array_equal(got, want) and Penalties(bias=bias).active
+    both = Penalties(repetition=2.0, prompt=[3, 10], bias=bias).apply(row)
+    assert both[3] == (float(row[3]) + 100.0) / 2.0 and both[10] == (float(row[10]) - 100.0) * 2.0
+    assert both[11] == want[11]
+    assert Penalties(bias=None).apply(row) is row and not Penalties(bias=None).active
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logit_bias_drafted_equal_serial(tinycode_path, temperature):
+    """With a bias that bans the serial reply's most frequent token and pushes another, drafts still
+    run and are accepted (the bias depends on the id only), the reply equals the serial one and
+    differs from the unbiased reply; the banned token never appears."""
+    eng = Engine(tinycode_path, snapshot_dir=None)
+    plain = eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=SamplingParams(temperature=temperature, seed=3))
+    top = max(set(plain[1]), key=plain[1].count)
+    p = SamplingParams(temperature=temperature, seed=3, logit_bias={top: -100, (top + 1) % 100: 2.0})
+    drafted = eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=p)
+    serial = eng.generate_text(prompt=REPEAT, max_tokens=48, sampling=p, draft=False)
+    assert drafted[1] == serial[1] and drafted[2].drafted > 0
+    assert top not in drafted[1] and drafted[1] != plain[1]
+
+
+def test_logit_bias_arguments(checkpoints):
+    from tensorfold.errors import RequestError
+    eng = Engine(checkpoints["qwen3_mlx_4bit"], drafts=False, snapshot_dir=None)
+    V = eng.model.cfg.vocab_size
+    for bad in ([1, 2], {"5": 1.0}, {-1: 1.0}, {True: 1.0}, {5: 100.5}, {5: float("nan")}, {5: "1"}, {5: True},
+                {V: 1.0}):
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(prompt=[5, 6], max_tokens=2, sampling=SamplingParams(logit_bias=bad))
+        assert e.value.param == "logit_bias", bad
+    ok = eng.generate_text(prompt=[5, 6], max_tokens=3, sampling=SamplingParams(logit_bias={np.int64(9): 100}))
+    assert ok[1] == [9, 9, 9]
+    assert eng.generate_text(prompt=[5, 6], max_tokens=3, sampling=SamplingParams(logit_bias={}))[1] == \
+        eng.generate_text(prompt=[5, 6], max_tokens=3)[1]
+
+
 def test_an_overflowing_penalty_is_the_largest_logit_for_every_sampler():
     """A repetition penalty of 1e-310 divides a positive logit past float64's range: +inf was
     greedy's choice but, not finite, left out of sampling's candidates (the preference flipped)."""

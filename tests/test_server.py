@@ -410,8 +410,14 @@ BAD = [
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("n a string", "/v1/completions", {"prompt": "a", "n": "2"}, 400, "n", None),
     # fields OpenAI has and this server does not implement: refused, never silently dropped
-    ("logit_bias asked", "/v1/chat/completions", _msg(logit_bias={"5": 10}), 400, "logit_bias",
-     "unsupported_parameter"),
+    ("logit_bias not an object", "/v1/chat/completions", _msg(logit_bias=[5, 10]), 400, "logit_bias", None),
+    ("logit_bias key not an id", "/v1/chat/completions", _msg(logit_bias={"a5": 10}), 400, "logit_bias", None),
+    ("logit_bias key negative", "/v1/completions", {"prompt": "a", "logit_bias": {"-5": 1}}, 400, "logit_bias",
+     None),
+    ("logit_bias past 100", "/v1/chat/completions", _msg(logit_bias={"5": 100.5}), 400, "logit_bias", None),
+    ("logit_bias a string", "/v1/chat/completions", _msg(logit_bias={"5": "10"}), 400, "logit_bias", None),
+    ("logit_bias id past the vocab", "/v1/chat/completions", _msg(logit_bias={"1000000": 1}), 400, "logit_bias",
+     None),
     ("presence_penalty past 2", "/v1/chat/completions", _msg(presence_penalty=2.5), 400, "presence_penalty", None),
     ("frequency_penalty below -2", "/v1/completions", {"prompt": "a", "frequency_penalty": -3}, 400,
      "frequency_penalty", None),
@@ -1058,6 +1064,45 @@ def test_penalties_through_the_client(srv):
     assert chat_text(a) == chat_text(b) and a.model_extra["tensorfold"]["token_hash"] == b.model_extra["tensorfold"]["token_hash"]
     assert a.model_extra["tensorfold"]["token_hash"] != \
         srv.chat(max_tokens=16, temperature=0.0).model_extra["tensorfold"]["token_hash"]
+
+
+def test_logit_bias_through_the_client(srv):
+    """logit_bias (it was refused): -100 takes a token out of a greedy reply, +100 puts it in every
+    position, drafted == serial with it (sampled), the stream gives the same reply, completions take
+    it too, and the logprobs stay the raw model's. An id past the vocabulary is a 400 before a stream
+    starts."""
+    c = srv.client
+    plain = srv.chat(max_tokens=8, temperature=0.0, logprobs=True)
+    first = plain.choices[0].logprobs.content[0]
+    def token_id(text):             # the id of a token named by its text (checked: it decodes back)
+        i = srv.post("/tokenize", {"prompt": text}).json()["tokens"][-1]
+        assert srv.post("/detokenize", {"tokens": [i]}).json()["prompt"] == text
+        return i
+    tid = token_id(first.token)
+    banned = srv.chat(max_tokens=8, temperature=0.0, logit_bias={str(tid): -100}, logprobs=True)
+    assert banned.choices[0].logprobs.content[0].token != first.token
+    assert banned.choices[0].logprobs.content[0].logprob < first.logprob   # the raw model's, not the biased row's
+    forced = srv.chat(max_tokens=4, temperature=0.0, logit_bias={"7": 100})
+    assert forced.model_extra["tensorfold"]["token_hash"] == \
+        srv.chat(max_tokens=4, temperature=0.0, logit_bias={"7": 100.0}).model_extra["tensorfold"]["token_hash"]
+    ids = srv.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0.0,
+                                       "logit_bias": {"7": 100}, "logprobs": 0}).json()
+    assert ids["usage"]["completion_tokens"] == 4
+    toks = srv.post("/tokenize", {"prompt": ids["choices"][0]["text"]}).json()["tokens"]
+    assert set(toks) - {1} <= {7}, toks
+    sampled = srv.chat(max_tokens=24, temperature=0.9, seed=5, logprobs=True)
+    s0 = sampled.choices[0].logprobs.content[0].token
+    sid = token_id(s0)
+    kw = dict(max_tokens=24, temperature=0.9, seed=5, logit_bias={str(sid): -100, "7": 3.5, "11": -2})
+    a = srv.chat(**kw, logprobs=True)
+    b = srv.chat(**kw, extra_body={"draft": False})
+    assert a.model_extra["tensorfold"]["token_hash"] == b.model_extra["tensorfold"]["token_hash"]
+    assert a.choices[0].logprobs.content[0].token != s0     # the sampled first token, banned
+    streamed = "".join(x.choices[0].delta.content or "" for x in
+                       c.chat.completions.create(model=srv.name, messages=USER, stream=True, **kw) if x.choices)
+    assert streamed == chat_text(a)
+    r = srv.post("/v1/chat/completions", _msg(logit_bias={"999999": 1}, stream=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
 def test_echo_with_prompt_logprobs(srv):

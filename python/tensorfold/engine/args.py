@@ -57,7 +57,31 @@ def sampling(p) -> SamplingParams:
                                                    "frequency_penalty", "repetition_penalty")}
     seed = None if p.seed is None else integer(p.seed, "seed", -2 ** (SEED_BITS - 1), 2 ** SEED_BITS - 1)
     return dataclasses.replace(p, **floats, top_k=integer(p.top_k, "top_k"), seed=seed,
-                               choice=integer(p.choice, "choice", 0, 2 ** SEED_BITS - 1))
+                               choice=integer(p.choice, "choice", 0, 2 ** SEED_BITS - 1),
+                               logit_bias=logit_bias(p.logit_bias))
+
+
+MAX_BIAS = 100.0     # OpenAI's range: -100 bans a token in effect, 100 forces it
+
+
+def logit_bias(v) -> dict[int, float] | None:
+    """None, or a mapping of token ids (ints, numpy ints) to numbers in [-100, 100]: a new dict of
+    Python ints and floats (None where empty). The ids' upper bound is the model's vocabulary, which
+    Engine.generate checks."""
+    if v is None:
+        return None
+    if not hasattr(v, "items"):
+        raise RequestError(f"logit_bias must be a dict of token id -> bias, got {v!r}"[:200], param="logit_bias")
+    out = {}
+    for k, b in v.items():
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise RequestError(f"logit_bias: a key must be a token id (an integer >= 0), got {k!r}"[:200],
+                               param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise RequestError(f"logit_bias: the bias of token {int(k)} must be a number from -100 to 100, "
+                               f"got {b!r}"[:200], param="logit_bias")
+        out[int(k)] = float(b)
+    return out or None
 
 
 def stops(v) -> list[str] | None:

@@ -425,6 +425,9 @@ class Engine:
                               p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
+        if p.logit_bias and max(p.logit_bias) >= self.model.cfg.vocab_size:
+            raise RequestError(f"logit_bias: token id {max(p.logit_bias)} is past the vocabulary "
+                               f"({self.model.cfg.vocab_size} ids)", param="logit_bias")
         logprobs, prompt_logprobs = (None if n is None else args.integer(n, name, 0, MAX_TOP)
                                      for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)))
         scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed

@@ -1,7 +1,9 @@
-"""Presence, frequency and repetition penalties, as vLLM defines them (OpenAI's two, and the
+"""What is done to the raw logits row before the temperature and the filters: OpenAI's logit_bias,
+then the presence, frequency and repetition penalties as vLLM defines them (OpenAI's two, and the
 Hugging Face repetition penalty).
 
-Applied to the raw logits row before the temperature and the filters, in vLLM's order:
+In this order (the bias first, as mlx-lm's make_logits_processors has it; the penalties in vLLM's):
+- logit_bias: a token's bias (-100 to 100) is added to its logit, at every position alike;
 - repetition r (1 = off): a token seen in the prompt or the reply so far has its logit divided by r
   where positive, multiplied by r where not;
 - then frequency f and presence p (0 = off): logit -= f * count + p * (count > 0), count = the token's
@@ -11,7 +13,9 @@ The counts at a position are the reply's tokens before it, whichever call comput
 a verify round counts the drafts before it, which are the tokens a serial step at that position has
 seen. So drafted == serial holds with penalties, and the token stays a pure function of (logits,
 seed, position, the tokens before it). Computed in float64 on the host (engine/sampling.py takes the
-row from there); a request with penalties takes the host loop, not the pipelined greedy steps."""
+row from there); a request with a bias or penalties takes the host loop, not the pipelined greedy
+steps. The bias depends on the token id only, so drafted == serial holds with it as without it.
+Logprobs are taken from the raw row, before all of this (engine/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -19,20 +23,27 @@ import numpy as np
 
 
 class Penalties:
-    def __init__(self, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, prompt=()):
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, prompt=(),
+                 bias: dict | None = None):
         self.presence, self.frequency, self.repetition = float(presence), float(frequency), float(repetition)
-        self.active = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+        # logit_bias as two arrays, ids ascending ({id: bias}, checked by engine/args.py)
+        items = sorted((bias or {}).items())
+        self.bias_ids = np.array([i for i, _ in items], dtype=np.int64)
+        self.bias_vals = np.array([v for _, v in items], dtype=np.float64)
+        self.penalised = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+        self.active = self.penalised or self.bias_ids.size > 0
         self.counts: dict[int, int] = {}
         self.prompt = np.asarray(prompt, dtype=np.int64) if self.repetition != 1.0 else None
         self._seen = None        # repetition: a mask over the vocabulary of the ids seen (prompt and reply)
 
     @classmethod
     def of(cls, sampling, prompt) -> "Penalties":
-        return cls(sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, prompt)
+        return cls(sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, prompt,
+                   sampling.logit_bias)
 
     def push(self, token: int) -> None:
         """A token joins the reply."""
-        if self.active:
+        if self.penalised:
             self.counts[token] = self.counts.get(token, 0) + 1
             if self._seen is not None:
                 self._seen[token] = True
@@ -48,6 +59,8 @@ class Penalties:
             for t in before:
                 counts[t] = counts.get(t, 0) + 1
         x = np.array(row, dtype=np.float64).reshape(-1)
+        if self.bias_ids.size:
+            x[self.bias_ids] += self.bias_vals
         if self.repetition != 1.0:
             # one mask kept up to date, not the union of the prompt's ids and the reply's made again
             # at every token (a sort of the whole prompt a token)

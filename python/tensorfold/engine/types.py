@@ -15,6 +15,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # engine/penalties.py (vLLM's definitions)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # 1 = off
+    logit_bias: dict | None = None    # {token id: -100..100} added to the raw logits (engine/penalties.py)
     choice: int = 0               # a request's n > 1: the choice's index, mixed into the seed (sampling.choice_seed)
 
 

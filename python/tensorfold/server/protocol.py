@@ -190,6 +190,25 @@ def _prompt(v):
     raise _bad("prompt", "expected a string or an array of token ids.")
 
 
+def _logit_bias(v) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token ids (as JSON keys, strings of decimal digits) to
+    biases from -100 to 100, added to the logits before sampling (engine/penalties.py). Ids past the
+    vocabulary are refused by the engine, which knows it."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", "expected an object of token ids (strings) to numbers.")
+    out = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 12:
+            raise _bad("logit_bias", f"a key must be a token id, got {json.dumps(k)[:40]}.")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise _bad("logit_bias", f"the bias of token {k} must be a number from -100 to 100, "
+                                     f"got {json.dumps(b)[:40]}.")
+        out[int(k)] = float(b)
+    return out or None
+
+
 def _stop(v) -> list[str] | None:
     if v is None:
         return None
@@ -221,7 +240,6 @@ def _is(v, n) -> bool:
 
 
 _UNSUPPORTED = {
-    "logit_bias": lambda v: v is None or v == {},
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
     "tools": lambda v: v is None or v == [],
     "functions": lambda v: v is None or v == [],
@@ -246,10 +264,8 @@ def _refuse_unsupported(data: dict, kind: str) -> None:
         v = data.get(key)
         if neutral(v) or key in (_CHAT_SERVED if kind == "chat" else _COMPLETION_SERVED):
             continue
-        hint = ("; this server samples with temperature, top_p, top_k, min_p, seed and the penalties"
-                if key.endswith("bias") else "")
         raise RequestError(f"Unsupported parameter: '{key}' is not supported by this server "
-                           f"(got {json.dumps(v)[:60]}){hint}.", param=key, code="unsupported_parameter")
+                           f"(got {json.dumps(v)[:60]}).", param=key, code="unsupported_parameter")
 
 
 def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
@@ -311,6 +327,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     rp = _number(data, "repetition_penalty", lo=0.0, lo_open=True)
     if rp is not None:
         s.repetition_penalty = rp
+    s.logit_bias = _logit_bias(data.get("logit_bias"))
     seed = _int(data, "seed")
     if seed is not None:
         if not -2**63 <= seed < 2**63:      # sampling keys a seed by its low 64 bits: 2**64 was 0
