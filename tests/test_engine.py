@@ -642,6 +642,27 @@ def test_a_cancel_stops_the_drafters_prompt_catch_up(checkpoints):
     assert full[1] == Engine(path, prefill_mode=mode, drafts=False).generate_text(prompt=list(range(3, 200)), max_tokens=20)[1]
 
 
+def test_stop_token_ids_drafted_equal_serial(tinycode_path):
+    """stop_token_ids end the reply at the first such id as EOS would (finish "stop", the id the
+    reply's last, its text left out), drafted == serial, sampled too; a bad list is a RequestError."""
+    from tensorfold.errors import RequestError
+    eng = Engine(tinycode_path, snapshot_dir=None)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=4)):
+        full = eng.generate_text(prompt=prompt, max_tokens=40, sampling=p)
+        stop_id = full[1][len(full[1]) // 2]
+        cut = full[1][: full[1].index(stop_id) + 1]
+        drafted = eng.generate_text(prompt=prompt, max_tokens=40, sampling=p, stop_token_ids=[stop_id])
+        serial = eng.generate_text(prompt=prompt, max_tokens=40, sampling=p, stop_token_ids=[stop_id], draft=False)
+        assert drafted[1] == serial[1] == cut and drafted[2].finish_reason == serial[2].finish_reason == "stop"
+        assert drafted[0] == serial[0] == eng.tokenizer.decode(cut[:-1])
+    assert drafted[2].drafted > 0
+    for bad in ([-1], [1.0], "5", [True], [eng.model.cfg.vocab_size]):
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(prompt=prompt, max_tokens=2, stop_token_ids=bad)
+        assert e.value.param == "stop_token_ids"
+
+
 def test_nan_logits_are_logged_once(tmp_path, engines, caplog):
     """A model whose logits hold NaN (here its final norm's weight poisoned) emits its tokens by the
     sampler's rules, as before, but the engine now says so in the log, once per engine: session 57

@@ -370,9 +370,14 @@ BAD = [
      None),
     # vLLM's extensions asking for something this server does not do (they were ignored)
     ("min_tokens asked", "/v1/chat/completions", _msg(min_tokens=5), 400, "min_tokens", "unsupported_parameter"),
-    ("stop_token_ids asked", "/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, 400, "stop_token_ids",
-     "unsupported_parameter"),
-    ("ignore_eos asked", "/v1/chat/completions", _msg(ignore_eos=True), 400, "ignore_eos", "unsupported_parameter"),
+    ("stop_token_ids not a list", "/v1/completions", {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids",
+     None),
+    ("stop_token_ids negative", "/v1/completions", {"prompt": "x", "stop_token_ids": [3, -1]}, 400,
+     "stop_token_ids", None),
+    ("stop_token_ids a bool", "/v1/chat/completions", _msg(stop_token_ids=[True]), 400, "stop_token_ids", None),
+    ("stop_token_ids past the vocab", "/v1/chat/completions", _msg(stop_token_ids=[10**6]), 400, "stop_token_ids",
+     None),
+    ("ignore_eos a string", "/v1/chat/completions", _msg(ignore_eos="yes"), 400, "ignore_eos", None),
     ("typical_p asked", "/v1/chat/completions", _msg(typical_p=0.5), 400, "typical_p", "unsupported_parameter"),
     # each stop string is searched after every token on the engine's thread (100,000 of them:
     # 110 ms a token, for every queued request too)
@@ -1103,6 +1108,33 @@ def test_logit_bias_through_the_client(srv):
     assert streamed == chat_text(a)
     r = srv.post("/v1/chat/completions", _msg(logit_bias={"999999": 1}, stream=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_stop_token_ids_and_ignore_eos(srv):
+    """vLLM's stop_token_ids and ignore_eos (they were refused). A stop id ends the reply as EOS does:
+    finish "stop", the id counted, its text left out, streamed the same, drafted == serial. ignore_eos:
+    a reply forced to EOS (logit_bias) runs on to max_tokens; a stop id still ends it."""
+    from tensorfold.testing import EOS_TOKEN_IDS
+    plain = srv.chat(max_tokens=8, temperature=0.0, logprobs=True)
+    toks = [t.token for t in plain.choices[0].logprobs.content]
+    j = next(i for i in range(2, len(toks)) if toks[i] not in toks[:i])      # its first occurrence
+    sid = srv.post("/tokenize", {"prompt": toks[j]}).json()["tokens"][-1]
+    assert srv.post("/detokenize", {"tokens": [sid]}).json()["prompt"] == toks[j]
+    kw = dict(max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [sid]})
+    r = srv.chat(**kw)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == j + 1
+    assert chat_text(r) == "".join(toks[:j])
+    assert chat_text(srv.chat(max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [sid], "draft": False})) \
+        == chat_text(r)
+    chunks = list(srv.client.chat.completions.create(model=srv.name, messages=USER, stream=True, **kw))
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == chat_text(r)
+    assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "stop"
+    eos = {str(EOS_TOKEN_IDS[0]): 100}
+    assert srv.chat(max_tokens=6, logit_bias=eos).usage.completion_tokens == 1
+    on = srv.chat(max_tokens=6, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == 6
+    cut = srv.chat(max_tokens=6, logit_bias=eos, extra_body={"ignore_eos": True, "stop_token_ids": [EOS_TOKEN_IDS[0]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1
 
 
 def test_echo_with_prompt_logprobs(srv):

@@ -84,6 +84,17 @@ def logit_bias(v) -> dict[int, float] | None:
     return out or None
 
 
+def token_ids(v, name: str) -> list[int]:
+    """None, or a list / tuple of token ids (ints, numpy ints; >= 0): a list of Python ints. The
+    upper bound, the vocabulary, is Engine.generate's to check."""
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, numbers.Integral)
+                                               or i < 0 for i in v):
+        raise RequestError(f"{name} must be a list of token ids (integers >= 0), got {v!r}"[:200], param=name)
+    return [int(i) for i in v]
+
+
 def stops(v) -> list[str] | None:
     """None, a string, or a list / tuple of strings ([None] was read as no stop)."""
     if v is None:

@@ -406,28 +406,31 @@ class Engine:
                  enable_thinking=None, tools=None, cancel=None, progress=None,
                  ignore_eos: bool = False, proposers: list[Proposer] | None = None,
                  prepared: Prompt | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, keep_prompt: bool = False):
+                 prompt_logprobs: int | None = None, keep_prompt: bool = False, stop_token_ids=None):
         """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read).
         logprobs: None, or n in 0..20: each event carries its tokens' logprobs with the n most
         likely alternatives (engine/logprobs.py). prompt_logprobs: the same for the prompt's tokens,
         on a first event of its own (`prompt_logprobs_of`); then max_tokens may be 0 (nothing is
-        generated: a prompt scored). keep_prompt: keep this prompt's prefilled state (and its
+        generated: a prompt scored). stop_token_ids: ids that end the reply as EOS does (finish "stop",
+        the id counted and its text left out), also under ignore_eos (vLLM's). keep_prompt: keep this prompt's prefilled state (and its
         scores) for the next call with the same ids, which then skips that work (a request's n
         choices; `forget_prompt` drops it)."""
         t0 = time.perf_counter()
         p = args.sampling(sampling)
         max_tokens = args.integer(max_tokens, "max_tokens")
         stop = args.stops(stop)
+        stop_ids = args.token_ids(stop_token_ids, "stop_token_ids")
         args.other(draft=draft, ignore_eos=ignore_eos, keep_prompt=keep_prompt,
                    enable_thinking=enable_thinking, tools=tools, cancel=cancel, prepared=prepared)
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
                               p.frequency_penalty, p.repetition_penalty)
         if bad is not None:
             raise RequestError(f"{bad} is out of range", param=bad)
-        if p.logit_bias and max(p.logit_bias) >= self.model.cfg.vocab_size:
-            raise RequestError(f"logit_bias: token id {max(p.logit_bias)} is past the vocabulary "
-                               f"({self.model.cfg.vocab_size} ids)", param="logit_bias")
+        for name, used in (("logit_bias", p.logit_bias or ()), ("stop_token_ids", stop_ids)):
+            if used and max(used) >= self.model.cfg.vocab_size:
+                raise RequestError(f"{name}: token id {max(used)} is past the vocabulary "
+                                   f"({self.model.cfg.vocab_size} ids)", param=name)
         logprobs, prompt_logprobs = (None if n is None else args.integer(n, name, 0, MAX_TOP)
                                      for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)))
         scoring_only = prompt_logprobs is not None and max_tokens == 0     # nothing generated: no room needed
@@ -494,7 +497,7 @@ class Engine:
         # (a SentencePiece tokenizer's first generated '▁fox' then gives ' fox', not 'fox')
         detok = IncrementalDetokenizer(self.tokenizer, context=() if chat else ids[-64:])
         stopper = StopMatcher(stop)
-        eos = frozenset() if ignore_eos else self.tokenizer.eos_ids
+        eos = (frozenset() if ignore_eos else self.tokenizer.eos_ids) | frozenset(stop_ids)
         tokens = list(ids)
         reply: list[int] = []
         finish = None

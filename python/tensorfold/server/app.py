@@ -248,6 +248,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         req = parse_request(data, kind, context_length=ctx)
         kwargs = dict(max_tokens=req.max_tokens if req.max_tokens is not None else int(opts.get("max_tokens") or ctx),
                       sampling=sampling_with_defaults(req, data, opts), stop=req.stop, draft=req.draft)
+        if req.ignore_eos:
+            kwargs["ignore_eos"] = True
+        if req.stop_token_ids:
+            kwargs["stop_token_ids"] = req.stop_token_ids
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
             if req.echo:                # the prompt's tokens scored too (engine.prompt_logprobs_of)

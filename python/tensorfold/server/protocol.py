@@ -32,6 +32,8 @@ class Request:
     tools: list | None = None                   # chat: the tools the template renders (tool_choice "auto")
     echo: bool = False                          # completions: the prompt leads the text (and the logprobs)
     n: int = 1                                  # choices
+    ignore_eos: bool = False                    # vLLM's: EOS does not end the reply
+    stop_token_ids: list[int] | None = None     # vLLM's: ids that end the reply as EOS does
 
 
 def parse_json(body: bytes) -> dict:
@@ -249,8 +251,6 @@ _UNSUPPORTED = {
     "suffix": lambda v: v is None or v == "",
     # vLLM's extensions that clients send to OpenAI-compatible servers (top_k and min_p are served)
     "min_tokens": lambda v: v is None or _is(v, 0),
-    "stop_token_ids": lambda v: v is None or v == [],
-    "ignore_eos": lambda v: v is None or v is False,
     "typical_p": lambda v: v is None or _is(v, 1),
 }
 
@@ -335,6 +335,12 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
         s.seed = seed
 
     r.stop = _stop(data.get("stop"))
+    r.ignore_eos = _bool(data, "ignore_eos", False)
+    sti = data.get("stop_token_ids")
+    if sti is not None:
+        if not isinstance(sti, list) or not all(_is_int(i) and i >= 0 for i in sti):
+            raise _bad("stop_token_ids", "expected an array of token ids (integers >= 0).")
+        r.stop_token_ids = sti or None
     r.stream = _bool(data, "stream", False)
     so = data.get("stream_options")
     if so is not None:
