@@ -663,6 +663,38 @@ def test_stop_token_ids_drafted_equal_serial(tinycode_path):
         assert e.value.param == "stop_token_ids"
 
 
+def test_min_tokens_drafted_equal_serial(tinycode_path):
+    """min_tokens (vLLM's): with EOS forced by logit_bias the reply still runs min_tokens tokens, then
+    ends on EOS; a stop string completed in the first min_tokens tokens' text is passed over and the
+    next one ends the reply; drafted == serial; more than max_tokens is a RequestError."""
+    from tensorfold.errors import RequestError
+    eng = Engine(tinycode_path, snapshot_dir=None)
+    eos = sorted(eng.tokenizer.eos_ids)[0]
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+    for p in (SamplingParams(temperature=0.0, logit_bias={eos: 100}),
+              SamplingParams(temperature=0.8, seed=2, logit_bias={eos: 100})):
+        assert eng.generate_text(prompt=prompt, max_tokens=20, sampling=p)[1] == [eos]
+        drafted = eng.generate_text(prompt=prompt, max_tokens=20, sampling=p, min_tokens=6)
+        serial = eng.generate_text(prompt=prompt, max_tokens=20, sampling=p, min_tokens=6, draft=False)
+        assert drafted[1] == serial[1] and len(drafted[1]) == 7 and drafted[1][-1] == eos
+        assert eos not in drafted[1][:6] and drafted[2].finish_reason == "stop"
+    g = SamplingParams(temperature=0.0)
+    full_text, full, _ = eng.generate_text(prompt=prompt, max_tokens=40, sampling=g)
+    first = full_text.index("return")
+    assert full_text.count("return") >= 2, full_text
+    k = next(n for n in range(1, len(full) + 1) if len(eng.tokenizer.decode(full[:n])) >= first + len("return"))
+    assert eng.generate_text(prompt=prompt, max_tokens=40, sampling=g, stop=["return"])[0] == full_text[:first]
+    cut = eng.generate_text(prompt=prompt, max_tokens=40, sampling=g, stop=["return"], min_tokens=k)
+    second = full_text.index("return", first + 1)
+    assert cut[0] == full_text[:second] and cut[2].finish_reason == "stop"
+    assert eng.generate_text(prompt=prompt, max_tokens=40, sampling=g, stop=["return"], min_tokens=k,
+                             draft=False)[:2] == cut[:2]
+    for bad in (-1, 1.5, 41):
+        with pytest.raises(RequestError) as e:
+            eng.generate_text(prompt=prompt, max_tokens=40, min_tokens=bad)
+        assert e.value.param == "min_tokens"
+
+
 def test_nan_logits_are_logged_once(tmp_path, engines, caplog):
     """A model whose logits hold NaN (here its final norm's weight poisoned) emits its tokens by the
     sampler's rules, as before, but the engine now says so in the log, once per engine: session 57

@@ -101,6 +101,24 @@ def test_logit_bias_is_added_first():
     assert Penalties(bias=None).apply(row) is row and not Penalties(bias=None).active
 
 
+def test_min_tokens_holds_the_ending_ids_at_each_rows_own_position():
+    """hold(n, ids): the ids are -inf in the rows of positions 0..n-1 (pushed tokens and pending
+    drafts both count), the row as it is from position n on; with a bias, after it."""
+    row = np.arange(10, dtype=np.float32)
+    pen = Penalties(bias={2: 50.0})
+    pen.hold(3, {2, 9})
+    assert pen.active
+    for pos in range(5):
+        got = pen.apply(row, before=[4] * (pos - pen.n))
+        held = pos < 3
+        assert (got[[2, 9]] == -np.inf).all() == held and got[2] == (-np.inf if held else 52.0), pos
+        if pos < 2:
+            pen.push(4)
+    off = Penalties()
+    off.hold(0, {2})
+    assert not off.active and off.apply(row) is row
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logit_bias_drafted_equal_serial(tinycode_path, temperature):
     """With a bias that bans the serial reply's most frequent token and pushes another, drafts still

@@ -369,7 +369,10 @@ BAD = [
     ("completions top_logprobs", "/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs",
      None),
     # vLLM's extensions asking for something this server does not do (they were ignored)
-    ("min_tokens asked", "/v1/chat/completions", _msg(min_tokens=5), 400, "min_tokens", "unsupported_parameter"),
+    ("min_tokens negative", "/v1/chat/completions", _msg(min_tokens=-1), 400, "min_tokens", None),
+    ("min_tokens a string", "/v1/chat/completions", _msg(min_tokens="5"), 400, "min_tokens", None),
+    ("min_tokens past max_tokens", "/v1/chat/completions", _msg(min_tokens=5, max_tokens=4), 400, "min_tokens",
+     None),
     ("stop_token_ids not a list", "/v1/completions", {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids",
      None),
     ("stop_token_ids negative", "/v1/completions", {"prompt": "x", "stop_token_ids": [3, -1]}, 400,
@@ -1135,6 +1138,8 @@ def test_stop_token_ids_and_ignore_eos(srv):
     assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == 6
     cut = srv.chat(max_tokens=6, logit_bias=eos, extra_body={"ignore_eos": True, "stop_token_ids": [EOS_TOKEN_IDS[0]]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 1
+    held = srv.chat(max_tokens=6, logit_bias=eos, extra_body={"min_tokens": 3})     # vLLM's min_tokens
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
 
 
 def test_echo_with_prompt_logprobs(srv):

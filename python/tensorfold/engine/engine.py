@@ -406,14 +406,17 @@ class Engine:
                  enable_thinking=None, tools=None, cancel=None, progress=None,
                  ignore_eos: bool = False, proposers: list[Proposer] | None = None,
                  prepared: Prompt | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, keep_prompt: bool = False, stop_token_ids=None):
+                 prompt_logprobs: int | None = None, keep_prompt: bool = False, stop_token_ids=None,
+                 min_tokens: int = 0):
         """Yield GenerationEvents; the last one has finish_reason and stats. prepared: the prompt
         as prepare() made it (then messages, prompt, enable_thinking and tools are not read).
         logprobs: None, or n in 0..20: each event carries its tokens' logprobs with the n most
         likely alternatives (engine/logprobs.py). prompt_logprobs: the same for the prompt's tokens,
         on a first event of its own (`prompt_logprobs_of`); then max_tokens may be 0 (nothing is
         generated: a prompt scored). stop_token_ids: ids that end the reply as EOS does (finish "stop",
-        the id counted and its text left out), also under ignore_eos (vLLM's). keep_prompt: keep this prompt's prefilled state (and its
+        the id counted and its text left out), also under ignore_eos (vLLM's). min_tokens (vLLM's): EOS
+        and stop_token_ids are out of the first min_tokens positions' rows, and stop strings are looked
+        for only in the text that comes after the min_tokens-th token. keep_prompt: keep this prompt's prefilled state (and its
         scores) for the next call with the same ids, which then skips that work (a request's n
         choices; `forget_prompt` drops it)."""
         t0 = time.perf_counter()
@@ -421,6 +424,7 @@ class Engine:
         max_tokens = args.integer(max_tokens, "max_tokens")
         stop = args.stops(stop)
         stop_ids = args.token_ids(stop_token_ids, "stop_token_ids")
+        min_tokens = args.integer(min_tokens, "min_tokens", 0)
         args.other(draft=draft, ignore_eos=ignore_eos, keep_prompt=keep_prompt,
                    enable_thinking=enable_thinking, tools=tools, cancel=cancel, prepared=prepared)
         bad = _sampling_error(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
@@ -442,6 +446,8 @@ class Engine:
         n_prompt = len(ids)
         if max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
         seed = choice_seed(p.seed if p.seed is not None else prompt_seed(ids), p.choice)
 
@@ -504,6 +510,7 @@ class Engine:
         t_first = None
 
         pen = Penalties.of(p, ids)
+        pen.hold(min_tokens, eos)
 
         def accept(tok: int):
             """Append one generated token; returns (event text, finish reason or None)."""
@@ -514,6 +521,9 @@ class Engine:
                 t_first = time.perf_counter()
             if tok in eos:
                 return stopper.push(detok.flush())[0] + stopper.flush(), "stop"
+            if len(reply) <= min_tokens:    # min_tokens: stop strings only in the text after these
+                text = detok.add(tok)
+                return (text + detok.flush(), "length") if len(reply) >= max_tokens else (text, None)
             text, stopped = stopper.push(detok.add(tok))
             if stopped:
                 return text, "stop"

@@ -15,7 +15,11 @@ seen. So drafted == serial holds with penalties, and the token stays a pure func
 seed, position, the tokens before it). Computed in float64 on the host (engine/sampling.py takes the
 row from there); a request with a bias or penalties takes the host loop, not the pipelined greedy
 steps. The bias depends on the token id only, so drafted == serial holds with it as without it.
-Logprobs are taken from the raw row, before all of this (engine/logprobs.py)."""
+Logprobs are taken from the raw row, before all of this (engine/logprobs.py).
+
+Last, vLLM's min_tokens (`hold`): while the reply has fewer than n tokens, the ids that would end it
+(EOS, stop_token_ids) are set to -inf, so they are never sampled. The count at a row is its own
+position's (the tokens pushed and the drafts before it), like the penalties' counts."""
 
 from __future__ import annotations
 
@@ -32,6 +36,14 @@ class Penalties:
         self.bias_vals = np.array([v for _, v in items], dtype=np.float64)
         self.penalised = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
         self.active = self.penalised or self.bias_ids.size > 0
+        self.n = 0                      # reply tokens pushed
+        self.min_tokens, self.held_ids = 0, np.zeros(0, dtype=np.int64)
+
+    def hold(self, min_tokens: int, ids) -> None:
+        """min_tokens: the ids that end a reply (`ids`) are out of the rows of its first n positions."""
+        if min_tokens > 0 and ids:
+            self.min_tokens, self.held_ids = int(min_tokens), np.array(sorted(ids), dtype=np.int64)
+            self.active = True
         self.counts: dict[int, int] = {}
         self.prompt = np.asarray(prompt, dtype=np.int64) if self.repetition != 1.0 else None
         self._seen = None        # repetition: a mask over the vocabulary of the ids seen (prompt and reply)
@@ -43,6 +55,7 @@ class Penalties:
 
     def push(self, token: int) -> None:
         """A token joins the reply."""
+        self.n += 1
         if self.penalised:
             self.counts[token] = self.counts.get(token, 0) + 1
             if self._seen is not None:
@@ -82,4 +95,6 @@ class Penalties:
         # a logit pushed past float64's range (a repetition penalty of 1e-310 divides by it) stays
         # the largest finite value: +inf was greedy's choice and, non-finite, out of sampling's
         np.minimum(x, np.finfo(np.float64).max, out=x)
+        if self.n + len(before) < self.min_tokens:
+            x[self.held_ids] = -np.inf
         return x

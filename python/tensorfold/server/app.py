@@ -252,6 +252,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             kwargs["ignore_eos"] = True
         if req.stop_token_ids:
             kwargs["stop_token_ids"] = req.stop_token_ids
+        if req.min_tokens:
+            kwargs["min_tokens"] = req.min_tokens
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
             if req.echo:                # the prompt's tokens scored too (engine.prompt_logprobs_of)

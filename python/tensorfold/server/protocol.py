@@ -34,6 +34,7 @@ class Request:
     n: int = 1                                  # choices
     ignore_eos: bool = False                    # vLLM's: EOS does not end the reply
     stop_token_ids: list[int] | None = None     # vLLM's: ids that end the reply as EOS does
+    min_tokens: int = 0                         # vLLM's: no EOS / stop id / stop string before this many
 
 
 def parse_json(body: bytes) -> dict:
@@ -250,7 +251,6 @@ _UNSUPPORTED = {
     "best_of": lambda v: v is None or _is(v, 1),
     "suffix": lambda v: v is None or v == "",
     # vLLM's extensions that clients send to OpenAI-compatible servers (top_k and min_p are served)
-    "min_tokens": lambda v: v is None or _is(v, 0),
     "typical_p": lambda v: v is None or _is(v, 1),
 }
 
@@ -336,6 +336,11 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
 
     r.stop = _stop(data.get("stop"))
     r.ignore_eos = _bool(data, "ignore_eos", False)
+    mt = _int(data, "min_tokens")
+    if mt is not None:
+        if mt < 0:
+            raise _bad("min_tokens", f"must be at least 0, got {_shown(mt)}.")
+        r.min_tokens = mt
     sti = data.get("stop_token_ids")
     if sti is not None:
         if not isinstance(sti, list) or not all(_is_int(i) and i >= 0 for i in sti):
