@@ -126,7 +126,11 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     hi, hi2 = fl.variant_text("hi")[0], fl.variant_text("hi2")[0]
     assert "__umulhi(" not in fl.variant_text("full")[0]
     assert "j&1?__umulhi(w,1u<<(32-4*j)):w>>(4*j)" in hi and "j?__umulhi(" in hi2
-    assert {"full", "hi", "hi2"} == fl.EXACT
+    assert {"full", "hi", "hi2", "xp1", "xp2", "xp3"} == fl.EXACT
+    # xpD (session 57): chunk ci + D's x lines asked of L1 at the top of chunk ci, nothing else changed
+    xp = fl.variant_text("xp2")[1]
+    assert "const int cn=ci+2;" in xp and "prefetch.global.L1 [%0];" in xp and "prefetch" not in fl.variant_text("full")[1]
+    assert xp.count("{") == xp.count("}")
     # nxm: no X = sum x mma left, the X values set from the x pairs instead (timing only)
     nxm = fl.variant_text("comp+nox+nxm")[1]
     assert "tf_mma(X[" in full and "tf_mma(X[" not in nxm and "tf_mma(P[" in nxm
