@@ -693,6 +693,11 @@ def test_min_tokens_drafted_equal_serial(tinycode_path):
         with pytest.raises(RequestError) as e:
             eng.generate_text(prompt=prompt, max_tokens=40, min_tokens=bad)
         assert e.value.param == "min_tokens"
+    # with every other row adjustment at once (a bias, the three penalties): drafted == serial
+    p = SamplingParams(temperature=0.0, logit_bias={eos: 100}, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2)
+    both = [eng.generate_text(prompt=prompt, max_tokens=20, sampling=p, min_tokens=9, draft=d)[1] for d in (True, False)]
+    assert both[0] == both[1] and len(both[0]) == 10 and both[0][-1] == eos
 
 
 def test_nan_logits_are_logged_once(tmp_path, engines, caplog):

@@ -36,6 +36,9 @@ class Penalties:
         self.bias_vals = np.array([v for _, v in items], dtype=np.float64)
         self.penalised = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
         self.active = self.penalised or self.bias_ids.size > 0
+        self.counts: dict[int, int] = {}
+        self.prompt = np.asarray(prompt, dtype=np.int64) if self.repetition != 1.0 else None
+        self._seen = None        # repetition: a mask over the vocabulary of the ids seen (prompt and reply)
         self.n = 0                      # reply tokens pushed
         self.min_tokens, self.held_ids = 0, np.zeros(0, dtype=np.int64)
 
@@ -44,9 +47,6 @@ class Penalties:
         if min_tokens > 0 and ids:
             self.min_tokens, self.held_ids = int(min_tokens), np.array(sorted(ids), dtype=np.int64)
             self.active = True
-        self.counts: dict[int, int] = {}
-        self.prompt = np.asarray(prompt, dtype=np.int64) if self.repetition != 1.0 else None
-        self._seen = None        # repetition: a mask over the vocabulary of the ids seen (prompt and reply)
 
     @classmethod
     def of(cls, sampling, prompt) -> "Penalties":
