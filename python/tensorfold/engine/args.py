@@ -64,6 +64,11 @@ def sampling(p) -> SamplingParams:
 MAX_BIAS = 100.0     # OpenAI's range: -100 bans a token in effect, 100 forces it
 
 
+def _is_token_id(v) -> bool:
+    """An int or numpy integer >= 0 (not a bool); the vocabulary bound is Engine.generate's."""
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= 0
+
+
 def logit_bias(v) -> dict[int, float] | None:
     """None, or a mapping of token ids (ints, numpy ints) to numbers in [-100, 100]: a new dict of
     Python ints and floats (None where empty). The ids' upper bound is the model's vocabulary, which
@@ -74,7 +79,7 @@ def logit_bias(v) -> dict[int, float] | None:
         raise RequestError(f"logit_bias must be a dict of token id -> bias, got {v!r}"[:200], param="logit_bias")
     out = {}
     for k, b in v.items():
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        if not _is_token_id(k):
             raise RequestError(f"logit_bias: a key must be a token id (an integer >= 0), got {k!r}"[:200],
                                param="logit_bias")
         if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -MAX_BIAS <= b <= MAX_BIAS:
@@ -89,8 +94,7 @@ def token_ids(v, name: str) -> list[int]:
     upper bound, the vocabulary, is Engine.generate's to check."""
     if v is None:
         return []
-    if not isinstance(v, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, numbers.Integral)
-                                               or i < 0 for i in v):
+    if not isinstance(v, (list, tuple)) or not all(_is_token_id(i) for i in v):
         raise RequestError(f"{name} must be a list of token ids (integers >= 0), got {v!r}"[:200], param=name)
     return [int(i) for i in v]
 

@@ -415,10 +415,10 @@ class Engine:
         on a first event of its own (`prompt_logprobs_of`); then max_tokens may be 0 (nothing is
         generated: a prompt scored). stop_token_ids: ids that end the reply as EOS does (finish "stop",
         the id counted and its text left out), also under ignore_eos (vLLM's). min_tokens (vLLM's): EOS
-        and stop_token_ids are out of the first min_tokens positions' rows, and stop strings are looked
-        for only in the text that comes after the min_tokens-th token. keep_prompt: keep this prompt's prefilled state (and its
-        scores) for the next call with the same ids, which then skips that work (a request's n
-        choices; `forget_prompt` drops it)."""
+        and stop_token_ids are out of the first min_tokens positions' rows, and stop strings are
+        looked for only in the text that comes after the min_tokens-th token. keep_prompt: keep this
+        prompt's prefilled state (and its scores) for the next call with the same ids, which then
+        skips that work (a request's n choices; `forget_prompt` drops it)."""
         t0 = time.perf_counter()
         p = args.sampling(sampling)
         max_tokens = args.integer(max_tokens, "max_tokens")
@@ -521,15 +521,13 @@ class Engine:
                 t_first = time.perf_counter()
             if tok in eos:
                 return stopper.push(detok.flush())[0] + stopper.flush(), "stop"
-            if len(reply) <= min_tokens:    # min_tokens: stop strings only in the text after these
-                text = detok.add(tok)
-                return (text + detok.flush(), "length") if len(reply) >= max_tokens else (text, None)
-            text, stopped = stopper.push(detok.add(tok))
+            look = len(reply) > min_tokens      # min_tokens: stop strings only in the text after these
+            text, stopped = stopper.push(detok.add(tok), look)
             if stopped:
                 return text, "stop"
             if len(reply) >= max_tokens:
                 # the detokenizer's held text (a byte-fallback run) may complete a stop string
-                tail, stopped = stopper.push(detok.flush())
+                tail, stopped = stopper.push(detok.flush(), look)
                 return text + tail + stopper.flush(), "stop" if stopped else "length"
             return text, None
 
@@ -689,9 +687,9 @@ class Engine:
         """Warn, once per engine, where a request's first logits row holds NaN: the model's forward
         is broken there (a checkpoint's NaN weights, an fp16 overflow, a backend fault such as MLX
         0.32.4's CUDA quantized matmul at K = 64), and its replies mean nothing. Sampling still
-        follows its rules, so a reply is still a pure function of the row (NaN ids are never sampled; greedy, and a row of nothing finite, take the first NaN id, as
-        numpy's argmax does); the operator hears of it. Checked once a request, on the row read back
-        anyway (~V floats)."""
+        follows its rules, so a reply is still a pure function of the row (NaN ids are never
+        sampled; greedy, and a row of nothing finite, take the first NaN id, as numpy's argmax
+        does); the operator hears of it. Checked once a request, on the row read back anyway."""
         if self._nan_warned or not np.isnan(row).any():
             return
         self._nan_warned = True

@@ -2,7 +2,9 @@
 
 Text that could still be the start of a stop string is held back, so nothing past a stop
 string is ever emitted. The reply ends at the stop string that is completed first in the text (the
-earliest end; of two ending together, the longer), wherever the tokens' boundaries fall."""
+earliest end; of two ending together, the longer), wherever the tokens' boundaries fall.
+Text pushed with look=False (vLLM's min_tokens: the reply's first tokens) is passed on unsearched;
+stop strings are then found in the text pushed after it only."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ class StopMatcher:
         self.stops = [s for s in (stops or []) if s]
         self.held = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Feed new text; returns (text safe to emit, stopped)."""
-        if not self.stops:
+    def push(self, text: str, look: bool = True) -> tuple[str, bool]:
+        """Feed new text; returns (text safe to emit, stopped). look=False: not searched (nothing is
+        held then, as no text was searched before it)."""
+        if not self.stops or not look:
             return text, False
         self.held += text
         # a stop's first occurrence is also its earliest end; across stops the earliest end wins
