@@ -18,6 +18,8 @@ package builds it, then cut:
   xw0    every warp reads K slice 0's x (a block's warps share x through L1; timing only);
   xpD    (session 57; same bits) chunk ci + D's x rows asked of L1 (prefetch.global.L1) at the top
          of chunk ci, so its loads D turns later hit L1, not L2;
+  fsN / fdN (session 58; same bits) the first weight stage committed in N parts (2, 4), chunk 0 computed
+         part by part after each part's wait; fd issues the later parts just before the chunk loop;
   il     chunks dealt to the warps in turn (w, w + SPLIT, ...), not as contiguous K slices: the
          block's warps read each row's next bytes side by side (DRAM locality; timing only).
 
@@ -111,8 +113,92 @@ _XP = """{
     }
   }
 }"""
+# fsN / fdN (session 58; keep every bit): the first weight stage committed in N parts (N = 2, 4; each
+# part CB / N blocks, whole groups; a lane's copies all belong to one part, unit lane % CB), chunk 0
+# computed part by part, each after its own wait, so a warp starts its arithmetic once the first part
+# has landed instead of the whole stage (session 23's timeline: every warp waits ~3 us for its first
+# stage, then runs its arithmetic back to back). fs issues the parts back to back; fd issues part 0
+# first and the others just before the chunk loop (after XS's x staging at one row: an L2 round trip
+# later), so the first parts of every warp lead the DRAM queue. NS 2 only.
+_FS_PRO = _min("""if (!PRO) scp();
+#pragma unroll
+for (int st = 0; st < NS - 1; ++st) {
+if (st < CPW) issue(st);
+if (PRO && st == 0) scp();
+tf_cp_async_commit();
+}""")
+_FS_PRO_NEW = """static_assert(NS == 2 && CB % (2 * FSP) == 0 && (CB / FSP) % BPG == 0);
+const int mypart = (lane % UPR) / (UPR / FSP);
+auto waitn = [](int n) {
+  if (n <= 0) tf_cp_async_wait<0>();
+  else if (n == 1) tf_cp_async_wait<1>();
+  else if (n == 2) tf_cp_async_wait<2>();
+  else if (n == 3) tf_cp_async_wait<3>();
+  else tf_cp_async_wait<4>();
+};
+if (!PRO) scp();
+#pragma unroll
+for (int p = 0; p < (FSD ? 1 : FSP); ++p) {
+  if (p == mypart) issue(0);
+  if (PRO && p == 0) scp();
+  tf_cp_async_commit();
+}"""
+_FS_LATE = _min("uint4 xv[CB][2], xn[CB][2];")
+_FS_LATE_NEW = """if (FSD) {
+#pragma unroll
+  for (int p = 1; p < FSP; ++p) {
+    if (p == mypart) issue(0);
+    tf_cp_async_commit();
+  }
+}
+uint4 xv[CB][2], xn[CB][2];"""
+_FS_WAIT = _min("tf_cp_async_wait<NS - 2>();\n__syncwarp();")
+_FS_WAIT_NEW = "waitn(ci == 0 ? FSP - 1 : 0);\n__syncwarp();"
+_FS_LDM = _min("""unsigned int wq[CB][NT][2];
+#pragma unroll
+for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+for (int b = 0; b < CB; b += 2) {
+unsigned int d[4];
+tf_ldmatrix4(st + tf_swz<UPR>(16 * nt + lrow, b + (lm >> 1)), d);
+wq[b][nt][0] = d[0]; wq[b][nt][1] = d[1]; wq[b + 1][nt][0] = d[2]; wq[b + 1][nt][1] = d[3];
+}
+}""")
+_FS_LDM_NEW = """unsigned int wq[CB][NT][2];
+auto ldw = [&](int b0, int b1) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int b = 0; b < CB; b += 2) {
+      if (b >= b0 && b < b1) {
+        unsigned int d[4];
+        tf_ldmatrix4(st + tf_swz<UPR>(16 * nt + lrow, b + (lm >> 1)), d);
+        wq[b][nt][0] = d[0]; wq[b][nt][1] = d[1]; wq[b + 1][nt][0] = d[2]; wq[b + 1][nt][1] = d[3];
+      }
+    }
+  }
+};
+ldw(0, ci == 0 ? CB / FSP : CB);"""
+_FS_GROUP = _min("for (int gi = 0; gi < GPC; ++gi) {\nfloat P[NT][2][4], X[2][4];")
+_FS_GROUP_NEW = """for (int gi = 0; gi < GPC; ++gi) {
+  if (ci == 0 && gi > 0 && (gi * BPG) % (CB / FSP) == 0) {
+    waitn(FSP - (gi * BPG) / (CB / FSP));
+    __syncwarp();
+    ldw(gi * BPG, gi * BPG + CB / FSP);
+  }
+  float P[NT][2][4], X[2][4];"""
+
+
+def _first_parts(body: str, parts: int, late: bool) -> str:
+    body = _min(f"constexpr int FSP = {parts};\nconstexpr bool FSD = {'true' if late else 'false'};") + body
+    for old, new in ((_FS_PRO, _FS_PRO_NEW), (_FS_LATE, _FS_LATE_NEW), (_FS_WAIT, _FS_WAIT_NEW),
+                     (_FS_LDM, _FS_LDM_NEW), (_FS_GROUP, _FS_GROUP_NEW)):
+        body = _replace(body, old, _min(new))
+    return body
+
+
 # cuts that keep every bit (their results are asserted equal to row_qmm_tc's)
-EXACT = {"full", "hi", "hi2", "xp1", "xp2", "xp3"}
+EXACT = {"full", "hi", "hi2", "xp1", "xp2", "xp3", "fs2", "fs4", "fd2", "fd4"}
 
 
 def _replace(text: str, old: str, new: str) -> str:
@@ -151,6 +237,8 @@ def variant_text(variant: str) -> tuple[str, str]:
                 body = _replace(body, a, b)
         elif cut in ("xp1", "xp2", "xp3"):
             body = _replace(body, _LOOP_TOP, _LOOP_TOP.rstrip("\n") + "\n" + _min(_XP.replace("XPD", cut[2:])))
+        elif cut in ("fs2", "fs4", "fd2", "fd4"):
+            body = _first_parts(body, int(cut[2]), cut[1] == "d")
         elif cut in _Q4_HI:
             header = _replace(header, _Q4_SHIFT, _Q4_HI[cut])
         elif cut != "full":

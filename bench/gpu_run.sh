@@ -1359,6 +1359,14 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,24576x4096} \
     FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,xp1,xp2,xp1_xe0,xp1_xe1_ur1,full} floor floor57a ${LIMIT:-420}
     ;;
+  s58a)     # session 58: the first weight stage committed in parts (the floor's fsN / fdN cuts: chunk 0
+            # computed part by part, each after its own wait; fd issues the later parts just before the
+            # chunk loop), the same bits (asserted), against the default, one row then 16 rows
+    FLOOR_ROWS=1 FLOOR_REPS=${FLOOR_REPS:-7} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS:-full,fs2,fd2,fs4,fd4,full} floor floor58a1 ${LIMIT:-280}
+    FLOOR_ROWS=16 FLOOR_REPS=${FLOOR_REPS:-7} FLOOR_SHAPES=${FLOOR_SHAPES:-12288x4096,4096x12288,24576x4096} \
+    FLOOR_VARIANTS=${FLOOR_VARIANTS16:-full,fs2,fd2,full} floor floor58a16 ${LIMIT16:-240}
+    ;;
   s57b)     # session 57: the kernels the review commit 5464a64 touched (kernels.offset_array: row_attention,
             # sparse_attention, the fused q/k check) on CUDA, with the engine suites (drafted == serial,
             # resumed == fresh, the grid, the compiled step)

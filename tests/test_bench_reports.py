@@ -126,7 +126,14 @@ def test_cp_floor_variants_cut_the_right_halves(tmp_path, capsys, monkeypatch):
     hi, hi2 = fl.variant_text("hi")[0], fl.variant_text("hi2")[0]
     assert "__umulhi(" not in fl.variant_text("full")[0]
     assert "j&1?__umulhi(w,1u<<(32-4*j)):w>>(4*j)" in hi and "j?__umulhi(" in hi2
-    assert {"full", "hi", "hi2", "xp1", "xp2", "xp3"} == fl.EXACT
+    assert {"full", "hi", "hi2", "xp1", "xp2", "xp3", "fs2", "fs4", "fd2", "fd4"} == fl.EXACT
+    # fsN / fdN (session 58): stage 0 committed in N parts, chunk 0's reads and groups after each part's wait
+    for cut in ("fs2", "fd4"):
+        fs = fl.variant_text(cut)[1]
+        assert fs.startswith(f"constexpr int FSP={cut[2]};") and fs.count("{") == fs.count("}")
+        assert "waitn(ci==0?FSP-1:0);" in fs and "ldw(0,ci==0?CB/FSP:CB);" in fs
+        assert "ldw(gi*BPG,gi*BPG+CB/FSP);" in fs and "tf_cp_async_wait<NS-2>" not in fs
+        assert ("constexpr bool FSD=true;" in fs) == (cut[1] == "d")
     # xpD (session 57): chunk ci + D's x lines asked of L1 at the top of chunk ci, nothing else changed
     xp = fl.variant_text("xp2")[1]
     assert "const int cn=ci+2;" in xp and "prefetch.global.L1 [%0];" in xp and "prefetch" not in fl.variant_text("full")[1]
