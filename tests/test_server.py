@@ -334,6 +334,13 @@ def _msg(**kw):
 
 BAD = [
     ("malformed json", "/v1/chat/completions", '{"messages": [', 400, None, "invalid_json"),
+    # JSON is UTF-8 (RFC 8259): json.loads read UTF-16 / UTF-32 bytes as well
+    ("a UTF-16 body", "/v1/chat/completions", json.dumps(_msg()).encode("utf-16"), 400, None, "invalid_json"),
+    ("a UTF-32 body", "/v1/completions", json.dumps({"prompt": "x"}).encode("utf-32-le"), 400, None,
+     "invalid_json"),
+    # malformed tools are a 400 whatever tool_choice says (under "none" they went unchecked)
+    ("tools malformed under tool_choice none", "/v1/chat/completions", _msg(tools=[5, "junk"], tool_choice="none"),
+     400, "tools[0]", "invalid_value"),
     ("not an object", "/v1/chat/completions", "[1, 2]", 400, None, "invalid_json"),
     ("missing messages", "/v1/chat/completions", {"model": "tiny-qwen3"}, 400, "messages", None),
     ("empty messages", "/v1/chat/completions", _msg(messages=[]), 400, "messages", None),
@@ -372,7 +379,7 @@ BAD = [
     ("min_tokens negative", "/v1/chat/completions", _msg(min_tokens=-1), 400, "min_tokens", None),
     ("min_tokens a string", "/v1/chat/completions", _msg(min_tokens="5"), 400, "min_tokens", None),
     ("min_tokens past max_tokens", "/v1/chat/completions", _msg(min_tokens=5, max_tokens=4), 400, "min_tokens",
-     None),
+     "invalid_value"),     # the engine's check: its errors have the parser's code (they had null)
     ("stop_token_ids not a list", "/v1/completions", {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids",
      None),
     ("stop_token_ids negative", "/v1/completions", {"prompt": "x", "stop_token_ids": [3, -1]}, 400,
@@ -425,7 +432,7 @@ BAD = [
     ("logit_bias past 100", "/v1/chat/completions", _msg(logit_bias={"5": 100.5}), 400, "logit_bias", None),
     ("logit_bias a string", "/v1/chat/completions", _msg(logit_bias={"5": "10"}), 400, "logit_bias", None),
     ("logit_bias id past the vocab", "/v1/chat/completions", _msg(logit_bias={"1000000": 1}), 400, "logit_bias",
-     None),
+     "invalid_value"),
     ("presence_penalty past 2", "/v1/chat/completions", _msg(presence_penalty=2.5), 400, "presence_penalty", None),
     ("frequency_penalty below -2", "/v1/completions", {"prompt": "a", "frequency_penalty": -3}, 400,
      "frequency_penalty", None),
@@ -488,11 +495,66 @@ def test_bad_input(srv, name, path, body, status, param, code):
     assert chat_text(srv.chat(max_tokens=2))     # still serving
 
 
+def test_bodies_are_json_by_content_type_and_utf8(srv):
+    """A Content-Type that is not JSON is a 415 (any body was read as JSON: text/plain, curl -d's form
+    type); none, application/json with UTF-8's charset and a +json type are read, and a UTF-8 byte
+    order mark is ignored (RFC 8259 lets a parser), where UTF-16 bytes are a 400 (test_bad_input)."""
+    body = json.dumps(_msg(max_tokens=1))
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                  "application/json; charset=latin-1"):
+        r = httpx.post(srv.base + "/v1/chat/completions", content=body, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": ctype})
+        e = _check_error(r, 415, code="unsupported_media_type")
+        assert "application/json" in e["message"] or "UTF-8" in e["message"], e
+    for path, b in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        r = httpx.post(srv.base + path, content=json.dumps(b), timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"})
+        _check_error(r, 415, code="unsupported_media_type")
+    want = srv.post("/v1/chat/completions", body).json()["choices"]
+    for ctype, raw in (("application/json; charset=UTF-8", body.encode()), ("application/vnd.api+json", body.encode()),
+                       (None, b"\xef\xbb\xbf" + body.encode())):
+        headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": ctype} if ctype else {})
+        r = httpx.post(srv.base + "/v1/chat/completions", content=raw, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"] == want, (ctype, r.text)
+    from tensorfold.server.protocol import content_type_error
+    assert content_type_error(None) is None and content_type_error(" ") is None
+    assert content_type_error("Application/JSON;charset=\"utf-8\"") is None
+    assert content_type_error("application/jsonx") and content_type_error("text/json")
+
+
+def test_min_tokens_past_the_room_the_context_leaves(srv):
+    """min_tokens within max_tokens but past what the context leaves after the prompt (max_tokens is
+    cut to that room): a 400, where the reply ended short of min_tokens with finish_reason length."""
+    ctx = srv.engine.context_length
+
+    def count(m):
+        return srv.post("/tokenize", {"prompt": "word " * m}).json()["count"]
+    per = (count(200) - count(100)) / 100
+    m = int((ctx - 8) / per)
+    while count(m) > ctx - 3:
+        m -= 1
+    prompt, room = "word " * m, ctx - count(m)
+    assert 3 <= room <= 40, room
+    e = _check_error(srv.post("/v1/completions", {"prompt": prompt, "max_tokens": room + 1, "min_tokens": room + 1}),
+                     400, "min_tokens", "context_length_exceeded")
+    assert f"the {room} tokens" in e["message"], e
+    r = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": room + 1, "min_tokens": room, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room, r.text   # max_tokens cut to the room
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_huge_integer_is_named_by_its_size(srv):
     """max_tokens 1e300 as an integer: the 400's message repeated its 301 digits."""
     err = _check_error(srv.post("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 300 + "}"),
                        400, "max_tokens", "invalid_value")
     assert "997-bit number" in err["message"] and len(err["message"]) < 200, err["message"]
+    for key in ("n", "min_tokens", "seed"):       # these repeated the number too
+        err = _check_error(srv.post("/v1/chat/completions", json.dumps(_msg())[:-1] + f', "{key}": 1e300}}'),
+                           400, key, "invalid_value")
+        assert "997-bit number" in err["message"] and len(err["message"]) < 200, err["message"]
+    err = _check_error(srv.post("/v1/chat/completions", json.dumps(_msg(logprobs=True))[:-1] + ', "top_logprobs": 1e300}'),
+                       400, "top_logprobs", "invalid_value")
+    assert "997-bit number" in err["message"], err["message"]
 
 
 def test_tool_arguments_nested_past_the_stack_are_kept_as_text(srv):

@@ -19,7 +19,9 @@ class RequestError(TensorFoldError):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        # a 400 naming its parameter without a code of its own (the engine's argument checks) has the
+        # code the request parser gives such errors, so one error does not come in two shapes
+        self.code = "invalid_value" if code is None and param is not None and status == 400 else code
         self.type = type
         self.status = status
 

@@ -18,6 +18,11 @@ from .types import Prompt, SamplingParams
 SEED_BITS = 64      # seeds are used mod 2^64 (sampling.keyed_uniforms); the server takes signed 64-bit
 
 
+def shown(v: int) -> str:
+    """An integer for an error message: a huge one by its size (1e300 as an int is 301 digits)."""
+    return str(v) if v.bit_length() <= 64 else f"a {v.bit_length()}-bit number"
+
+
 def integer(v, name: str, low: int | None = None, high: int | None = None) -> int:
     """v as a Python int (numpy integers too; bool, float and NaN refused), within [low, high]."""
     if isinstance(v, bool):
@@ -28,7 +33,7 @@ def integer(v, name: str, low: int | None = None, high: int | None = None) -> in
         raise RequestError(f"{name} must be an integer, got {v!r}"[:200], param=name) from None
     if (low is not None and n < low) or (high is not None and n > high):
         span = f"at least {low}" if high is None else f"from {low} to {high}"
-        raise RequestError(f"{name} must be {span}, got {n}"[:200], param=name)
+        raise RequestError(f"{name} must be {span}, got {shown(n)}", param=name)
     return n
 
 

@@ -447,8 +447,13 @@ class Engine:
         if max_tokens < (0 if prompt_logprobs is not None else 1):
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         if min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+            raise RequestError(f"min_tokens ({args.shown(min_tokens)}) is more than max_tokens "
+                               f"({args.shown(max_tokens)})", param="min_tokens")
         max_tokens = min(max_tokens, self.context_length - n_prompt)
+        if min_tokens > max_tokens:     # the reply could not reach min_tokens: a 400, not a short reply
+            raise RequestError(f"min_tokens ({min_tokens}) is more than the {max_tokens} tokens the context "
+                               f"({self.context_length}) leaves after the prompt's {n_prompt}",
+                               param="min_tokens", code="context_length_exceeded")
         seed = choice_seed(p.seed if p.seed is not None else prompt_seed(ids), p.choice)
 
         stats = GenerationStats(prompt_tokens=n_prompt)

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
-from .protocol import parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
+from .protocol import content_type_error, parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
 from .choices import Choice
 from .tools import tool_format
 from .responses import ReplyBuilder, echo_text, error_body, sse
@@ -127,6 +127,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         def too_large():
             return RequestError(f"Request body is larger than this server's limit of {limit} bytes.",
                                 code="request_too_large", status=413)
+        bad_type = content_type_error(request.headers.get("content-type"))
+        if bad_type:
+            raise RequestError(bad_type, code="unsupported_media_type", status=415)
         n = request.headers.get("content-length")
         if n is not None and n.strip().isdigit() and int(n) > limit:
             raise too_large()

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..engine.args import shown
 from ..engine.logprobs import MAX_TOP
 from ..engine.types import SamplingParams
 from ..errors import RequestError
@@ -37,10 +38,32 @@ class Request:
     min_tokens: int = 0                         # vLLM's: no EOS / stop id / stop string before this many
 
 
+def content_type_error(value: str | None) -> str | None:
+    """Why a request's Content-Type cannot carry its JSON body, or None where it can: none given (read
+    as JSON, as FastAPI and vLLM do), application/json or a +json type, with no charset or UTF-8's.
+    Anything else (curl -d's default application/x-www-form-urlencoded, text/plain, ...) is a 415."""
+    if value is None or not value.strip():
+        return None
+    kind, *params = (part.strip() for part in value.split(";"))
+    kind = kind.lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        return (f"Content-Type {value.strip()[:80]!r} is not JSON: send the body as application/json "
+                "(curl: -H 'Content-Type: application/json').")
+    for prm in params:
+        key, _, val = prm.partition("=")
+        if key.strip().lower() == "charset" and val.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return f"Content-Type {value.strip()[:80]!r}: a JSON body is read as UTF-8 only."
+    return None
+
+
 def parse_json(body: bytes) -> dict:
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+        # UTF-8 only (RFC 8259 section 8.1; json.loads would take UTF-16 and UTF-32 bytes too), a
+        # UTF-8 byte order mark ignored, as that section lets a parser do
+        data = json.loads(body.decode("utf-8").removeprefix("\ufeff"))
+    except UnicodeDecodeError as e:
+        raise RequestError(f"Request body is not valid JSON: not UTF-8 ({e}).", code="invalid_json") from None
+    except ValueError as e:
         raise RequestError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise RequestError("Request body is not valid JSON: nested too deeply.", code="invalid_json") from None
@@ -56,12 +79,6 @@ def parse_json(body: bytes) -> dict:
 
 def _bad(param: str, what: str) -> RequestError:
     return RequestError(f"Invalid value for '{param}': {what}", param=param, code="invalid_value")
-
-
-def _shown(v: int) -> str:
-    """An integer for an error message: a huge one by its size (max_tokens 1e300 repeated 301
-    digits)."""
-    return str(v) if v.bit_length() <= 64 else f"a {v.bit_length()}-bit number"
 
 
 def _is_int(v) -> bool:
@@ -292,9 +309,9 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
             continue
         if v < 1 and not (v == 0 and echo and _logprobs(data, kind) is not None):
             # 0 with echo and logprobs: the prompt scored, nothing generated (OpenAI's legacy use)
-            raise _bad(key, f"must be at least 1, got {_shown(v)}.")
+            raise _bad(key, f"must be at least 1, got {shown(v)}.")
         if v > context_length:
-            raise RequestError(f"Invalid value for '{key}': {_shown(v)} is more than the model's context "
+            raise RequestError(f"Invalid value for '{key}': {shown(v)} is more than the model's context "
                                f"length ({context_length} tokens).", param=key, code="invalid_value")
         mt = v
     r.max_tokens = mt
@@ -302,7 +319,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     n = _int(data, "n")
     if n is not None:
         if not 1 <= n <= MAX_CHOICES:
-            raise _bad("n", f"must be from 1 to {MAX_CHOICES}, got {n}.")
+            raise _bad("n", f"must be from 1 to {MAX_CHOICES}, got {shown(n)}.")
         r.n = n
 
     s = r.sampling
@@ -315,7 +332,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     k = _int(data, "top_k")
     if k is not None:
         if k < -1:
-            raise _bad("top_k", f"must be >= 0 (or -1 for off), got {k}.")
+            raise _bad("top_k", f"must be >= 0 (or -1 for off), got {shown(k)}.")
         s.top_k = max(k, 0)
     mp = _number(data, "min_p", lo=0.0, hi=1.0)
     if mp is not None:
@@ -331,7 +348,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     seed = _int(data, "seed")
     if seed is not None:
         if not -2**63 <= seed < 2**63:      # sampling keys a seed by its low 64 bits: 2**64 was 0
-            raise _bad("seed", f"must be a 64-bit signed integer, got {seed}.")
+            raise _bad("seed", f"must be a 64-bit signed integer, got {shown(seed)}.")
         s.seed = seed
 
     r.stop = _stop(data.get("stop"))
@@ -339,7 +356,7 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     mt = _int(data, "min_tokens")
     if mt is not None:
         if mt < 0:
-            raise _bad("min_tokens", f"must be at least 0, got {_shown(mt)}.")
+            raise _bad("min_tokens", f"must be at least 0, got {shown(mt)}.")
         r.min_tokens = mt
     sti = data.get("stop_token_ids")
     if sti is not None:
@@ -383,9 +400,7 @@ def _tools(data: dict) -> list | None:
         raise RequestError(f"Unsupported parameter: 'tool_choice' {json.dumps(choice)[:60]} is not supported by "
                            "this server (it takes \"auto\" and \"none\").", param="tool_choice",
                            code="unsupported_parameter")
-    if tools is None or tools == [] or choice == "none":
-        if tools is not None and not isinstance(tools, list):
-            raise _bad("tools", "expected an array.")
+    if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
         raise _bad("tools", "expected an array.")
@@ -397,7 +412,7 @@ def _tools(data: dict) -> list | None:
             raise _bad(f"tools[{i}].function.name", "expected a non-empty string.")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad(f"tools[{i}].function.parameters", "expected an object (a JSON Schema).")
-    return tools
+    return None if choice == "none" else tools     # checked all the same: a malformed list is a 400 either way
 
 
 def _logprobs(data: dict, kind: str) -> int | None:
@@ -407,7 +422,7 @@ def _logprobs(data: dict, kind: str) -> int | None:
     def count(key: str) -> int:
         n = _int(data, key)
         if not 0 <= n <= MAX_TOP:
-            raise _bad(key, f"must be from 0 to {MAX_TOP}, got {n}.")
+            raise _bad(key, f"must be from 0 to {MAX_TOP}, got {shown(n)}.")
         return n
 
     if kind == "chat":
