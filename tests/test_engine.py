@@ -388,17 +388,24 @@ def test_python_api_arguments_checked(engines, checkpoints):
            (dict(stop=123), "stop"), (dict(stop=[1]), "stop"), (dict(stop=b"x"), "stop"), (dict(stop=[None]), "stop"),
            (dict(draft="no"), "draft"), (dict(ignore_eos=1), "ignore_eos"), (dict(keep_prompt="yes"), "keep_prompt"),
            (dict(enable_thinking="x"), "enable_thinking"), (dict(tools="x"), "tools"), (dict(tools=[1]), "tools"),
-           (dict(cancel=True), "cancel"), (dict(prepared="x"), "prepared")]
+           (dict(cancel=True), "cancel"), (dict(prepared="x"), "prepared"),
+           # tools with a prompt, which nothing renders (they were dropped without a word)
+           (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools")]
     for change, param in bad:
         with pytest.raises(RequestError) as e:
             eng.generate_text(**dict(kw, **change))
         assert e.value.param == param, (change, e.value.param, str(e.value))
     assert eng.generate_text(**kw, sampling=SamplingParams(temperature=1.0, seed=5))[:2] == want
     # the constructor's (ValueError, before the model loads); a prefill mode by its CLI name
+    # sizes and flags too: prompt_cache_gib "x" built a 1 GiB string first, None failed in a product,
+    # -1 / "no" / "yes" were taken (the CLI refuses --prompt-cache-gib -1)
     for change in (dict(context=-5), dict(context=0), dict(context=2.5), dict(draft_width=-2),
-                   dict(prefill_mode="fast"), dict(prefill_mode=3)):
-        with pytest.raises(ValueError):
+                   dict(prefill_mode="fast"), dict(prefill_mode=3), dict(prompt_cache_gib="x"),
+                   dict(prompt_cache_gib=None), dict(prompt_cache_gib=-1), dict(prompt_cache_gib=float("nan")),
+                   dict(snapshot_gib=float("inf")), dict(snapshot_gib=-1), dict(drafts="no"), dict(thinking="yes")):
+        with pytest.raises(ValueError) as e:
             Engine(checkpoints["qwen3_mlx_4bit"], **change)
+        assert next(iter(change)) in str(e.value), e.value
     assert Engine(checkpoints["qwen3_mlx_4bit"], prefill_mode="kernels").mode == PrefillMode(ops="kernels")
 
 

@@ -111,6 +111,10 @@ def _copy(src, dst):
     ("kv-heads-string", "'num_key_value_heads' must be a positive integer"),
     ("head-dim-string", "'head_dim' must be a positive integer"),
     ("max-position-zero", "'max_position_embeddings' must be a positive integer"),
+    # corrupt sizes: 10^9 layers made `info` and `serve` list 10^9 layers' shapes (a hang); a 10^30
+    # context was served
+    ("layers-1e9", "'num_hidden_layers' is 1000000000, past 4,096"),
+    ("max-position-1e30", "'max_position_embeddings' is 1e+30, past 2,147,483,647"),
     ("rope-theta-null-string", "'rope_theta' must be a positive number"),
     ("rope-scaling-string", "'rope_scaling' must be an object"),
     ("linear-rope-no-factor", "needs 'factor'"),
@@ -160,6 +164,10 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         cfg["head_dim"] = "16"
     elif breakage == "max-position-zero":
         cfg["max_position_embeddings"] = 0
+    elif breakage == "layers-1e9":
+        cfg["num_hidden_layers"] = 10 ** 9
+    elif breakage == "max-position-1e30":
+        cfg["max_position_embeddings"] = 10 ** 30
     elif breakage == "rope-theta-null-string":
         cfg["rope_theta"] = "fast"
     elif breakage == "rope-scaling-string":
@@ -197,6 +205,9 @@ def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path, breakage, m
         load_model(d)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+    if breakage == "layers-1e9":     # `info` reads the config alone: it listed the shapes too
+        with pytest.raises(CheckpointError, match="num_hidden_layers"):
+            describe(d)
 
 
 @pytest.mark.parametrize("value", ["auto", ["bfloat16"], "float"])

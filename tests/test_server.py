@@ -843,6 +843,7 @@ def test_request_body_limit_and_small_routes():
         assert "Bearer" in e["message"]
     from tensorfold.server.app import max_body_default
     assert max_body_default(4096) == 16 << 20 and max_body_default(1 << 20) == 256 << 20
+    assert max_body_default(10 ** 7) == 1 << 30
 
 
 def test_shutdown_answers_running_and_queued_requests_with_503():
@@ -1296,6 +1297,7 @@ def test_tokenize_and_detokenize(srv):
     assert post("/tokenize", {"prompt": long})["count"] > srv.engine.context_length
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": ""}), ("/tokenize", {"messages": "x"}),
                        ("/detokenize", {"tokens": [1, -2]}), ("/detokenize", {"tokens": [10**7]}),
+                       ("/tokenize", {"prompt": [10**7, 5]}),      # ids past the vocabulary were counted
                        ("/tokenize", {"prompt": "x", "model": "other"}),
                        ("/tokenize", {"prompt": "x", "messages": USER}), ("/tokenize", {"prompt": "x", "model": 5}),
                        ("/v1/completions", {"prompt": "x", "model": 5})):

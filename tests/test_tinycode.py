@@ -53,3 +53,31 @@ def test_sampled_drafts_equal_serial(server):
     a = server.chat(msgs, max_tokens=120, temperature=0.7, seed=7)
     b = server.chat(msgs, max_tokens=120, temperature=0.7, seed=7, extra_body={"draft": False})
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_tools_its_template_does_not_read_are_refused(server):
+    """tinycode's chat template never reads `tools`: the server refused them (no tool-call format),
+    but Engine.generate rendered the chat without them and answered (they were dropped without a
+    word). Now a RequestError naming tools, as the server's 400 does."""
+    from tensorfold.errors import RequestError
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "weather?"}]
+    assert not server.engine.tokenizer.takes_tools
+    with pytest.raises(RequestError) as e:
+        server.engine.generate_text(messages=msgs, tools=tools, max_tokens=2)
+    assert e.value.param == "tools" and e.value.code == "unsupported_parameter"
+    r = server.post("/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_echo_keeps_a_bos_id_the_prompt_types(server):
+    """tinycode's config.json names id 0 (<|endoftext|>) the BOS, which its tokenizer never adds: a
+    prompt typed with it lost it from echo's text while the logprobs listed it (offsets 0, 0, ...)."""
+    prompt = "<|endoftext|>def f("
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 0,
+                                        "temperature": 0})
+    ch = r.json()["choices"][0]
+    assert ch["text"].startswith(prompt), ch["text"]
+    lp = ch["logprobs"]
+    assert lp["tokens"][0] == "<|endoftext|>" and lp["text_offset"][:2] == [0, len("<|endoftext|>")]
+    assert "".join(lp["tokens"]) == ch["text"]

@@ -410,6 +410,25 @@ def test_completion_prompts_get_the_post_processors_bos(spm, tok):
     assert tok.encode_prompt("def f():") == tok.encode("def f():")
 
 
+def test_a_bos_counts_as_added_only_where_the_post_processor_adds_it(spm, tmp_path):
+    """added_bos (what echo leaves out): the Llama-style <s> the post-processor puts before a
+    prompt, not a typed one; and never, for a Qwen-style tokenizer, a BOS id the text itself starts
+    with: "<|endoftext|>def f(" on a checkpoint whose config.json names that id the BOS lost it from
+    echo's text while its logprobs still listed it."""
+    for text in ("The quick brown", "<s>The quick brown"):
+        assert spm.added_bos(text, spm.encode_prompt(text)) == (not text.startswith("<s>"))
+    probe = Tokenizer.from_dir(_write_tok_dir(tmp_path / "q"))
+    eot = probe.encode("<|endoftext|>")
+    assert len(eot) == 1, eot
+    qwen = Tokenizer.from_dir(_write_tok_dir(tmp_path / "q2", gcfg={"bos_token_id": eot[0]}))
+    text = "<|endoftext|>def f("
+    ids = qwen.encode_prompt(text)
+    assert ids[0] == eot[0] and ids[0] in qwen.bos_ids and not qwen.added_bos(text, ids)
+    from tensorfold.server.responses import echo_text
+    assert echo_text(qwen, text, ids) == text
+    assert echo_text(spm, "The quick brown", spm.encode_prompt("The quick brown")) == "The quick brown"
+
+
 def test_completion_detokenizer_keeps_the_first_tokens_space(spm):
     """Continuing "The quick brown" with '▁fox': the streamed completion is ' fox ...' (prompt +
     completion == decode(prompt + reply)); without the prompt as context the decoder stripped

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model directory's name)")
     g.add_argument("--max-request-mib", type=float, default=None, metavar="MIB",
                    help="largest request body accepted, in MiB; larger ones get a 413 before they are "
-                        "read (default: 16, or 256 bytes a context token where that is more)")
+                        "read (default: 16, or 256 bytes a context token where that is more, up to 1024)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level")
     g = s.add_argument_group("model")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pathlib
@@ -182,6 +183,18 @@ def _generation_tag():
             return nodes.Scope(body, lineno=lineno)
 
     return Generation
+
+
+def _template_reads(source: str, name: str) -> bool:
+    """The Jinja chat template `source` reads the variable `name` (tools, say) anywhere."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.ext import loopcontrols
+    env = jinja2.Environment(extensions=[loopcontrols, _generation_tag()])
+    try:
+        return name in meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
 
 
 def _compile_template(source: str):
@@ -387,9 +400,18 @@ class Tokenizer:
     def _typed_bos(self, text: str) -> bool:
         return bool(self.bos_token) and text.startswith(self.bos_token)
 
+    @functools.cached_property
+    def _post_adds_bos(self) -> bool:
+        """tokenizer.json's post-processor puts a BOS before the text (Llama, Mistral; not Qwen)."""
+        with_post = self._encode("a", True)
+        return bool(with_post) and with_post[0] in self.bos_ids and with_post[1:] == self._encode("a", False)
+
     def added_bos(self, text, ids) -> bool:
-        """encode_prompt(text) gave `ids` a BOS the text does not hold (the post-processor's)."""
-        return isinstance(text, str) and bool(ids) and ids[0] in self.bos_ids and not self._typed_bos(text)
+        """encode_prompt(text) gave `ids` a BOS the text does not hold: the post-processor's, as
+        encode_prompt adds it. (A BOS id the text itself starts with, as "<|endoftext|>" typed into a
+        Qwen prompt where config.json names that id the BOS, is the text's: echo keeps it.)"""
+        return (isinstance(text, str) and bool(ids) and ids[0] in self.bos_ids and self._post_adds_bos
+                and not self._typed_bos(text))
 
     def is_byte_token(self, token_id: int) -> bool:
         """A byte-fallback token (<0xNN>, SentencePiece style)."""
@@ -452,6 +474,13 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template) or self.template_fn is not None
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """The chat template renders a request's `tools` (a Python template_fn is given them)."""
+        if self.template_fn is not None:
+            return True
+        return bool(self.chat_template) and _template_reads(self.chat_template, "tools")
 
     @property
     def has_thinking_toggle(self) -> bool:

@@ -9,6 +9,7 @@ SamplingParams is never changed."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import operator
 
@@ -131,11 +132,22 @@ def other(*, draft, ignore_eos, keep_prompt, enable_thinking, tools, cancel, pre
                            param="prepared")
 
 
-def constructor(context, draft_width, prefill_mode):
+def constructor(context, draft_width, prefill_mode, sizes=(), flags=()):
     """Engine's context, draft_width and prefill_mode, checked (ValueError): context=-5 was taken
     and failed every request, 0 was read as the default, draft_width=-2 failed inside numpy. A
-    prefill_mode may be named as the CLI's --prefill names it ("mlx", "kernels")."""
+    prefill_mode may be named as the CLI's --prefill names it ("mlx", "kernels"). sizes: (name,
+    GiB) pairs, each a finite number >= 0 of at most 2^62 bytes, as the CLI's --prompt-cache-gib
+    ("x" was multiplied into a 1 GiB string, -1 taken); flags: (name, value) pairs, each a bool
+    (or None where the name ends in "?": thinking's "the template's default")."""
     from .prefill import PREFILL_OPS, PrefillMode
+    for name, v in sizes:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+                or not 0 <= v <= 2 ** 32:
+            raise ValueError(f"{name} must be a number of GiB from 0 to {2 ** 32}, got {v!r}"[:200])
+    for name, v in flags:
+        if not isinstance(v, bool) and not (v is None and name.endswith("?")):
+            raise ValueError(f"{name.rstrip('?')} must be True or False"
+                             f"{' (or None)' if name.endswith('?') else ''}, got {v!r}"[:200])
     for name, v, low in (("context", context, 1), ("draft_width", draft_width, 0)):
         if v is None and name == "context":
             continue

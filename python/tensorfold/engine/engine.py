@@ -58,6 +58,13 @@ def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_pen
     return None
 
 
+def _tools_need_messages(tools, messages) -> None:
+    """tools with a completions prompt: nothing renders them (they were dropped without a word)."""
+    if tools and messages is None:
+        raise RequestError("tools apply to chat messages, not to a prompt", param="tools",
+                           code="unsupported_parameter")
+
+
 class Engine:
     # a grid point reached after a chunk at least this long is saved at once (_prefill); the
     # server waits this long for the engine at shutdown (server/worker.py)
@@ -67,7 +74,10 @@ class Engine:
                  prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
                  thinking: bool | None = None, prefill_mode: PrefillMode = PrefillMode(),
                  draft_width: int = 8):
-        context, draft_width, prefill_mode = args.constructor(context, draft_width, prefill_mode)
+        context, draft_width, prefill_mode = args.constructor(
+            context, draft_width, prefill_mode,
+            sizes=(("prompt_cache_gib", prompt_cache_gib), ("snapshot_gib", snapshot_gib)),
+            flags=(("drafts", drafts), ("thinking?", thinking)))
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
@@ -194,6 +204,7 @@ class Engine:
         and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
         for the chat template (a request's chat_template_kwargs)."""
         tkw = dict(template_kwargs or {})
+        _tools_need_messages(tools, messages)
         if messages is not None:
             ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw)
             self._check_prompt(ids, True, room)
@@ -207,6 +218,7 @@ class Engine:
                  add_generation_prompt: bool = True) -> list[int]:
         """The token ids prepare() would run (the chat template rendered, or a completions prompt
         encoded), without the checks against the model: a server's /tokenize counts any prompt."""
+        _tools_need_messages(tools, messages)
         if messages is not None:
             return self._chat_ids(messages, prompt, enable_thinking, tools, dict(template_kwargs or {}),
                                   add_generation_prompt)[0]
@@ -216,6 +228,9 @@ class Engine:
             ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            if ids and not 0 <= min(ids) <= max(ids) < vocab:     # /tokenize counted them (a 200)
+                raise RequestError(f"token ids must be in [0, {vocab})", param="prompt")
         else:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
@@ -229,6 +244,9 @@ class Engine:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         think = self.thinking if enable_thinking is None else enable_thinking
+        if tools and not self.tokenizer.takes_tools:
+            raise RequestError("tools: this model's chat template does not read them (they would be dropped)",
+                               param="tools", code="unsupported_parameter")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       enable_thinking=think, tools=tools, **tkw)

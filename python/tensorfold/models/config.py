@@ -16,6 +16,7 @@ MOE_FAMILIES = {"qwen3_moe": "qwen3_moe"}     # Qwen3-30B-A3B layout (mlx-lm's q
 DSA_FAMILIES = {"deepseek_v32": "deepseek_v32"}   # MLA + lightning indexer + MoE (mlx-lm's deepseek_v32)
 FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES, **DSA_FAMILIES}
 SUPPORTED_BITS = {2, 3, 4, 5, 6, 8}
+MAX_LAYERS = 4096      # num_hidden_layers past this is a corrupt config (real models: up to ~128)
 SUPPORTED_GROUPS = {32, 64, 128}
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -179,13 +180,23 @@ class ModelConfig:
             raise CheckpointError(
                 f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
 
+        def bounded(key, v):
+            """Sizes within what the kernels index (int32) and layer counts within MAX_LAYERS: a
+            corrupt num_hidden_layers of 10^9 made `info` and `serve` list 10^9 layers' shapes
+            (a hang), and a 10^30 max_position_embeddings was served as the context."""
+            hi = MAX_LAYERS if key == "num_hidden_layers" else 2 ** 31 - 1
+            if v > hi:
+                raise CheckpointError(f"config.json: {key!r} is {v if v < 10 ** 12 else f'{v:.3g}'}, past "
+                                      f"{hi:,} (a corrupt config?)")
+            return v
+
         def need(key, typ=int):
             if key not in raw:
                 raise CheckpointError(f"config.json: missing {key!r}")
             v = raw[key]
             if typ is int and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
-            return v
+            return bounded(key, v) if typ is int else v
 
         def opt_int(key, default):
             """A positive integer where given (null or absent: the default)."""
@@ -194,7 +205,7 @@ class ModelConfig:
                 return default
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
-            return v
+            return bounded(key, v)
 
         def opt_num(key, default, d=raw):
             """A finite positive number where given (null or absent: the default)."""

@@ -37,8 +37,9 @@ _HTTP_CODES = {400: "bad_request", 401: "invalid_api_key", 403: "forbidden", 404
 def max_body_default(context_length: int) -> int:
     """The largest request body read: 16 MiB, or 256 bytes a context token where that is more. A
     prompt that fills the context as text or as token ids is far smaller; a larger body is refused
-    (413) before it is read, not tokenized on the engine's thread first."""
-    return max(16 << 20, 256 * int(context_length))
+    (413) before it is read, not tokenized on the engine's thread first. At most 1 GiB (a 4M-token
+    context's 256 bytes a token)."""
+    return min(max(16 << 20, 256 * int(context_length)), 1 << 30)
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
