@@ -292,6 +292,15 @@ def test_checkpoint_errors(tmp_path):
     cfg["rope_scaling"] = {"type": "yarn", "factor": 40.0}            # mlx-lm's YarnRoPE defaults
     (p / "config.json").write_text(json.dumps(cfg))
     assert load_model(p).cfg.rope_scaling["type"] == "yarn"
+    # the MoE keys, by name: routed_scaling_factor "x" failed in float() naming nothing, "yes" was
+    # read as true, first_k_dense_replace -1 passed `info` and failed at load as a missing tensor
+    for key, bad, what in (("routed_scaling_factor", "x", "positive number"), ("norm_topk_prob", "yes", "true or false"),
+                           ("first_k_dense_replace", -1, "integer >= 0"), ("n_group", 2.5, "integer"),
+                           ("indexer_rope_interleave", 1, "true or false")):
+        (p / "config.json").write_text(json.dumps(dict(cfg, **{key: bad})))
+        with pytest.raises(CheckpointError, match=f"'{key}' must be (a |an )?{what}"):
+            load_model(p)
+    (p / "config.json").write_text(json.dumps(cfg))
     # deepseek_v32 keeps its own lm_head whatever tie_word_embeddings says (mlx-lm's has no such
     # field): tied, the head silently became the embedding
     cfg["tie_word_embeddings"] = True

@@ -1,6 +1,7 @@
 import json
 import random
 import shutil
+import time
 
 import pytest
 
@@ -172,10 +173,27 @@ def test_raise_exception_is_clean_error(tmp_path):
     assert issubclass(TemplateError, ValueError)
 
 
-def test_template_bugs_become_template_errors(tmp_path):
-    t = Tokenizer.from_dir(_write_tok_dir(tmp_path, template="{{ messages[0].content.nope() }}"))
-    with pytest.raises(TemplateError):
-        t.apply_chat_template([{"role": "user", "content": "x"}])
+def test_template_bugs_become_template_errors(tmp_path, monkeypatch):
+    """Any error a template raises is a TemplateError (the request's 400): ZeroDivisionError and
+    OverflowError were a 500 with a traceback. A template that renders past RENDER_LIMIT_S (a loop
+    without end) is one too, where it held its thread and request forever."""
+    from tensorfold import tokenizer as tkm
+    msgs = [{"role": "user", "content": "x"}]
+    for i, tmpl in enumerate(("{{ messages[0].content.nope() }}", "{{ 1 / 0 }}", "{{ 10.0 ** 400 }}",
+                              "{{ (messages|length) // (messages|length - 1) }}")):
+        t = Tokenizer.from_dir(_write_tok_dir(tmp_path / str(i), template=tmpl))
+        with pytest.raises(TemplateError, match="^chat template error"):
+            t.apply_chat_template(msgs)
+    monkeypatch.setattr(tkm, "RENDER_LIMIT_S", 0.2)
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "loop", template=(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")))
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match="took more than 0.2 s"):
+        t.apply_chat_template(msgs)
+    assert time.monotonic() - t0 < 5
+    # generate()'s pieces joined are render()'s text
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "ok", template="{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"))
+    assert t.apply_chat_template(msgs + [{"role": "assistant", "content": "y"}]) == "[user]x[assistant]y"
 
 
 

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import pathlib
+import time
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
@@ -33,6 +34,9 @@ __all__ = [
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _REPLACEMENT = "\ufffd"
+
+
+RENDER_LIMIT_S = 10.0      # a chat template's rendering past this is a TemplateError (a 400)
 
 
 class TemplateError(ValueError):
@@ -514,8 +518,10 @@ class Tokenizer:
             try:
                 return self.template_fn(validate_messages(messages), add_generation_prompt=add_generation_prompt,
                                         enable_thinking=enable_thinking, tools=tools, **kwargs)
-            except (TypeError, KeyError, AttributeError, IndexError) as e:
-                raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from None
+            except (TemplateError, RecursionError):
+                raise
+            except Exception as e:      # a template's own bug: the request's 400, never a 500
+                raise TemplateError(f"chat template error: {type(e).__name__}: {e}"[:500]) from None
         if not self.chat_template:
             raise ValueError("this model has no chat template (no chat_template.jinja or "
                              "tokenizer_config.json chat_template); use a completions request instead")
@@ -542,13 +548,21 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self._compiled.render(**ctx)
-        except TemplateError:
+            # render() as generate()'s pieces, joined: the same text, with a deadline between pieces
+            # (a template looping without end held a tokenizing thread, and its request, forever)
+            deadline, parts = time.monotonic() + RENDER_LIMIT_S, []
+            for part in self._compiled.generate(**ctx):
+                parts.append(part)
+                if time.monotonic() > deadline:
+                    raise TemplateError(f"chat template error: rendering took more than {RENDER_LIMIT_S:g} s "
+                                        "(a template that loops without end?)")
+            return "".join(parts)
+        except (TemplateError, RecursionError):
             raise
         except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template error: {e}") from None
-        except (TypeError, KeyError, AttributeError, IndexError) as e:
-            raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from None
+            raise TemplateError(f"chat template error: {e}"[:500]) from None
+        except Exception as e:          # ZeroDivisionError, OverflowError, ...: the template's bug, a 400
+            raise TemplateError(f"chat template error: {type(e).__name__}: {e}"[:500]) from None
 
     def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs))

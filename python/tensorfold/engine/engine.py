@@ -253,8 +253,8 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         except RecursionError:      # a template walking a value nested past Python's stack
-            raise RequestError("messages are nested too deeply for the chat template",
-                               param="messages") from None
+            raise RequestError("messages are nested too deeply for the chat template (or the template "
+                               "recurses without end)", param="messages") from None
         return self.tokenizer.encode(text), text, think
 
     def _check_prompt(self, ids, chat: bool, room: int = 1) -> None:

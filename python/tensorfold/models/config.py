@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -344,6 +346,25 @@ class ModelConfig:
         return v
 
     @staticmethod
+    def _opt(raw: dict, key: str, default, kind: str, low: int = 0):
+        """raw[key] where given (null or absent: the default), checked: kind "bool" (true / false:
+        "yes" was read as true), "int" (an integer >= low: -1 passed `info` and failed at load as a
+        missing tensor) or "real" (a finite number > 0: "x" failed in float() naming nothing)."""
+        v = raw.get(key)
+        if v is None:
+            return default
+        if kind == "bool":
+            ok, what = isinstance(v, bool), "true or false"
+        elif kind == "int":
+            ok, what = isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}"
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            what = "a positive number"
+        if not ok:
+            raise CheckpointError(f"config.json: {key!r} must be {what}, got {v!r}"[:200])
+        return v
+
+    @staticmethod
     def _moe_fields(raw: dict, need, hidden: int) -> dict:
         layers = need("num_hidden_layers")
         E, k = need("num_experts"), need("num_experts_per_tok")
@@ -365,7 +386,7 @@ class ModelConfig:
                                       "(the row-exact expert kernels need it)")
         return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
                     decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(only))),
-                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+                    norm_topk_prob=ModelConfig._opt(raw, "norm_topk_prob", False, "bool"))
 
     @staticmethod
     def _yarn_rope_scaling(sc, family: str = "deepseek_v32") -> dict:
@@ -415,27 +436,27 @@ class ModelConfig:
             raise CheckpointError(f"config.json: topk_method {raw.get('topk_method')!r} unsupported (noaux_tc only)")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
             raise CheckpointError(f"config.json: scoring_func {raw.get('scoring_func')!r} unsupported (sigmoid only)")
-        E = raw.get("n_routed_experts") or 0
+        opt = functools.partial(ModelConfig._opt, raw)
+        E = opt("n_routed_experts", 0, "int")
         moe = dict(num_experts=0)
         if E:
             k, inter = need("num_experts_per_tok"), need("moe_intermediate_size")
             if k > E:
                 raise CheckpointError(f"config.json: num_experts_per_tok {k} exceeds n_routed_experts {E}")
-            ng, tg = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+            ng, tg = opt("n_group", 1, "int") or 1, opt("topk_group", 1, "int") or 1     # 0: none, as 1
             if E % ng or not 1 <= tg <= ng or (ng > 1 and E // ng < 2):
                 raise CheckpointError(f"config.json: n_group {ng} / topk_group {tg} do not fit {E} experts")
             for key, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
                 if size % 16:
                     raise CheckpointError(f"config.json: {key} {size} is not a multiple of 16 "
                                           "(the row-exact expert kernels need it)")
-            freq = int(raw.get("moe_layer_freq") or 1)
             moe = dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
-                       norm_topk_prob=bool(raw.get("norm_topk_prob", True)), n_group=ng, topk_group=tg,
-                       n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                       routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                       first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-                       moe_layer_freq=freq)
-        return dict(f, indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", False)), **moe)
+                       norm_topk_prob=opt("norm_topk_prob", True, "bool"), n_group=ng, topk_group=tg,
+                       n_shared_experts=opt("n_shared_experts", 0, "int"),
+                       routed_scaling_factor=float(opt("routed_scaling_factor", 1.0, "real")),
+                       first_k_dense_replace=opt("first_k_dense_replace", 0, "int"),
+                       moe_layer_freq=opt("moe_layer_freq", 1, "int") or 1)
+        return dict(f, indexer_rope_interleave=opt("indexer_rope_interleave", False, "bool"), **moe)
 
     @staticmethod
     def _check_quant(q):
