@@ -245,8 +245,8 @@ class Engine:
             raise RequestError("messages must be a non-empty list", param="messages")
         think = self.thinking if enable_thinking is None else enable_thinking
         if tools and not self.tokenizer.takes_tools:
-            raise RequestError("tools: this model's chat template does not read them (they would be dropped)",
-                               param="tools", code="unsupported_parameter")
+            raise RequestError("tools: this model's chat template does not read them (they would be "
+                               "dropped)", param="tools", code="unsupported_parameter")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       enable_thinking=think, tools=tools, **tkw)

@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
-from .protocol import content_type_error, parse_detokenize, parse_json, parse_request, parse_tokenize, sampling_with_defaults
+from .protocol import (content_type_error, parse_detokenize, parse_json, parse_request, parse_tokenize,
+                       sampling_with_defaults)
 from .choices import Choice
 from .tools import tool_format
 from .responses import ReplyBuilder, echo_text, error_body, sse
