@@ -443,11 +443,12 @@ def test_out_of_range_generation_config_defaults_are_ignored(checkpoints, tmp_pa
     d = tmp_path / "m"
     shutil.copytree(checkpoints["qwen3_mlx_4bit"], d)
     (d / "generation_config.json").write_text(json.dumps(
-        {"top_k": -1, "top_p": 0.0, "min_p": 1.5, "temperature": float("nan")}))
+        {"top_k": -1, "top_p": 0.0, "min_p": 1.5, "temperature": float("nan"), "repetition_penalty": "high"}))
     with caplog.at_level(logging.WARNING, logger="tensorfold"):
         eng = Engine(d)
     assert eng.generation_defaults == {"top_k": 0}
-    assert sum("generation_config.json: ignoring" in r.message for r in caplog.records) == 3
+    # "high" (not a number) was dropped without the warning the out-of-range values get
+    assert sum("generation_config.json: ignoring" in r.message for r in caplog.records) == 4
     for name, bad in (("top_p", 0.0), ("top_k", -2), ("min_p", 2.0), ("temperature", -1.0)):
         with pytest.raises(RequestError) as e:
             eng.generate_text(prompt=[5, 6], max_tokens=2, sampling=SamplingParams(**{name: bad}))

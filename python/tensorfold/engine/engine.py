@@ -180,7 +180,10 @@ class Engine:
         g = read_json_object(self.model_path / "generation_config.json")   # {} where absent
         for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = g.get(k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            if v is None:
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool):     # "hot" was dropped without a word
+                log.warning("generation_config.json: ignoring %s = %r (not a number)", k, v)
                 continue
             if k == "top_k" and isinstance(v, int) and v < 0:
                 v = 0               # -1: off (vLLM's spelling), as a request's top_k -1 is
