@@ -231,11 +231,17 @@ def test_a_template_that_does_not_parse_is_refused_at_load(tmp_path):
         [{"role": "user", "content": [{"type": "text", "text": 3}]}],
     ],
 )
-def test_bad_messages(tok, messages):
-    with pytest.raises(ValueError) as ei:
-        tok.apply_chat_template(messages)
-    assert "\n" not in str(ei.value)
-    assert not isinstance(ei.value, TemplateError)
+def test_bad_messages(tok, messages, tmp_path):
+    # a Python template (deepseek_v32's) too: its messages are checked before it runs, so bad ones are
+    # not the template's errors
+    d = _write_tok_dir(tmp_path / "py", template=None)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template_type="deepseek_v32")))
+    for t in (tok, Tokenizer.from_dir(d)):
+        with pytest.raises(ValueError) as ei:
+            t.apply_chat_template(messages)
+        assert "\n" not in str(ei.value)
+        assert not isinstance(ei.value, TemplateError)
 
 
 def test_no_template(tmp_path):

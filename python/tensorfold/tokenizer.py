@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -189,20 +190,9 @@ def _generation_tag():
     return Generation
 
 
-def _template_reads(source: str, name: str) -> bool:
-    """The Jinja chat template `source` reads the variable `name` (tools, say) anywhere."""
-    import jinja2
-    from jinja2 import meta
-    from jinja2.ext import loopcontrols
-    env = jinja2.Environment(extensions=[loopcontrols, _generation_tag()])
-    try:
-        return name in meta.find_undeclared_variables(env.parse(source))
-    except jinja2.TemplateSyntaxError as e:
-        raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
-
-
-def _compile_template(source: str):
-    import jinja2
+@functools.lru_cache(maxsize=1)
+def _template_env():
+    """The one Jinja environment chat templates are compiled and read in (sandboxed, as transformers')."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -223,10 +213,35 @@ def _compile_template(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _compile_template(source: str):
+    import jinja2
     try:
-        return env.from_string(source)
+        return _template_env().from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
+
+
+def _template_reads(source: str, name: str) -> bool:
+    """The chat template `source` (already compiled once: it parses) reads the variable `name`."""
+    from jinja2 import meta
+    return name in meta.find_undeclared_variables(_template_env().parse(source))
+
+
+@contextlib.contextmanager
+def _template_errors():
+    """Any error a chat template raises as a TemplateError (the request's 400, never a 500:
+    ZeroDivisionError and OverflowError were); RecursionError is left to the caller's message."""
+    import jinja2
+    try:
+        yield
+    except (TemplateError, RecursionError):
+        raise
+    except Exception as e:
+        what = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+        raise TemplateError(f"chat template error: {what}"[:500]) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,13 +530,10 @@ class Tokenizer:
         if self.template_fn is not None:
             if tools is not None and not isinstance(tools, list):
                 raise ValueError("tools must be a list")
-            try:
-                return self.template_fn(validate_messages(messages), add_generation_prompt=add_generation_prompt,
+            msgs = validate_messages(messages)
+            with _template_errors():
+                return self.template_fn(msgs, add_generation_prompt=add_generation_prompt,
                                         enable_thinking=enable_thinking, tools=tools, **kwargs)
-            except (TemplateError, RecursionError):
-                raise
-            except Exception as e:      # a template's own bug: the request's 400, never a 500
-                raise TemplateError(f"chat template error: {type(e).__name__}: {e}"[:500]) from None
         if not self.chat_template:
             raise ValueError("this model has no chat template (no chat_template.jinja or "
                              "tokenizer_config.json chat_template); use a completions request instead")
@@ -545,9 +557,7 @@ class Tokenizer:
         if enable_thinking is not None:
             ctx["enable_thinking"] = bool(enable_thinking)
         ctx.update(kwargs)
-        import jinja2
-
-        try:
+        with _template_errors():
             # render() as generate()'s pieces, joined: the same text, with a deadline between pieces
             # (a template looping without end held a tokenizing thread, and its request, forever)
             deadline, parts = time.monotonic() + RENDER_LIMIT_S, []
@@ -557,12 +567,6 @@ class Tokenizer:
                     raise TemplateError(f"chat template error: rendering took more than {RENDER_LIMIT_S:g} s "
                                         "(a template that loops without end?)")
             return "".join(parts)
-        except (TemplateError, RecursionError):
-            raise
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template error: {e}"[:500]) from None
-        except Exception as e:          # ZeroDivisionError, OverflowError, ...: the template's bug, a 400
-            raise TemplateError(f"chat template error: {type(e).__name__}: {e}"[:500]) from None
 
     def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs))

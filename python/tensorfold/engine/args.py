@@ -132,22 +132,21 @@ def other(*, draft, ignore_eos, keep_prompt, enable_thinking, tools, cancel, pre
                            param="prepared")
 
 
-def constructor(context, draft_width, prefill_mode, sizes=(), flags=()):
-    """Engine's context, draft_width and prefill_mode, checked (ValueError): context=-5 was taken
-    and failed every request, 0 was read as the default, draft_width=-2 failed inside numpy. A
-    prefill_mode may be named as the CLI's --prefill names it ("mlx", "kernels"). sizes: (name,
-    GiB) pairs, each a finite number >= 0 of at most 2^62 bytes, as the CLI's --prompt-cache-gib
-    ("x" was multiplied into a 1 GiB string, -1 taken); flags: (name, value) pairs, each a bool
-    (or None where the name ends in "?": thinking's "the template's default")."""
+def constructor(context, draft_width, prefill_mode, prompt_cache_gib=2.0, snapshot_gib=8.0, drafts=True,
+                thinking=None):
+    """Engine's arguments, checked (ValueError naming the argument): context=-5 was taken and failed
+    every request, 0 was read as the default, draft_width=-2 failed inside numpy; prompt_cache_gib
+    "x" was multiplied into a 1 GiB string and -1 taken (the CLI refuses it), drafts="no" read by
+    truthiness. A prefill_mode may be named as the CLI's --prefill names it ("mlx", "kernels")."""
     from .prefill import PREFILL_OPS, PrefillMode
-    for name, v in sizes:
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
-                or not 0 <= v <= 2 ** 32:
+    for name, v in (("prompt_cache_gib", prompt_cache_gib), ("snapshot_gib", snapshot_gib)):
+        # GiB as the CLI takes them: finite, >= 0, at most 2^62 bytes
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not 0 <= v <= 2 ** 32:
             raise ValueError(f"{name} must be a number of GiB from 0 to {2 ** 32}, got {v!r}"[:200])
-    for name, v in flags:
-        if not isinstance(v, bool) and not (v is None and name.endswith("?")):
-            raise ValueError(f"{name.rstrip('?')} must be True or False"
-                             f"{' (or None)' if name.endswith('?') else ''}, got {v!r}"[:200])
+    if not isinstance(drafts, bool):
+        raise ValueError(f"drafts must be True or False, got {drafts!r}"[:200])
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ValueError(f"thinking must be True, False or None, got {thinking!r}"[:200])
     for name, v, low in (("context", context, 1), ("draft_width", draft_width, 0)):
         if v is None and name == "context":
             continue

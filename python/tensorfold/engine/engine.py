@@ -58,13 +58,6 @@ def _sampling_error(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_pen
     return None
 
 
-def _tools_need_messages(tools, messages) -> None:
-    """tools with a completions prompt: nothing renders them (they were dropped without a word)."""
-    if tools and messages is None:
-        raise RequestError("tools apply to chat messages, not to a prompt", param="tools",
-                           code="unsupported_parameter")
-
-
 class Engine:
     # a grid point reached after a chunk at least this long is saved at once (_prefill); the
     # server waits this long for the engine at shutdown (server/worker.py)
@@ -74,10 +67,8 @@ class Engine:
                  prompt_cache_gib: float = 2.0, snapshot_dir=None, snapshot_gib: float = 8.0,
                  thinking: bool | None = None, prefill_mode: PrefillMode = PrefillMode(),
                  draft_width: int = 8):
-        context, draft_width, prefill_mode = args.constructor(
-            context, draft_width, prefill_mode,
-            sizes=(("prompt_cache_gib", prompt_cache_gib), ("snapshot_gib", snapshot_gib)),
-            flags=(("drafts", drafts), ("thinking?", thinking)))
+        context, draft_width, prefill_mode = args.constructor(context, draft_width, prefill_mode, prompt_cache_gib,
+                                                              snapshot_gib, drafts, thinking)
         self.model_path = Path(model_path)
         self.model_name = self.model_path.resolve().name
         self._loaded_stamps = weight_stamps(self.model_path)    # the disk key must be of these bytes
@@ -207,37 +198,37 @@ class Engine:
         and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
         for the chat template (a request's chat_template_kwargs)."""
         tkw = dict(template_kwargs or {})
-        _tools_need_messages(tools, messages)
         if messages is not None:
             ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw)
             self._check_prompt(ids, True, room)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
-        ids = self.tokenize(prompt=prompt)
-        self._check_prompt(ids, False, room)
+        ids = self.tokenize(prompt=prompt, tools=tools)     # its ids checked against the vocabulary there
+        self._check_prompt(ids, False, room, vocab=False)
         return Prompt(ids=ids, chat=False)
 
     def tokenize(self, messages=None, prompt=None, enable_thinking=None, tools=None, template_kwargs=None,
                  add_generation_prompt: bool = True) -> list[int]:
         """The token ids prepare() would run (the chat template rendered, or a completions prompt
-        encoded), without the checks against the model: a server's /tokenize counts any prompt."""
-        _tools_need_messages(tools, messages)
+        encoded), without the context check: a server's /tokenize counts a prompt past the context (ids
+        past the model's vocabulary are refused)."""
         if messages is not None:
             return self._chat_ids(messages, prompt, enable_thinking, tools, dict(template_kwargs or {}),
                                   add_generation_prompt)[0]
         if prompt is None:
             raise RequestError("give exactly one of messages or prompt", param="messages")
+        if tools:       # nothing renders them with a prompt (they were dropped without a word)
+            raise RequestError("tools apply to chat messages, not to a prompt", param="tools",
+                               code="unsupported_parameter")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            vocab = self.model.cfg.vocab_size
-            if ids and not 0 <= min(ids) <= max(ids) < vocab:     # /tokenize counted them (a 200)
-                raise RequestError(f"token ids must be in [0, {vocab})", param="prompt")
         else:
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
+        self._check_vocab(ids, False)       # /tokenize counted ids past it (a 200)
         return ids
 
     def _chat_ids(self, messages, prompt, enable_thinking, tools, tkw: dict, add_generation_prompt: bool = True):
@@ -260,16 +251,20 @@ class Engine:
                                "recurses without end)", param="messages") from None
         return self.tokenizer.encode(text), text, think
 
-    def _check_prompt(self, ids, chat: bool, room: int = 1) -> None:
-        """Every id is a row of the embedding (MLX's gather does not check: an id past it read other
-        memory, a reply that changed from run to run) and the prompt and `room` generated tokens
-        (1; 0 for a prompt only scored) fit the context. Checked by prepare, so that a server answers at once, and again by
-        generate for a Prompt made elsewhere (another engine's, with a larger vocabulary)."""
+    def _check_vocab(self, ids, chat: bool) -> None:
         vocab = self.model.cfg.vocab_size
         if len(ids) and not 0 <= min(ids) <= max(ids) < vocab:
             raise RequestError(f"token ids must be in [0, {vocab})" + (
                 " (the chat template's text tokenized to ids past the model's embedding)" if chat else ""),
                 param="messages" if chat else "prompt")
+
+    def _check_prompt(self, ids, chat: bool, room: int = 1, vocab: bool = True) -> None:
+        """Every id is a row of the embedding (MLX's gather does not check: an id past it read other
+        memory, a reply that changed from run to run) and the prompt and `room` generated tokens
+        (1; 0 for a prompt only scored) fit the context. Checked by prepare, so that a server answers at once, and again by
+        generate for a Prompt made elsewhere (another engine's, with a larger vocabulary)."""
+        if vocab:
+            self._check_vocab(ids, chat)
         n_prompt = len(ids)
         if n_prompt + room > self.context_length:
             raise RequestError(

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +82,44 @@ def checkpoint_has(path: Path, name: str) -> bool:
         pass
     return False
 
+
+
+# config.json's checked readers (null or absent: the default; a bad value a CheckpointError naming the key)
+def _opt_int(raw: dict, key: str, default, low: int = 1):
+    """An integer >= low (1: "a positive integer"). Sizes stay within what the kernels index (int32)
+    and layer counts within MAX_LAYERS: a corrupt num_hidden_layers of 10^9 made `info` and `serve`
+    list 10^9 layers' shapes (a hang), and a 10^30 max_position_embeddings was served as the context."""
+    v = raw.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise CheckpointError(f"config.json: {key!r} must be {what}, got {v!r}"[:200])
+    hi = MAX_LAYERS if key == "num_hidden_layers" else 2 ** 31 - 1
+    if v > hi:
+        raise CheckpointError(f"config.json: {key!r} is {v if v < 10 ** 12 else f'{v:.3g}'}, past "
+                              f"{hi:,} (a corrupt config?)")
+    return v
+
+
+def _opt_num(d: dict, key: str, default):
+    """A finite positive number, as a float."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+        raise CheckpointError(f"config.json: {key!r} must be a positive number, got {v!r}"[:200])
+    return float(v)
+
+
+def _opt_bool(raw: dict, key: str, default):
+    """true or false ("yes" was read as true)."""
+    v = raw.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise CheckpointError(f"config.json: {key!r} must be true or false, got {v!r}"[:200])
+    return v
 
 @dataclass
 class ModelConfig:
@@ -182,49 +218,22 @@ class ModelConfig:
             raise CheckpointError(
                 f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
 
-        def bounded(key, v):
-            """Sizes within what the kernels index (int32) and layer counts within MAX_LAYERS: a
-            corrupt num_hidden_layers of 10^9 made `info` and `serve` list 10^9 layers' shapes
-            (a hang), and a 10^30 max_position_embeddings was served as the context."""
-            hi = MAX_LAYERS if key == "num_hidden_layers" else 2 ** 31 - 1
-            if v > hi:
-                raise CheckpointError(f"config.json: {key!r} is {v if v < 10 ** 12 else f'{v:.3g}'}, past "
-                                      f"{hi:,} (a corrupt config?)")
-            return v
-
-        def need(key, typ=int):
+        def need(key):
+            """A positive integer that must be there."""
             if key not in raw:
                 raise CheckpointError(f"config.json: missing {key!r}")
-            v = raw[key]
-            if typ is int and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
-            return bounded(key, v) if typ is int else v
+            if raw[key] is None:
+                raise CheckpointError(f"config.json: {key!r} must be a positive integer, got None")
+            return _opt_int(raw, key, None)
 
         def opt_int(key, default):
-            """A positive integer where given (null or absent: the default)."""
-            v = raw.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {v!r}")
-            return bounded(key, v)
+            return _opt_int(raw, key, default)
 
         def opt_num(key, default, d=raw):
-            """A finite positive number where given (null or absent: the default)."""
-            v = d.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-                raise CheckpointError(f"config.json: {key!r} must be a positive number, got {v!r}")
-            return float(v)
+            return _opt_num(d, key, default)
 
         def opt_bool(key, default):
-            v = raw.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, bool):
-                raise CheckpointError(f"config.json: {key!r} must be true or false, got {v!r}")
-            return v
+            return _opt_bool(raw, key, default)
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
@@ -346,25 +355,6 @@ class ModelConfig:
         return v
 
     @staticmethod
-    def _opt(raw: dict, key: str, default, kind: str, low: int = 0):
-        """raw[key] where given (null or absent: the default), checked: kind "bool" (true / false:
-        "yes" was read as true), "int" (an integer >= low: -1 passed `info` and failed at load as a
-        missing tensor) or "real" (a finite number > 0: "x" failed in float() naming nothing)."""
-        v = raw.get(key)
-        if v is None:
-            return default
-        if kind == "bool":
-            ok, what = isinstance(v, bool), "true or false"
-        elif kind == "int":
-            ok, what = isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}"
-        else:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-            what = "a positive number"
-        if not ok:
-            raise CheckpointError(f"config.json: {key!r} must be {what}, got {v!r}"[:200])
-        return v
-
-    @staticmethod
     def _moe_fields(raw: dict, need, hidden: int) -> dict:
         layers = need("num_hidden_layers")
         E, k = need("num_experts"), need("num_experts_per_tok")
@@ -386,7 +376,7 @@ class ModelConfig:
                                       "(the row-exact expert kernels need it)")
         return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
                     decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(only))),
-                    norm_topk_prob=ModelConfig._opt(raw, "norm_topk_prob", False, "bool"))
+                    norm_topk_prob=_opt_bool(raw, "norm_topk_prob", False))
 
     @staticmethod
     def _yarn_rope_scaling(sc, family: str = "deepseek_v32") -> dict:
@@ -436,14 +426,16 @@ class ModelConfig:
             raise CheckpointError(f"config.json: topk_method {raw.get('topk_method')!r} unsupported (noaux_tc only)")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
             raise CheckpointError(f"config.json: scoring_func {raw.get('scoring_func')!r} unsupported (sigmoid only)")
-        opt = functools.partial(ModelConfig._opt, raw)
-        E = opt("n_routed_experts", 0, "int")
+        def count(key, default):     # an integer >= 0 (0 / null: none)
+            return _opt_int(raw, key, default, low=0)
+
+        E = count("n_routed_experts", 0)
         moe = dict(num_experts=0)
         if E:
             k, inter = need("num_experts_per_tok"), need("moe_intermediate_size")
             if k > E:
                 raise CheckpointError(f"config.json: num_experts_per_tok {k} exceeds n_routed_experts {E}")
-            ng, tg = opt("n_group", 1, "int") or 1, opt("topk_group", 1, "int") or 1     # 0: none, as 1
+            ng, tg = count("n_group", 1) or 1, count("topk_group", 1) or 1     # 0: none, as 1
             if E % ng or not 1 <= tg <= ng or (ng > 1 and E // ng < 2):
                 raise CheckpointError(f"config.json: n_group {ng} / topk_group {tg} do not fit {E} experts")
             for key, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
@@ -451,12 +443,12 @@ class ModelConfig:
                     raise CheckpointError(f"config.json: {key} {size} is not a multiple of 16 "
                                           "(the row-exact expert kernels need it)")
             moe = dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
-                       norm_topk_prob=opt("norm_topk_prob", True, "bool"), n_group=ng, topk_group=tg,
-                       n_shared_experts=opt("n_shared_experts", 0, "int"),
-                       routed_scaling_factor=float(opt("routed_scaling_factor", 1.0, "real")),
-                       first_k_dense_replace=opt("first_k_dense_replace", 0, "int"),
-                       moe_layer_freq=opt("moe_layer_freq", 1, "int") or 1)
-        return dict(f, indexer_rope_interleave=opt("indexer_rope_interleave", False, "bool"), **moe)
+                       norm_topk_prob=_opt_bool(raw, "norm_topk_prob", True), n_group=ng, topk_group=tg,
+                       n_shared_experts=count("n_shared_experts", 0),
+                       routed_scaling_factor=_opt_num(raw, "routed_scaling_factor", 1.0),
+                       first_k_dense_replace=count("first_k_dense_replace", 0),
+                       moe_layer_freq=count("moe_layer_freq", 1) or 1)
+        return dict(f, indexer_rope_interleave=_opt_bool(raw, "indexer_rope_interleave", False), **moe)
 
     @staticmethod
     def _check_quant(q):
