@@ -448,6 +448,22 @@ BAD = [
      "functions", "unsupported_parameter"),
     ("tool_choice required", "/v1/chat/completions", _msg(tool_choice="required"), 400, "tool_choice",
      "unsupported_parameter"),
+    # asks a reply would have silently lacked (they had 200s): a legacy named function, audio out, at most
+    # one tool call, arguments held to the schema
+    ("function_call named", "/v1/chat/completions", _msg(function_call={"name": "f"}), 400, "function_call",
+     "unsupported_parameter"),
+    ("audio asked", "/v1/chat/completions", _msg(modalities=["text", "audio"], audio={"voice": "alloy"}), 400,
+     "modalities", "unsupported_parameter"),
+    ("audio settings", "/v1/chat/completions", _msg(audio={"voice": "alloy"}), 400, "audio", "unsupported_parameter"),
+    ("parallel_tool_calls false", "/v1/chat/completions",
+     _msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], parallel_tool_calls=False),
+     400, "parallel_tool_calls", "unsupported_parameter"),
+    ("parallel_tool_calls a string", "/v1/chat/completions",
+     _msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], parallel_tool_calls="no"),
+     400, "parallel_tool_calls", None),
+    ("strict tool arguments", "/v1/chat/completions",
+     _msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}]),
+     400, "tools[0].function.strict", "unsupported_parameter"),
     ("echo on chat", "/v1/chat/completions", _msg(echo=True), 400, "echo", "unsupported_parameter"),
     ("echo a number", "/v1/completions", {"prompt": "a", "echo": 1}, 400, "echo", None),
     ("best_of asked", "/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
@@ -622,7 +638,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(srv):
     neutral = dict(logprobs=False, top_logprobs=0, logit_bias={}, presence_penalty=0.0,
                    frequency_penalty=0, repetition_penalty=1.0, response_format={"type": "text"},
                    tools=[], tool_choice="none", n=1, min_tokens=0, stop_token_ids=[], ignore_eos=False,
-                   typical_p=1.0)
+                   typical_p=1.0, function_call="auto", modalities=["text"], parallel_tool_calls=False)
     a, b = srv.post("/v1/chat/completions", base), srv.post("/v1/chat/completions", {**base, **neutral})
     assert a.status_code == b.status_code == 200, b.text
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]

@@ -274,7 +274,39 @@ def test_template_sources(tmp_path):
     assert Tokenizer.from_dir(d).think_tags is None
 
 
-def test_eos_bos_union(tmp_path):
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_a_named_tool_use_template_renders_requests_with_tools(tmp_path):
+    """Hermes-2-Pro / Command-R checkpoints name two templates, "default" and "tool_use": where a
+    request has tools transformers (so mlx-lm) renders "tool_use". Both of its layouts: the named
+    list in tokenizer_config.json, and chat_template.jinja with additional_chat_templates/
+    tool_use.jinja (what mlx_lm.convert writes with transformers 5). Only "default" was read, so a
+    request with tools got a 400 (the default template reads no tools) or the wrong prompt."""
+    msgs = [{"role": "user", "content": "x"}]
+    tool_use = "T{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+    listed = _write_tok_dir(tmp_path / "list", jinja=False, template=[
+        {"name": "default", "template": "D"}, {"name": "tool_use", "template": tool_use}])
+    files = _write_tok_dir(tmp_path / "files", template="D")
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    for d in (listed, files):
+        t = Tokenizer.from_dir(d)
+        assert t.takes_tools and t.tool_template == tool_use
+        assert t.apply_chat_template(msgs) == "D"
+        assert t.apply_chat_template(msgs, tools=TOOLS) == "T[f]"
+    # without a tool_use template, tools render the default one, as before
+    t = Tokenizer.from_dir(_write_tok_dir(tmp_path / "plain", template="D{{ tools | length }}"))
+    assert t.tool_template is None and t.apply_chat_template(msgs, tools=TOOLS) == "D1"
+    # a tool_use template that does not parse is refused at load, naming it
+    bad = _write_tok_dir(tmp_path / "bad", template="D")
+    (bad / "additional_chat_templates").mkdir()
+    (bad / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x + }}")
+    with pytest.raises(ValueError, match="tool_use template"):
+        Tokenizer.from_dir(bad)
+
+
+def test_eos_and_bos_ids(tmp_path):
     d = _write_tok_dir(
         tmp_path,
         tcfg={"eos_token": {"content": "<|endoftext|>", "special": True}, "bos_token": "<|im_start|>"},
@@ -282,8 +314,12 @@ def test_eos_bos_union(tmp_path):
         mcfg={"eos_token_id": [3], "bos_token_id": 4},
     )
     t = Tokenizer.from_dir(d)
-    assert t.eos_ids == frozenset({0, 2, 3})
+    # generation_config's eos ids replace config.json's (transformers, mlx-lm's load_config); the
+    # tokenizer's eos_token joins them
+    assert t.eos_ids == frozenset({0, 2})
     assert t.bos_ids == frozenset({1, 4})
+    assert Tokenizer.from_dir(_write_tok_dir(tmp_path / "m", mcfg={"eos_token_id": [3]}, gcfg={"top_k": 5},
+                                             tcfg={"eos_token": None})).eos_ids == frozenset({3})
     assert t.eos_token == "<|endoftext|>" and t.bos_token == "<|im_start|>"
     assert t.bos_id == 1
     assert isinstance(t.eos_ids, frozenset)
@@ -425,9 +461,9 @@ def spm(tmp_path_factory):
 
 
 def test_completion_prompts_get_the_post_processors_bos(spm, tok):
-    """A completions prompt is encoded as transformers' tokenizer(text) and mlx-lm's server encode
-    it: <s> first for a Llama-style tokenizer (it was missing), once even where the text starts
-    with it; nothing added for the Qwen-style test tokenizer."""
+    """A completions prompt gets what the post-processor adds: <s> first for a Llama-style tokenizer
+    (it was missing), once even where the text starts with it (mlx-lm's generate's rule; its server
+    and transformers' tokenizer(text) give two there); nothing added for the Qwen-style test tokenizer."""
     ids = spm.encode_prompt("The quick brown")
     assert ids[0] == 1 and ids[1:] == spm.encode("The quick brown")
     assert spm.encode_prompt("<s>The quick brown") == ids

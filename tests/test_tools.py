@@ -165,17 +165,24 @@ def test_tools_reach_a_real_models_template(checkpoints):
     '\n\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>',
     '\n Look: <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n',
     "\n  \n",
+    "plain text",
+    "",
 ])
 def test_streamed_content_is_the_content(script):
     """Content that is all whitespace beside tool calls is null, streamed or not (two calls written
-    a newline apart streamed the newline); other content streams as it is."""
-    with scripted_server(ToolEngine(_pieces(script, 2))) as s:
+    a newline apart streamed the newline); other content streams as it is. The deltas assemble as the
+    openai client assembles them (null until a delta has content) to the unstreamed message's content,
+    null included: the first delta's content "" made a reply of calls alone assemble to ""."""
+    with scripted_server(ToolEngine(_pieces(script, 2) or [""])) as s:
         full = s.chat(tools=[WEATHER], max_tokens=1000).choices[0]
         chunks = list(s.chat(tools=[WEATHER], max_tokens=1000, stream=True))
-        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert streamed == (full.message.content or "")
+        parts = [c.choices[0].delta.content for c in chunks if c.choices]
+        streamed = None if all(p is None for p in parts) else "".join(p or "" for p in parts)
+        assert streamed == full.message.content, parts
         if full.message.tool_calls:
             assert full.message.content is None or full.message.content.strip()
+        else:
+            assert full.message.content == script
 
 
 def test_tokenize_takes_tools_as_a_request_does():

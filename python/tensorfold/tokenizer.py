@@ -3,8 +3,11 @@
 `Tokenizer.from_dir(path)` reads a Hugging Face style model directory:
 
 - ``tokenizer.json`` (loaded with the `tokenizers` library),
-- the chat template from ``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``,
-- EOS/BOS ids from ``generation_config.json``, ``config.json`` and ``tokenizer_config.json``.
+- the chat template from ``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``
+  (or ``chat_template.json``), and a template named ``tool_use`` (in the named list, or
+  ``additional_chat_templates/tool_use.jinja``) that transformers renders instead when tools are passed,
+- EOS ids from ``generation_config.json`` (else ``config.json``) and ``tokenizer_config.json``'s
+  ``eos_token``; BOS ids from all three.
 
 `IncrementalDetokenizer` turns a stream of token ids into text pieces whose concatenation equals
 ``tokenizer.decode(all_ids)``, decoding only a bounded window of recent tokens per step.
@@ -84,20 +87,43 @@ def _int_ids(value: Any) -> list[int]:
     return []
 
 
-def _pick_template(value: Any) -> str | None:
+def _named_templates(value: Any) -> dict[str, str]:
+    """tokenizer_config's chat_template as {name: template}: a string is the default; a list of
+    {"name", "template"} (Hermes-2-Pro, Command-R: "default" and "tool_use") keeps its names."""
     if isinstance(value, str):
-        return value
+        return {"default": value}
     if isinstance(value, list):
-        named = {
-            t.get("name"): t.get("template")
-            for t in value
-            if isinstance(t, dict) and isinstance(t.get("template"), str)
-        }
-        if "default" in named:
-            return named["default"]
-        if len(named) == 1:
-            return next(iter(named.values()))
+        return {t["name"]: t["template"] for t in value
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+def _pick_template(named: dict[str, str]) -> str | None:
+    """The template rendered without tools: "default", or the only one there is."""
+    if "default" in named:
+        return named["default"]
+    if len(named) == 1:
+        return next(iter(named.values()))
     return None
+
+
+def _templates_in(path: pathlib.Path, tcfg: dict) -> tuple[dict[str, str], pathlib.Path]:
+    """The named chat templates of a model directory and the file they came from, as transformers
+    reads them: chat_template.jinja (the default) with additional_chat_templates/<name>.jinja beside
+    it, else tokenizer_config.json's chat_template, else chat_template.json's."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        named = {"default": jinja_file.read_text(encoding="utf-8")}
+        extra = path / "additional_chat_templates"
+        if extra.is_dir():
+            for f in sorted(extra.glob("*.jinja")):
+                named.setdefault(f.stem, f.read_text(encoding="utf-8"))
+        return named, jinja_file
+    named = _named_templates(tcfg.get("chat_template"))
+    if named:
+        return named, path / "tokenizer_config.json"
+    source = path / "chat_template.json"       # some repos ship {"chat_template": ...} there
+    return _named_templates(read_json_object(source).get("chat_template")), source
 
 
 def validate_messages(messages: Any) -> list[dict]:
@@ -292,6 +318,7 @@ class Tokenizer:
         tokenizer: _HFTokenizer,
         *,
         chat_template: str | None = None,
+        tool_template: str | None = None,
         template_fn=None,
         eos_ids: Iterable[int] = (),
         bos_ids: Iterable[int] = (),
@@ -300,9 +327,13 @@ class Tokenizer:
         pad_token: str | None = None,
         unk_token: str | None = None,
         compiled=None,
+        tool_compiled=None,
     ):
         self._tok = tokenizer
         self.chat_template = chat_template
+        # the template named "tool_use", rendered instead of chat_template where a request has tools
+        # (transformers' get_chat_template, so mlx-lm's prompts); None where there is none
+        self.tool_template = tool_template
         self.template_fn = template_fn      # chat_templates.TEMPLATES[chat_template_type], over the Jinja one
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -314,6 +345,7 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.added_ids: frozenset[int] = frozenset(added)
         self._compiled = compiled
+        self._tool_compiled = tool_compiled
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -335,16 +367,12 @@ class Tokenizer:
         gcfg = read_json_object(path / "generation_config.json")
         mcfg = read_json_object(path / "config.json")
 
-        template = None
-        jinja_file = path / "chat_template.jinja"
-        if jinja_file.is_file():
-            template, source = jinja_file.read_text(encoding="utf-8"), jinja_file
-        else:
-            template, source = _pick_template(tcfg.get("chat_template")), path / "tokenizer_config.json"
-            if template is None:
-                # some repos ship chat_template.json {"chat_template": ...}
-                source = path / "chat_template.json"
-                template = _pick_template(read_json_object(source).get("chat_template"))
+        named, source = _templates_in(path, tcfg)
+        template = _pick_template(named)
+        tool_template = named.get("tool_use") if named.get("tool_use") != template else None
+        if named and template is None and tool_template is None:
+            log.warning("%s: chat templates named %s, none of them \"default\": chat requests are refused",
+                        source, ", ".join(map(repr, named)))
 
         # mlx-lm's chat_template_type: a template written in Python, used before a Jinja one
         template_fn = None
@@ -356,21 +384,27 @@ class Tokenizer:
                 log.warning("tokenizer_config.json: chat_template_type %r is not one this server has (%s); "
                             "ignored", ttype, ", ".join(TEMPLATES))
 
-        compiled = None
-        if template and template_fn is None:
+        compiled = tool_compiled = None
+        if template_fn is None:
             # compiled at load: a template that does not parse made every chat request a 400 that
             # blamed the request's messages, on a server that had started without a word
             try:
-                compiled = _compile_template(template)
+                compiled = _compile_template(template) if template else None
             except TemplateError as e:
                 raise ValueError(f"{source}: {e}") from None
+            try:
+                tool_compiled = _compile_template(tool_template) if tool_template else None
+            except TemplateError as e:
+                raise ValueError(f"{source}: the tool_use template: {e}") from None
 
         eos_token = _token_content(tcfg.get("eos_token"))
         bos_token = _token_content(tcfg.get("bos_token"))
         pad_token = _token_content(tcfg.get("pad_token"))
         unk_token = _token_content(tcfg.get("unk_token"))
 
-        eos: set[int] = set(_int_ids(gcfg.get("eos_token_id"))) | set(_int_ids(mcfg.get("eos_token_id")))
+        # generation_config.json's eos ids replace config.json's, as in transformers' generate and
+        # mlx-lm's load_config (a union stopped replies on an id both of them generate past)
+        eos: set[int] = set(_int_ids(gcfg.get("eos_token_id")) or _int_ids(mcfg.get("eos_token_id")))
         bos: set[int] = set(_int_ids(gcfg.get("bos_token_id"))) | set(_int_ids(mcfg.get("bos_token_id")))
         if eos_token is not None and (i := tok.token_to_id(eos_token)) is not None:
             eos.add(i)
@@ -379,6 +413,7 @@ class Tokenizer:
         return cls(
             tok,
             chat_template=template,
+            tool_template=tool_template,
             template_fn=template_fn,
             eos_ids=eos,
             bos_ids=bos,
@@ -387,6 +422,7 @@ class Tokenizer:
             pad_token=pad_token,
             unk_token=unk_token,
             compiled=compiled,
+            tool_compiled=tool_compiled,
         )
 
     # -- basic ops ---------------------------------------------------------------------------------
@@ -409,9 +445,10 @@ class Tokenizer:
         return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A completions prompt, as transformers' tokenizer(text) and mlx-lm's server encode it:
-        with what tokenizer.json's post-processor adds (a BOS for Llama / Mistral style
-        tokenizers; nothing for Qwen's), unless the text already starts with the BOS token."""
+        """A completions prompt with what tokenizer.json's post-processor adds (a BOS for Llama /
+        Mistral style tokenizers; nothing for Qwen's), unless the text already starts with the BOS
+        token: mlx-lm's generate's rule. (transformers' tokenizer(text) and mlx-lm's server add a
+        second BOS there, which no model was trained on.)"""
         if self._typed_bos(text):
             return self.encode(text)
         return self._encode(text, True)
@@ -499,7 +536,12 @@ class Tokenizer:
         """The chat template renders a request's `tools` (a Python template_fn is given them)."""
         if self.template_fn is not None:
             return True
-        return bool(self.chat_template) and _template_reads(self.chat_template, "tools")
+        return bool(self.tools_template) and _template_reads(self.tools_template, "tools")
+
+    @property
+    def tools_template(self) -> str | None:
+        """The Jinja template a request with tools renders: the tool_use one where there is one."""
+        return self.tool_template or self.chat_template
 
     @property
     def has_thinking_toggle(self) -> bool:
@@ -534,16 +576,24 @@ class Tokenizer:
             with _template_errors():
                 return self.template_fn(msgs, add_generation_prompt=add_generation_prompt,
                                         enable_thinking=enable_thinking, tools=tools, **kwargs)
-        if not self.chat_template:
+        use_tool = tools is not None and self.tool_template is not None
+        if not (self.chat_template or use_tool):
             raise ValueError("this model has no chat template (no chat_template.jinja or "
                              "tokenizer_config.json chat_template); use a completions request instead")
+        source = self.tool_template if use_tool else self.chat_template
         msgs = validate_messages(messages)
-        if "developer" not in self.chat_template:     # OpenAI's newer name for the system role
+        if "developer" not in source:     # OpenAI's newer name for the system role
             msgs = [dict(m, role="system") if m.get("role") == "developer" else m for m in msgs]
         if tools is not None and not isinstance(tools, list):
             raise ValueError("tools must be a list")
-        if self._compiled is None:
-            self._compiled = _compile_template(self.chat_template)
+        if use_tool:
+            if self._tool_compiled is None:
+                self._tool_compiled = _compile_template(source)
+            compiled = self._tool_compiled
+        else:
+            if self._compiled is None:
+                self._compiled = _compile_template(source)
+            compiled = self._compiled
         ctx: dict[str, Any] = {
             "messages": msgs,
             "tools": tools,
@@ -561,7 +611,7 @@ class Tokenizer:
             # render() as generate()'s pieces, joined: the same text, with a deadline between pieces
             # (a template looping without end held a tokenizing thread, and its request, forever)
             deadline, parts = time.monotonic() + RENDER_LIMIT_S, []
-            for part in self._compiled.generate(**ctx):
+            for part in compiled.generate(**ctx):
                 parts.append(part)
                 if time.monotonic() > deadline:
                     raise TemplateError(f"chat template error: rendering took more than {RENDER_LIMIT_S:g} s "

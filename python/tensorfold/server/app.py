@@ -362,16 +362,24 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     break
                 if kind == "choice" or ch is None:
                     ch = choice(ev if kind == "choice" else 0)
+                    # with tools, content stays null until the reply has some, as the unstreamed
+                    # message's does where it makes calls (the join of "" deltas was "")
+                    tools_on, spoke = ch.tools.enabled, False
                     if reply.kind == "chat":
-                        yield sse(reply.chunk(role=True, content="", index=ch.index))
+                        yield sse(reply.chunk(role=True, content=None if tools_on else "", index=ch.index))
                 if kind == "event":
                     if not ch.started and ch.echo is not None:     # the prompt first, with its logprobs where asked
                         yield sse(reply.chunk(content=ch.echo, logprobs=ev.prompt_logprobs, index=ch.index))
                     r, c, calls, first_call = ch.add(ev)
-                    if r or c or ev.logprobs or calls:
+                    if tools_on:    # content null until there is some; "" for a reply of none and no calls
+                        spoke = spoke or bool(c)
+                        content = c or ("" if ch.finish is not None and not spoke and not ch.calls else None)
+                    else:
                         # a token whose text is held back (a stop string's start, part of a character)
                         # still has its logprobs sent with it, in a chunk of empty text
-                        yield sse(reply.chunk(content=c or ("" if ev.logprobs else None), reasoning=r or None,
+                        content = c or ("" if ev.logprobs else None)
+                    if r or content is not None or ev.logprobs or calls:
+                        yield sse(reply.chunk(content=content, reasoning=r or None,
                                               logprobs=ev.logprobs, tool_calls=calls, first_call=first_call,
                                               index=ch.index)
                                   if reply.kind == "chat" else

@@ -263,6 +263,9 @@ _UNSUPPORTED = {
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
     "tools": lambda v: v is None or v == [],
     "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v in ("none", "auto"),     # functions' legacy tool_choice
+    "modalities": lambda v: v is None or v == [] or v == ["text"],      # audio out
+    "audio": lambda v: v is None,
     "tool_choice": lambda v: v is None or v in ("none", "auto"),
     "echo": lambda v: v is None or v is False or _is(v, 0),
     "best_of": lambda v: v is None or _is(v, 1),
@@ -412,6 +415,17 @@ def _tools(data: dict) -> list | None:
             raise _bad(f"tools[{i}].function.name", "expected a non-empty string.")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad(f"tools[{i}].function.parameters", "expected an object (a JSON Schema).")
+        if fn.get("strict") not in (None, False):     # arguments that follow the schema: constrained decoding
+            raise RequestError(f"Unsupported parameter: 'tools[{i}].function.strict' {json.dumps(fn['strict'])[:20]} "
+                               "is not supported by this server (arguments are what the model writes).",
+                               param=f"tools[{i}].function.strict", code="unsupported_parameter")
+    parallel = data.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "expected a boolean.")
+    if parallel is False and choice != "none":      # at most one call: the model may write several
+        raise RequestError("Unsupported parameter: 'parallel_tool_calls' false is not supported by this server "
+                           "(a reply holds the calls the model writes).", param="parallel_tool_calls",
+                           code="unsupported_parameter")
     return None if choice == "none" else tools     # checked all the same: a malformed list is a 400 either way
 
 

@@ -22,7 +22,8 @@ START, END = "<tool_call>", "</tool_call>"
 
 def tool_format(tokenizer) -> str | None:
     """"json" where the chat template writes Hermes-style tool calls, else None."""
-    t = getattr(tokenizer, "chat_template", None)
+    # the template a request with tools renders (a checkpoint's "tool_use" one where it has one)
+    t = getattr(tokenizer, "tools_template", None) or getattr(tokenizer, "chat_template", None)
     if isinstance(t, str) and START in t and "tool_call.name" in t and "<function=" not in t:
         return "json"
     return None
