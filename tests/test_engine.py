@@ -357,6 +357,19 @@ def test_max_tokens_and_context_limit(checkpoints):
         with pytest.raises(RequestError) as e:
             eng.prepare(**kw)
         assert e.value.code == "context_length_exceeded" and e.value.param == next(iter(kw))
+    # a text far past the context is refused from its first slices, never tokenized whole (a 15 MB
+    # prompt took 2.3 GB and 11-17 s to refuse); /tokenize's count (tokenize) still takes it whole
+    import tensorfold.tokenizer as T
+    seen, real = [], T.Tokenizer._encode
+    eng.tokenizer._encode = lambda t, sp: seen.append(len(t)) or real(eng.tokenizer, t, sp)
+    huge = "def f(x):\n    return x\n" * 40000
+    for kw in (dict(prompt=huge), dict(messages=[{"role": "user", "content": huge}])):
+        with pytest.raises(RequestError) as e:
+            eng.prepare(**kw)
+        assert e.value.code == "context_length_exceeded" and e.value.param == next(iter(kw))
+        assert "over 80 tokens" in str(e.value) and max(seen) <= T.SLICE_CHARS + 1024, str(e.value)
+        seen.clear()
+    assert len(eng.tokenize(prompt=huge)) > 100000 and max(seen) == len(huge)
 
 
 def test_python_api_arguments_checked(engines, checkpoints):

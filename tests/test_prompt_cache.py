@@ -466,6 +466,27 @@ def test_disk_store_bounded_newest_kept(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
 
 
+def test_disk_store_remakes_a_removed_directory_and_skips_bad_times(tmp_path, caplog):
+    """A snapshot directory removed while the server runs is made again by the next save (every
+    save after had failed until a restart); a file whose `created` is not a finite number (nan,
+    1e400: an undefined eviction order, or an entry never evicted) is skipped as damaged."""
+    import shutil
+    d = tmp_path / "snap"
+    store = DiskStore(d)
+    kv = [(mx.ones((1, 2, 16, 8)), mx.ones((1, 2, 16, 8)))]
+    store.save("k" * 32, [1] * 16, kv)
+    shutil.rmtree(d)
+    f = store.save("k" * 32, [2] * 16, kv)
+    assert f.is_file() and [int(e.tokens[0]) for e in DiskStore(d).entries] == [2]
+    data = f.read_bytes()
+    for bad in ("nan", "1e400", "inf"):
+        created = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]["created"]
+        g = tmp_path / bad / f.name
+        g.parent.mkdir()
+        g.write_bytes(data.replace(f'"created":"{created}"'.encode(), f'"created":"{bad}"'.ljust(len(created) + 12).encode(), 1))
+        assert g.read_bytes() != data and DiskStore(g.parent).entries == []
+
+
 def test_snapshots_are_written_in_the_background(tmp_path):
     """save_async returns before the file exists; flush waits; the file equals a synchronous save."""
     import threading

@@ -1019,6 +1019,25 @@ def test_small_requests_do_not_wait_behind_large_prompts_being_tokenized():
             t.join(30)
 
 
+def test_detokenize_runs_off_the_event_loop():
+    """/detokenize decodes on a tokenizing thread: 2M ids decoded on the event loop held every other
+    request and stream for 1.2 s."""
+    eng = PreparingEngine(["x"])
+    real = lambda ids: ",".join(map(str, ids))      # noqa: E731
+    eng.tokenizer.vocab_size = 10
+    eng.tokenizer.decode = lambda ids, **kw: time.sleep(2.0) or real(ids)
+    with scripted_server(eng, api_key=KEY) as s:
+        out = {}
+        th = threading.Thread(target=lambda: out.update(r=s.post("/detokenize", {"tokens": [1, 2]})))
+        th.start()
+        _wait(lambda: s.health()["tokenizing"] == 1)
+        t0 = time.monotonic()
+        assert s.post("/v1/completions", {"prompt": "small", "max_tokens": 1}).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        th.join(30)
+        assert out["r"].status_code == 200 and out["r"].json()["prompt"] == real([1, 2])
+
+
 def test_a_client_that_leaves_while_tokenizing_is_never_queued():
     eng = PreparingEngine(["x"], prep_delay=lambda tag: 1.5 if tag == "gone" else 0.0)
     with scripted_server(eng, api_key=KEY) as s:

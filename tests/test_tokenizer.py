@@ -718,3 +718,23 @@ def test_a_byte_run_is_decoded_once(spm, monkeypatch):
     d = IncrementalDetokenizer(spm)
     assert [d.add(i) for i in ids] == [""] * len(ids)
     assert d.flush() == text and len(calls) <= 4
+
+
+def test_far_past_counts_a_long_text_in_slices_and_stops_early(tok, monkeypatch):
+    """A text far past a limit is counted slice by slice, stopping once the count passes 2 limit + 64
+    (a 15 MB prompt to a 4k-context server was tokenized whole to be refused: 2.3 GB, 11-17 s);
+    a text that fits, or one not long enough to be looked at, gives None."""
+    import tensorfold.tokenizer as T
+    text = "def f(x):\n    return x + 1\n" * 20000            # ~540k characters
+    whole = len(tok.encode(text))
+    seen = []
+    real = T.Tokenizer._encode
+    monkeypatch.setattr(T.Tokenizer, "_encode", lambda self, t, sp: seen.append(len(t)) or real(self, t, sp))
+    n = tok.far_past(text, 4096)
+    assert n is not None and n > 2 * 4096 + 64 and max(seen) <= T.SLICE_CHARS + 1024
+    assert sum(seen) < len(text) / 2          # stopped after the first slices
+    assert tok.far_past(text, whole) is None          # it fits: tokenized whole, checked exactly
+    assert tok.far_past(text[:1000], 10) is None      # short texts are not looked at
+    # past 2 limit + 64 but under the whole count: found, by slices that add up near enough
+    assert whole > 2 * 30000 + 64 and len(text) > 8 * 30000 + T.SLICE_CHARS
+    assert tok.far_past(text, 30000) is not None

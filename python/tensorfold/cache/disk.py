@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import stat
@@ -220,8 +221,10 @@ class DiskStore:
         end = header[f"v.{L - 1}"]["data_offsets"][1]
         if base + end != size:
             raise ValueError(f"size {size} != expected {base + end} (truncated?)")
-        return DiskEntry(f, meta["key"], toks, size, float(meta["created"]), meta.get("pinned") == "1",
-                         meta["checksum"])
+        created = float(meta["created"])
+        if not math.isfinite(created):      # nan or 1e400: the eviction order was undefined, or never reached it
+            raise ValueError(f"created time {meta['created']!r} is not a number")
+        return DiskEntry(f, meta["key"], toks, size, created, meta.get("pinned") == "1", meta["checksum"])
 
     def _mtime(self):
         try:
@@ -327,6 +330,9 @@ class DiskStore:
         name = f"{key[:12]}-{th[:16]}-{len(toks)}.safetensors"
         final = self.dir / name
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
+        # a directory removed while the server runs is made again (every save after had failed
+        # until a restart)
+        self.dir.mkdir(parents=True, exist_ok=True)
         try:
             with open(tmp, "wb") as fh:
                 _lock(fh)                   # held until closed, after the rename

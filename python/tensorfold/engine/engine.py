@@ -199,10 +199,12 @@ class Engine:
         for the chat template (a request's chat_template_kwargs)."""
         tkw = dict(template_kwargs or {})
         if messages is not None:
-            ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw)
+            ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw, limit=True)
             self._check_prompt(ids, True, room)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
+        if isinstance(prompt, str):
+            self._far_past(prompt, False)
         ids = self.tokenize(prompt=prompt, tools=tools)     # its ids checked against the vocabulary there
         self._check_prompt(ids, False, room, vocab=False)
         return Prompt(ids=ids, chat=False)
@@ -231,8 +233,19 @@ class Engine:
         self._check_vocab(ids, False)       # /tokenize counted ids past it (a 200)
         return ids
 
-    def _chat_ids(self, messages, prompt, enable_thinking, tools, tkw: dict, add_generation_prompt: bool = True):
-        """(ids, rendered text, enable_thinking used) of a chat request."""
+    def _far_past(self, text: str, chat: bool) -> None:
+        """A prompt's text far past the context is refused before it is tokenized whole
+        (Tokenizer.far_past; /tokenize, which counts, does not ask)."""
+        n = self.tokenizer.far_past(text, self.context_length)
+        if n is not None:
+            raise RequestError(f"the prompt has over {2 * self.context_length:,} tokens (its first pieces alone "
+                               f"{n:,}); this model's context is {self.context_length}",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+
+    def _chat_ids(self, messages, prompt, enable_thinking, tools, tkw: dict, add_generation_prompt: bool = True,
+                  limit: bool = False):
+        """(ids, rendered text, enable_thinking used) of a chat request; limit: refuse a text far
+        past the context before tokenizing it whole (_far_past)."""
         if prompt is not None:
             raise RequestError("give exactly one of messages or prompt", param="messages")
         if not isinstance(messages, list) or not messages:
@@ -249,6 +262,8 @@ class Engine:
         except RecursionError:      # a template walking a value nested past Python's stack
             raise RequestError("messages are nested too deeply for the chat template (or the template "
                                "recurses without end)", param="messages") from None
+        if limit:
+            self._far_past(text, True)
         return self.tokenizer.encode(text), text, think
 
     def _check_vocab(self, ids, chat: bool) -> None:

@@ -227,13 +227,17 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.post("/detokenize")
     async def detokenize(request: Request):
         check_key(request)
-        data = parse_json(await read_body(request))
+        body = await read_body(request)
+        data = parse_json(body)
         check_model(data.get("model"))
-        ids = parse_detokenize(data)
         tok = worker.engine.tokenizer
-        if any(t >= tok.vocab_size for t in ids):
-            raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(ids)}
+
+        def decode():       # on a tokenizing thread: 2M ids decoded on the event loop held every stream 1.2 s
+            ids = parse_detokenize(data)
+            if ids and max(ids) >= tok.vocab_size:
+                raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
+            return tok.decode(ids)
+        return {"prompt": await tokenize.submit(decode, (), len(body))}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
