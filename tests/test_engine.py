@@ -316,6 +316,34 @@ def test_row_check_disables_drafting_loudly(checkpoints, monkeypatch, caplog):
     assert st.drafted == 0
 
 
+@pytest.mark.parametrize("flaw", ["five_rows", "past_key_128"])
+def test_row_check_sees_every_window_size_and_a_chunk_edge(checkpoints, monkeypatch, flaw):
+    """row_check verifies the k tokens in windows of every size, straddling key 128: an attention
+    whose bits differ (one ulp, one element) only in 5-row calls, or only once a window's keys pass
+    the first 128-key chunk, is caught. One 9-row window at positions 5..13 passed both."""
+    import tensorfold.kernels as K
+    from tensorfold.engine.rowcheck import row_check, window_sizes
+    from tensorfold.models import load_model
+    real = K.row_attention
+
+    def flawed(q, k, v, offset, scale, **kw):
+        y = real(q, k, v, offset, scale, **kw)
+        M = q.shape[2]
+        if M == 1 or (flaw == "five_rows" and M != 5):
+            return y
+        t = mx.uint16 if y.dtype != mx.float32 else mx.uint32
+        flat = y.reshape(-1)
+        bump = mx.arange(flat.size) == 0
+        if flaw == "past_key_128":
+            o = offset if isinstance(offset, mx.array) else mx.array(offset)
+            bump = bump & (o.reshape(-1)[0] + M > 128)
+        return (flat.view(t) + bump.astype(t)).view(y.dtype).reshape(y.shape)
+
+    monkeypatch.setattr(K, "row_attention", flawed)      # before loading: the exact step is compiled at first use
+    assert row_check(load_model(checkpoints["qwen3_mlx_4bit"]), k=9) is False
+    assert window_sizes(9) == list(range(2, 10)) and window_sizes(40) == list(range(2, 18)) + [40]
+
+
 def test_engine_warns_of_mlx_cuda_overreads(tmp_path, monkeypatch, caplog):
     """On CUDA the engine names a checkpoint's modules that reach MLX's quantized-matmul over-read
     (models.loader.mlx_cuda_qmm_overreads); elsewhere it says nothing. Hidden size 64 whatever

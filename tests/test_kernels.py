@@ -613,6 +613,36 @@ def test_kernel_inputs_refused_or_clipped_not_misread(device):
         K.row_expert_matmul(x, w, None, None, mx.array([[0.5], [1.0]]))
 
 
+def test_kernel_wrappers_refuse_other_types_and_scales(device):
+    """Operands must be mlx arrays of f32 / bf16 / f16 (float64 and int32 x had been cast to fp32 without
+    a word, numpy arrays failed inside the dtype promotion), an attention's scale a finite number (NaN
+    made every row NaN; "0.125" was parsed), and the expert op's bits / group size integers from the
+    allowed sets, checked first (bits 7 was reported as a column count, 4.0 failed in nanobind)."""
+    rng = _rng("refuse")
+    x, w = rand(rng, (2, 64), mx.float32), rand(rng, (8, 64), mx.float32)
+    for bad in (x.astype(mx.float64), x.astype(mx.int32), np.array(x)):
+        with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+            K.row_matmul(bad, w)
+    with pytest.raises(ValueError, match="uint32 mlx array"):
+        K.row_quantized_matmul(x, np.zeros((8, 8), np.uint32), mx.ones((8, 1)), mx.ones((8, 1)), 64, 4)
+    q, kv = rand(rng, (1, 2, 1, 64), mx.float32), rand(rng, (1, 1, 8, 64), mx.float32)
+    for bad in (float("nan"), float("inf"), "0.125", True):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            K.row_attention(q, kv, kv, 3, bad)
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            K.sparse_attention(q, kv, kv, mx.zeros((1, 1, 2), dtype=mx.int32), 3, bad)
+    assert np.array_equal(np.array(K.row_attention(q, kv, kv, 3, mx.array(0.125))),
+                          np.array(K.row_attention(q, kv, kv, 3, 0.125)))
+    with pytest.raises(ValueError, match="indices must be an mlx array"):
+        K.sparse_attention(q, kv, kv, np.zeros((1, 1, 2), np.int32), 3, 0.125)
+    we = mx.zeros((3, 8, 64 * 4 // 32), dtype=mx.uint32)
+    sc = mx.ones((3, 8, 1))
+    for bits, gs, msg in ((7, 64, "bits must be one of"), (0, 64, "bits must be one of"),
+                          (4.0, 64, "integers"), (4, 64.0, "integers")):
+        with pytest.raises(ValueError, match=msg):
+            K.row_expert_matmul(x, we, sc, sc, mx.zeros((2, 1), dtype=mx.int32), gs, bits)
+
+
 def test_mixed_dtypes_promote_as_mlx_does(device):
     """Operands of two float types: the result has the type MLX's own op gives (bf16 x with fp32
     weights: fp32), and equals the op on x cast to that type (an exact cast). The kernels rounded

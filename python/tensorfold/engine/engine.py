@@ -126,7 +126,7 @@ class Engine:
         self._pipeline = True
         self.row_exact = None
         if drafts:
-            self.row_exact = row_check(self.model, k=min(draft_width + 1, 16))
+            self.row_exact = row_check(self.model, k=draft_width + 1)
             if not self.row_exact:
                 log.warning("row_check failed on this backend: the decode kernels are not row-exact "
                             "here, so drafting is DISABLED (replies stay exact, only slower)")

@@ -18,6 +18,8 @@ uses the CPU primitive.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import operator
 import os
 from typing import Callable, Optional, Union
@@ -110,6 +112,8 @@ def as_int32(a: mx.array, what: str, low: int = -1) -> mx.array:
     """Integer ids / offsets for a kernel, as int32: a float array is refused (it was truncated:
     1.9 read as 1), and wider integers are clipped to [low, 2^31 - 1] rather than wrapped (2^32 + 1
     read as 1), so an out-of-range value stays out of range (a NaN row, an ignored key)."""
+    if not isinstance(a, mx.array):
+        raise ValueError(f"{what} must be an mlx array of integers, got {type(a).__name__}")
     if a.dtype == mx.int32:
         return a
     if not mx.issubdtype(a.dtype, mx.integer):
@@ -134,8 +138,27 @@ def promoted(x: mx.array, *others) -> mx.array:
     dtype stays; bf16 with fp16, or anything with fp32, is fp32), so that the kernels' output
     type, x's, is MLX's: with bf16 x and fp32 weights the result was rounded to bf16, 10^3 times
     MLX's error. The cast is exact; the engine's calls share one dtype and never take it."""
+    for a in (x, *others):
+        if a is not None and (not isinstance(a, mx.array) or a.dtype not in FLOAT_TYPES):
+            # numpy arrays and float64 / integer arrays had been cast to fp32 without a word, or
+            # failed with "Cannot interpret 'mlx.core.float32' as a data type"
+            raise ValueError("operands must be mlx arrays of float32, bfloat16 or float16, got "
+                             + (f"{a.dtype}" if isinstance(a, mx.array) else type(a).__name__))
     types = {x.dtype, *(o.dtype for o in others if o is not None)}
     return x if len(types) == 1 or x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def check_scale(scale, what: str) -> float:
+    """An attention's softmax scale as a float: a finite real number (NaN or inf made every row NaN
+    without an error; a string was parsed)."""
+    if isinstance(scale, mx.array) and scale.size == 1:
+        scale = scale.item()
+    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"{what}: scale must be a finite number, got {scale!r}"[:200])
+    return float(scale)
 
 
 def _check_k(x: mx.array, what: str) -> None:
@@ -160,8 +183,9 @@ def _check_quantized(x, w, scales, biases, group_size, bits, what: str) -> None:
         raise ValueError(f"{what}: bits must be one of {QUANT_BITS}, got {bits}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"{what}: group_size must be one of {GROUP_SIZES}, got {group_size}")
-    if w.ndim != 2 or w.dtype != mx.uint32:
-        raise ValueError(f"{what}: w must be a 2-D uint32 array, got {w.dtype} {w.shape}")
+    if not isinstance(w, mx.array) or w.ndim != 2 or w.dtype != mx.uint32:
+        raise ValueError(f"{what}: w must be a 2-D uint32 mlx array, got " + (
+            f"{w.dtype} {w.shape}" if isinstance(w, mx.array) else type(w).__name__))
     N, K = w.shape[0], w.shape[1] * 32 // bits
     if x.shape[-1] != K:
         raise ValueError(f"{what}: x has {x.shape[-1]} columns, w takes K = {K}")
@@ -356,6 +380,7 @@ def row_attention(q: mx.array, k: mx.array, v: mx.array, offset, scale: float, *
     up front and raises instead).
     """
     check_attention_shapes(q, k, v, "row_attention")
+    scale = check_scale(scale, "row_attention")
     off = offset_array(offset, q.shape[2], k.shape[2], "row_attention")
     q = promoted(q, k, v)
     if q.size == 0:
@@ -375,6 +400,13 @@ def check_expert_args(x_shape, w, scales, biases, indices_shape, group_size, bit
     checked here so that the GPU faces never read past a buffer): ValueError otherwise.
     x_shape: the activations' shape [..., K]; indices_shape: the expert ids' [..., k]."""
     x_shape, indices_shape = tuple(x_shape), tuple(indices_shape)
+    if scales is not None:      # the bits and group size first, as _check_quantized: bits 7 was
+        # reported as a column count, 4.0 reached nanobind's "incompatible function arguments"
+        if type(bits) is not int or type(group_size) is not int:
+            raise ValueError(f"{what}: bits and group_size must be integers, got {bits!r} / {group_size!r}")
+        if bits not in QUANT_BITS or group_size not in GROUP_SIZES:
+            raise ValueError(f"{what}: bits must be one of {QUANT_BITS} and group_size one of "
+                             f"{GROUP_SIZES}, got {bits} / {group_size}")
     if w.ndim != 3 or (scales is None) != (biases is None):
         raise ValueError(f"{what}: w must be [E, N, K'] with scales and biases both given or "
                          f"both None, got w {w.shape}")
@@ -388,9 +420,6 @@ def check_expert_args(x_shape, w, scales, biases, indices_shape, group_size, bit
     K = w.shape[2] * 32 // bits if scales is not None and bits else w.shape[2]
     if x_shape[-1] != K:
         raise ValueError(f"{what}: x has {x_shape[-1]} columns, the experts take {K}")
-    if scales is not None and (bits not in QUANT_BITS or group_size not in GROUP_SIZES):
-        raise ValueError(f"{what}: bits must be one of {QUANT_BITS} and group_size one of "
-                         f"{GROUP_SIZES}, got {bits} / {group_size}")
     if scales is not None and (not group_size or scales.shape[2] * group_size != K):
         raise ValueError(f"{what}: scales {scales.shape} do not match group size {group_size} "
                          f"over {K} columns")

@@ -65,8 +65,9 @@ def sparse_attention(q: mx.array, k: mx.array, v: mx.array, indices: mx.array, o
     head); CUDA: bf16 / f16 (q, k, v of one dtype) with D a multiple of 16 on tensor cores,
     any other dtype / D on CUDA cores (docs/kernels.md).
     """
-    from . import as_int32, check_attention_shapes, offset_array
+    from . import as_int32, check_attention_shapes, check_scale, offset_array
     check_attention_shapes(q, k, v, "sparse_attention")
+    scale = check_scale(scale, "sparse_attention")
     if indices.ndim != 3 or indices.shape[0] != q.shape[0] or indices.shape[1] != q.shape[2]:
         raise ValueError("sparse_attention: indices must be [B, M, T]")
     indices = as_int32(indices, "sparse_attention: indices")
