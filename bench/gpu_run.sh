@@ -1352,6 +1352,13 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
       collect tests/test_moe.py -k row_expert_matmul_row_exact; } > "$out/s55.ids"
     IDS="$out/s55.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
     ;;
+  s59)      # prepared in session 59 (no machine was lent): row_check's new form (every window size up to the draft
+            # width + 1, straddling key 128, the prompt through the exact kernels) on the CUDA face, where MLX's own
+            # kernels are not row-invariant; the kernel wrappers' new refusals; then the engine suites on today's code
+    { collect tests/test_engine.py -k "row_check"; collect tests/test_kernels.py -k "refuse";
+      collect tests/test_dsa.py -k "row_check or row_exact"; engine_ids; } > "$out/s59.ids"
+    IDS="$out/s59.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-420} bash "$0" suite
+    ;;
   s57a)     # session 57: x rows asked of L1 a chunk or two ahead (the floor's xpD cut: prefetch.global.L1, the
             # same bits, asserted) at 16 rows, against the default staging; with the loads after the wait (xe0)
             # and, on 4096 x 12288 (XE 2 / UR 2 by default), XE 1 with one chunk a turn
