@@ -341,7 +341,8 @@ def test_row_check_sees_every_window_size_and_a_chunk_edge(checkpoints, monkeypa
 
     monkeypatch.setattr(K, "row_attention", flawed)      # before loading: the exact step is compiled at first use
     assert row_check(load_model(checkpoints["qwen3_mlx_4bit"]), k=9) is False
-    assert window_sizes(9) == list(range(2, 10)) and window_sizes(40) == list(range(2, 18)) + [40]
+    assert window_sizes(9) == list(range(2, 10)) and window_sizes(20) == list(range(2, 18)) + [20]
+    assert window_sizes(33) == list(range(2, 18)) + [32, 33]
 
 
 def test_engine_warns_of_mlx_cuda_overreads(tmp_path, monkeypatch, caplog):

@@ -115,6 +115,22 @@ def test_tool_calls_through_the_openai_client():
             assert r.choices[0].finish_reason == "stop" and eng.tools_seen[-1] is None
 
 
+def test_strict_tools_are_served_as_written():
+    """`strict` is accepted and not enforced: the openai client's pydantic_function_tool (and the Agents
+    SDK) send strict true by default, and a 400 for it refused their tools."""
+    import openai
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        city: str
+
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    assert tool["function"].get("strict") is True
+    with scripted_server(ToolEngine(_pieces(TWO_CALLS)), api_key=KEY) as s:
+        r = s.chat(tools=[tool], max_tokens=1000)
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 2
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),

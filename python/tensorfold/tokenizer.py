@@ -99,8 +99,11 @@ def _named_templates(value: Any) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
-        return {t["name"]: t["template"] for t in value
-                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        named: dict[str, str] = {}
+        for t in value:     # an entry without a name is the default (a one-entry list had been read so)
+            if isinstance(t, dict) and isinstance(t.get("template"), str):
+                named.setdefault(t["name"] if isinstance(t.get("name"), str) else "default", t["template"])
+        return named
     return {}
 
 
@@ -401,7 +404,13 @@ class Tokenizer:
             try:
                 tool_compiled = _compile_template(tool_template) if tool_template else None
             except TemplateError as e:
-                raise ValueError(f"{source}: the tool_use template: {e}") from None
+                # as transformers, which fails only when it renders it: the model serves, and a
+                # request with tools takes the default template (or its 400 where that reads none)
+                tool_src = (path / "additional_chat_templates" / "tool_use.jinja"
+                            if source.name == "chat_template.jinja" else source)
+                log.warning("%s: the tool_use chat template does not parse (%s); requests with tools "
+                            "render the default template", tool_src, e)
+                tool_template = None
 
         eos_token = _token_content(tcfg.get("eos_token"))
         bos_token = _token_content(tcfg.get("bos_token"))

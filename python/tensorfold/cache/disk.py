@@ -223,7 +223,7 @@ class DiskStore:
             raise ValueError(f"size {size} != expected {base + end} (truncated?)")
         created = float(meta["created"])
         if not math.isfinite(created):      # nan or 1e400: the eviction order was undefined, or never reached it
-            raise ValueError(f"created time {meta['created']!r} is not a number")
+            raise ValueError(f"created time {meta['created']!r} is not a finite number")
         return DiskEntry(f, meta["key"], toks, size, created, meta.get("pinned") == "1", meta["checksum"])
 
     def _mtime(self):

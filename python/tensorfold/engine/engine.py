@@ -28,7 +28,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_json_object
 from . import args
 from .prefill import PrefillCancelled, PrefillMode, prefill, reserve_rows
 from .proposers import ContextCopy, DraftModel, Proposer
-from .rowcheck import row_check
+from .rowcheck import MAX_K as ROW_CHECK_MAX_K, row_check
 from .sampling import choice_seed, greedy_device, prompt_seed, sample
 from .logprobs import MAX_TOP, token_logprob
 from .penalties import Penalties
@@ -126,7 +126,7 @@ class Engine:
         self._pipeline = True
         self.row_exact = None
         if drafts:
-            self.row_exact = row_check(self.model, k=draft_width + 1)
+            self.row_exact = row_check(self.model, k=min(draft_width + 1, ROW_CHECK_MAX_K))
             if not self.row_exact:
                 log.warning("row_check failed on this backend: the decode kernels are not row-exact "
                             "here, so drafting is DISABLED (replies stay exact, only slower)")

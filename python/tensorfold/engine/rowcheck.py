@@ -12,12 +12,15 @@ from .. import kernels
 # first 128-key attention chunk and of two of the CUDA face's 64-key spans, so a kernel whose bits
 # changed once a window's keys pass a chunk's edge fails the check (at positions 5..5+k-1 it passed).
 STRADDLE = 128
-ALL_SIZES_UP_TO = 17     # every window size up to this; past it only the whole window (k)
+ALL_SIZES_UP_TO = 17     # every window size up to this (the contract's 16 rows and one past them)
+MAX_K = 33               # tokens checked at most: windows of 32 and 33 rows cross the CPU GEMM's 32-row block
 
 
 def window_sizes(k: int) -> list[int]:
-    """The verify-window sizes checked for k tokens: 2..k, or 2..ALL_SIZES_UP_TO and k."""
-    return list(range(2, min(k, ALL_SIZES_UP_TO) + 1)) + ([k] if k > ALL_SIZES_UP_TO else [])
+    """The verify-window sizes checked for k tokens: every size from 2 to min(k, 17), then 32, 33 and
+    k where k reaches them (k is at most MAX_K: the engine checks min(draft width + 1, MAX_K) tokens,
+    and each size costs about k / size calls)."""
+    return sorted({*range(2, min(k, ALL_SIZES_UP_TO) + 1), *(w for w in (32, 33, k) if 2 <= w <= min(k, MAX_K))})
 
 
 def row_check(model, k: int = 8, prompt_len: int | None = None, seed: int = 0) -> bool:

@@ -399,6 +399,9 @@ def _tools(data: dict) -> list | None:
     None where none are given or tool_choice is "none". A choice the server cannot enforce
     ("required", a named function: it would need constrained decoding) is refused."""
     tools, choice = data.get("tools"), data.get("tool_choice")
+    parallel = data.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "expected a boolean.")
     if choice is not None and choice not in ("none", "auto"):
         raise RequestError(f"Unsupported parameter: 'tool_choice' {json.dumps(choice)[:60]} is not supported by "
                            "this server (it takes \"auto\" and \"none\").", param="tool_choice",
@@ -415,13 +418,8 @@ def _tools(data: dict) -> list | None:
             raise _bad(f"tools[{i}].function.name", "expected a non-empty string.")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad(f"tools[{i}].function.parameters", "expected an object (a JSON Schema).")
-        if fn.get("strict") not in (None, False):     # arguments that follow the schema: constrained decoding
-            raise RequestError(f"Unsupported parameter: 'tools[{i}].function.strict' {json.dumps(fn['strict'])[:20]} "
-                               "is not supported by this server (arguments are what the model writes).",
-                               param=f"tools[{i}].function.strict", code="unsupported_parameter")
-    parallel = data.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", "expected a boolean.")
+        # `strict` is accepted and not enforced (README): the openai client's pydantic_function_tool and
+        # the Agents SDK send strict true by default, so refusing it refused those clients' tools
     if parallel is False and choice != "none":      # at most one call: the model may write several
         raise RequestError("Unsupported parameter: 'parallel_tool_calls' false is not supported by this server "
                            "(a reply holds the calls the model writes).", param="parallel_tool_calls",
