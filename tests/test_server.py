@@ -236,13 +236,13 @@ def test_chat_template_kwargs_reach_the_template(srv):
     them); the variables the server sets itself are refused."""
     tok = srv.engine.tokenizer
     saved = tok.chat_template
-    tok.chat_template, tok._compiled = saved + "{% if custom_flag %}A B C D E F{% endif %}", None
+    tok.chat_template = saved + "{% if custom_flag %}A B C D E F{% endif %}"
     try:
         plain = srv.chat(max_tokens=2)
         flagged = srv.chat(max_tokens=2, extra_body={"chat_template_kwargs": {"custom_flag": True}})
         assert flagged.usage.prompt_tokens > plain.usage.prompt_tokens
     finally:
-        tok.chat_template, tok._compiled = saved, None
+        tok.chat_template = saved
     for key in ("messages", "bos_token", "add_generation_prompt", "not an identifier"):
         _check_error(srv.post("/v1/chat/completions", _msg(chat_template_kwargs={key: 1})), 400,
                      f"chat_template_kwargs.{key}")

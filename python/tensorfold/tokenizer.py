@@ -251,7 +251,10 @@ def _template_env():
     return env
 
 
+@functools.lru_cache(maxsize=32)
 def _compile_template(source: str):
+    """A chat template compiled once per text (each Tokenizer's default and tool_use templates, and a
+    template a test swaps in, share this cache: no per-instance slot to go stale)."""
     import jinja2
     try:
         return _template_env().from_string(source)
@@ -335,8 +338,6 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         unk_token: str | None = None,
-        compiled=None,
-        tool_compiled=None,
     ):
         self._tok = tokenizer
         self.chat_template = chat_template
@@ -353,8 +354,6 @@ class Tokenizer:
         added = tokenizer.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.added_ids: frozenset[int] = frozenset(added)
-        self._compiled = compiled
-        self._tool_compiled = tool_compiled
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -393,16 +392,17 @@ class Tokenizer:
                 log.warning("tokenizer_config.json: chat_template_type %r is not one this server has (%s); "
                             "ignored", ttype, ", ".join(TEMPLATES))
 
-        compiled = tool_compiled = None
         if template_fn is None:
             # compiled at load: a template that does not parse made every chat request a 400 that
             # blamed the request's messages, on a server that had started without a word
             try:
-                compiled = _compile_template(template) if template else None
+                if template:
+                    _compile_template(template)
             except TemplateError as e:
                 raise ValueError(f"{source}: {e}") from None
             try:
-                tool_compiled = _compile_template(tool_template) if tool_template else None
+                if tool_template:
+                    _compile_template(tool_template)
             except TemplateError as e:
                 # as transformers, which fails only when it renders it: the model serves, and a
                 # request with tools takes the default template (or its 400 where that reads none)
@@ -436,8 +436,6 @@ class Tokenizer:
             eos_token=eos_token,
             pad_token=pad_token,
             unk_token=unk_token,
-            compiled=compiled,
-            tool_compiled=tool_compiled,
         )
 
     # -- basic ops ---------------------------------------------------------------------------------
@@ -622,14 +620,7 @@ class Tokenizer:
             msgs = [dict(m, role="system") if m.get("role") == "developer" else m for m in msgs]
         if tools is not None and not isinstance(tools, list):
             raise ValueError("tools must be a list")
-        if use_tool:
-            if self._tool_compiled is None:
-                self._tool_compiled = _compile_template(source)
-            compiled = self._tool_compiled
-        else:
-            if self._compiled is None:
-                self._compiled = _compile_template(source)
-            compiled = self._compiled
+        compiled = _compile_template(source)
         ctx: dict[str, Any] = {
             "messages": msgs,
             "tools": tools,

@@ -83,7 +83,6 @@ def checkpoint_has(path: Path, name: str) -> bool:
     return False
 
 
-
 # config.json's checked readers (null or absent: the default; a bad value a CheckpointError naming the key)
 def _opt_int(raw: dict, key: str, default, low: int = 1):
     """An integer >= low (1: "a positive integer"). Sizes stay within what the kernels index (int32)
@@ -120,6 +119,7 @@ def _opt_bool(raw: dict, key: str, default):
     if not isinstance(v, bool):
         raise CheckpointError(f"config.json: {key!r} must be true or false, got {v!r}"[:200])
     return v
+
 
 @dataclass
 class ModelConfig:
