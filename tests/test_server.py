@@ -248,6 +248,35 @@ def test_chat_template_kwargs_reach_the_template(srv):
                      f"chat_template_kwargs.{key}")
 
 
+def test_continue_final_message_continues_the_last_message(srv):
+    """vLLM's add_generation_prompt / continue_final_message (a prefilled start of the reply). Both
+    were ignored: the partial assistant turn was closed, a new one opened, and /tokenize (which read
+    add_generation_prompt only) counted other ids than the reply's usage."""
+    msgs = [{"role": "user", "content": "Show a function."}, {"role": "assistant", "content": "def foo"}]
+    body = dict(messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    ids = srv.post("/tokenize", body).json()["tokens"]
+    text = srv.engine.tokenizer.decode(ids)
+    assert text.endswith("def foo"), text            # the last turn left open
+    r = srv.chat(msgs, max_tokens=12, extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == len(ids)
+    # the reply is the continuation of exactly those ids: a completions request of them gives it
+    c = srv.complete(ids, max_tokens=12)
+    assert chat_text(r) == c.choices[0].text
+    assert r.model_extra["tensorfold"]["token_hash"] == c.model_extra["tensorfold"]["token_hash"]
+    # add_generation_prompt false alone: the messages rendered without the assistant's opening
+    closed = srv.post("/tokenize", dict(messages=msgs[:1], add_generation_prompt=False)).json()["count"]
+    opened = srv.post("/tokenize", dict(messages=msgs[:1])).json()["count"]
+    assert closed < opened
+    assert srv.chat(msgs[:1], max_tokens=2, extra_body={"add_generation_prompt": False}).usage.prompt_tokens == closed
+    for path in ("/v1/chat/completions", "/tokenize"):
+        _check_error(srv.post(path, _msg(continue_final_message=True)), 400, "continue_final_message")
+        _check_error(srv.post(path, _msg(add_generation_prompt=False, continue_final_message="yes")), 400,
+                     "continue_final_message")
+        _check_error(srv.post(path, _msg(messages=[{"role": "user", "content": "x"},
+                                                   {"role": "assistant", "content": "  "}],
+                                         add_generation_prompt=False, continue_final_message=True)), 400, "messages")
+
+
 # -- exactness through HTTP ------------------------------------------------------------------------
 
 def test_drafted_equals_serial(srv):
@@ -441,6 +470,19 @@ BAD = [
      "repetition_penalty", None),
     ("json mode asked", "/v1/chat/completions", _msg(response_format={"type": "json_object"}), 400,
      "response_format", "unsupported_parameter"),
+    # fields served but not read are type-checked as OpenAI checks them (they were taken as they came)
+    ("response format without a type", "/v1/chat/completions", _msg(response_format={}), 400,
+     "response_format.type", "invalid_value"),
+    ("a message name not a string", "/v1/chat/completions", _msg(messages=[{"role": "user", "content": "x",
+                                                                          "name": 5}]), 400, "messages[0].name", None),
+    ("user not a string", "/v1/chat/completions", _msg(user=5), 400, "user", "invalid_value"),
+    ("metadata not an object", "/v1/chat/completions", _msg(metadata="x"), 400, "metadata", "invalid_value"),
+    ("reasoning effort not a string", "/v1/chat/completions", _msg(reasoning_effort=5), 400, "reasoning_effort",
+     "invalid_value"),
+    ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, 400, "prompt",
+     "unsupported_parameter"),
+    ("a prompt of nested strings", "/v1/completions", {"prompt": [["a", "b"]], "max_tokens": 2}, 400, "prompt",
+     "invalid_value"),
     ("tools on completions", "/v1/completions",
      {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools",
      "unsupported_parameter"),

@@ -745,3 +745,25 @@ def test_far_past_counts_a_long_text_in_slices_and_stops_early(tok, monkeypatch)
     # past 2 limit + 64 but under the whole count: found, by slices that add up near enough
     assert whole > 2 * 30000 + 64 and len(text) > 8 * 30000 + T.SLICE_CHARS
     assert tok.far_past(text, 30000) is not None
+
+
+def test_continue_final_message_cuts_after_the_last_content(tinycode_path):
+    """continue_final_message (transformers' rule): the text ends right after the last message's
+    content, its trailing whitespace kept where the template wrote it; it needs
+    add_generation_prompt false, and a final message with text the template writes."""
+    t = Tokenizer.from_dir(tinycode_path)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def foo "}]
+    closed = t.apply_chat_template(msgs, add_generation_prompt=False)
+    got = t.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert closed.startswith(got) and got.endswith("assistant\ndef foo ")
+    parts = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "def "},
+                                                        {"type": "text", "text": "foo "}]}]
+    assert t.apply_chat_template(parts, add_generation_prompt=False, continue_final_message=True) == got
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        t.apply_chat_template(msgs, continue_final_message=True)
+    with pytest.raises(ValueError, match="no text to continue"):
+        t.apply_chat_template([msgs[0], {"role": "assistant", "content": " "}], add_generation_prompt=False,
+                              continue_final_message=True)
+    t.chat_template = "{% for m in messages %}[{{ m['content'] | upper }}]{% endfor %}"
+    with pytest.raises(ValueError, match="cannot be continued"):
+        t.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)

@@ -601,8 +601,32 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
+        """The chat template's text. continue_final_message (transformers' and vLLM's): the last
+        message is left open, the text cut right after its content, so that a reply continues it
+        (a prefilled start of the assistant's turn); it needs add_generation_prompt false."""
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, enable_thinking, tools, **kwargs)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false (the final message "
+                             "is continued, no new turn opened)")
+        raw = validate_messages(messages)[-1].get("content")
+        raw = raw.lstrip() if isinstance(raw, str) else ""
+        final = raw.rstrip()
+        if not final:
+            raise ValueError("continue_final_message: the final message has no text to continue")
+        text = self._render(messages, False, enable_thinking, tools, **kwargs)
+        at = text.rfind(final)
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not write the final message's "
+                             "text as given, so it cannot be continued")
+        # its trailing whitespace kept where the template wrote it (transformers' rule)
+        return text[:at + (len(raw) if text.startswith(raw, at) else len(final))]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool | None,
+                tools: list[dict] | None, **kwargs: Any) -> str:
         if self.template_fn is not None:
             if tools is not None and not isinstance(tools, list):
                 raise ValueError("tools must be a list")

@@ -192,14 +192,18 @@ class Engine:
         return self.prepare(messages, prompt, enable_thinking, tools, template_kwargs).ids
 
     def prepare(self, messages=None, prompt=None, enable_thinking=None, tools=None,
-                template_kwargs=None, room: int = 1) -> Prompt:
+                template_kwargs=None, room: int = 1, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> Prompt:
         """The request's prompt, tokenized and checked (RequestError on bad input). Thread-safe:
         it reads only the tokenizer and the config, so a server calls it on a thread of its own
         and the engine's thread never tokenizes a large prompt. template_kwargs: more variables
-        for the chat template (a request's chat_template_kwargs)."""
+        for the chat template (a request's chat_template_kwargs); add_generation_prompt and
+        continue_final_message: vLLM's (Tokenizer.apply_chat_template), a reply that continues the
+        last message."""
         tkw = dict(template_kwargs or {})
         if messages is not None:
-            ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw, limit=True)
+            ids, text, think = self._chat_ids(messages, prompt, enable_thinking, tools, tkw, add_generation_prompt,
+                                              limit=True, continue_final_message=continue_final_message)
             self._check_prompt(ids, True, room)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
             return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
@@ -210,13 +214,13 @@ class Engine:
         return Prompt(ids=ids, chat=False)
 
     def tokenize(self, messages=None, prompt=None, enable_thinking=None, tools=None, template_kwargs=None,
-                 add_generation_prompt: bool = True) -> list[int]:
+                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """The token ids prepare() would run (the chat template rendered, or a completions prompt
         encoded), without the context check: a server's /tokenize counts a prompt past the context (ids
         past the model's vocabulary are refused)."""
         if messages is not None:
             return self._chat_ids(messages, prompt, enable_thinking, tools, dict(template_kwargs or {}),
-                                  add_generation_prompt)[0]
+                                  add_generation_prompt, continue_final_message=continue_final_message)[0]
         if prompt is None:
             raise RequestError("give exactly one of messages or prompt", param="messages")
         if tools:       # nothing renders them with a prompt (they were dropped without a word)
@@ -243,7 +247,7 @@ class Engine:
                                param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def _chat_ids(self, messages, prompt, enable_thinking, tools, tkw: dict, add_generation_prompt: bool = True,
-                  limit: bool = False):
+                  limit: bool = False, continue_final_message: bool = False):
         """(ids, rendered text, enable_thinking used) of a chat request; limit: refuse a text far
         past the context before tokenizing it whole (_far_past)."""
         if prompt is not None:
@@ -255,6 +259,8 @@ class Engine:
             raise RequestError("tools: this model's chat template does not read them (they would be "
                                "dropped)", param="tools", code="unsupported_parameter")
         try:
+            if continue_final_message:      # only then: a tokenizer of another make need not take it
+                tkw = dict(tkw, continue_final_message=True)
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       enable_thinking=think, tools=tools, **tkw)
         except ValueError as e:

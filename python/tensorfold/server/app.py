@@ -281,6 +281,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             extra = {"tools": req.tools} if req.tools else {}
             if kind == "chat" and req.template_kwargs:
                 extra["template_kwargs"] = req.template_kwargs
+            if not req.add_generation_prompt:
+                extra["add_generation_prompt"] = False
+            if req.continue_final_message:
+                extra["continue_final_message"] = True
             if req.echo and req.logprobs is not None and kwargs["max_tokens"] == 0:
                 extra["room"] = 0       # a prompt scored, nothing generated: it may fill the context
             fut = tokenize.submit(lambda: prepare(*args, **extra), (), body_size)
@@ -299,6 +303,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         elif kind == "chat" and req.template_kwargs:
             raise RequestError("chat_template_kwargs other than enable_thinking need an engine "
                                "that renders prompts itself", param="chat_template_kwargs")
+        elif not req.add_generation_prompt or req.continue_final_message:
+            raise RequestError("add_generation_prompt false / continue_final_message need an engine that "
+                               "renders prompts itself", param="continue_final_message",
+                               code="unsupported_parameter")
         elif req.tools:
             kwargs["tools"] = req.tools
         job = worker.submit(kwargs, chat=kind == "chat", n=req.n)

@@ -36,6 +36,8 @@ class Request:
     ignore_eos: bool = False                    # vLLM's: EOS does not end the reply
     stop_token_ids: list[int] | None = None     # vLLM's: ids that end the reply as EOS does
     min_tokens: int = 0                         # vLLM's: no EOS / stop id / stop string before this many
+    add_generation_prompt: bool = True          # vLLM's (chat): the template opens the reply's turn
+    continue_final_message: bool = False        # vLLM's (chat): the reply continues the last message
 
 
 def content_type_error(value: str | None) -> str | None:
@@ -160,6 +162,8 @@ def _messages(v) -> list:
             raise _bad(f"{p}.content", "expected a string or an array of content parts.")
         if m.get("tool_calls") is not None:
             _tool_calls(m["tool_calls"], role, f"{p}.tool_calls")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise _bad(f"{p}.name", "expected a string.")
         out.append(m)
     return out
 
@@ -194,7 +198,8 @@ def _prompt(v):
     if v is None:
         raise RequestError("Missing required parameter: 'prompt'.", param="prompt",
                            code="missing_required_parameter")
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+    batch = isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list))
+    if batch:
         v = v[0]                                # a batch of one
     if isinstance(v, str):
         return v
@@ -205,8 +210,10 @@ def _prompt(v):
             if any(t < 0 for t in v):
                 raise _bad("prompt", "token ids must be non-negative.")
             return list(v)
-        if all(isinstance(t, (str, list)) for t in v):
-            raise _bad("prompt", "only one prompt per request is supported.")
+        if all(isinstance(t, (str, list)) for t in v) and not batch:
+            raise RequestError("Unsupported parameter: 'prompt' holds several prompts; this server takes one "
+                               "prompt a request (send them as separate requests).", param="prompt",
+                               code="unsupported_parameter")
     raise _bad("prompt", "expected a string or an array of token ids.")
 
 
@@ -260,7 +267,7 @@ def _is(v, n) -> bool:
 
 
 _UNSUPPORTED = {
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "tools": lambda v: v is None or v == [],
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v in ("none", "auto"),     # functions' legacy tool_choice
@@ -292,7 +299,16 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     """Validate an OpenAI body for `kind` ("chat" or "completion"). Unknown fields are ignored;
     known fields this server does not implement are refused unless neutral (_UNSUPPORTED)."""
     r = Request(kind=kind)
+    rf = data.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and isinstance(rf.get("type"), str)):
+        raise _bad("response_format.type" if isinstance(rf, dict) else "response_format",
+                   "expected an object with a 'type' string.")
     _refuse_unsupported(data, kind)
+    # fields served as OpenAI's but not read: their types checked all the same, as OpenAI does
+    for key, typ, what in (("user", str, "a string"), ("metadata", dict, "an object"),
+                           ("reasoning_effort", str, "a string")):
+        if data.get(key) is not None and not isinstance(data[key], typ):
+            raise _bad(key, f"expected {what}, got {json.dumps(data[key])[:40]}.")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "expected a string.")
@@ -391,7 +407,19 @@ def parse_request(data: dict, kind: str, *, context_length: int) -> Request:
     r.echo = echo
     if kind == "chat":
         r.tools = _tools(data)
+        r.add_generation_prompt, r.continue_final_message = _turn(data)
     return r
+
+
+def _turn(data: dict) -> tuple[bool, bool]:
+    """vLLM's add_generation_prompt (default true) and continue_final_message (default false): with
+    the second, the last message is left open and the reply continues it (a prefilled start)."""
+    gen = _bool(data, "add_generation_prompt", True)
+    cont = _bool(data, "continue_final_message", False)
+    if gen and cont:
+        raise _bad("continue_final_message", "needs 'add_generation_prompt': false (the final message is "
+                                             "continued, no new turn opened).")
+    return gen, cont
 
 
 def _tools(data: dict) -> list | None:
@@ -453,15 +481,16 @@ def _logprobs(data: dict, kind: str) -> int | None:
 
 def parse_tokenize(data: dict) -> dict:
     """/tokenize's body (vLLM's): {"prompt": text or ids} or {"messages": [...], "add_generation_prompt",
-    "chat_template_kwargs", "tools"} -> Engine.tokenize's keyword arguments."""
+    "continue_final_message", "chat_template_kwargs", "tools"} -> Engine.tokenize's keyword arguments."""
     if data.get("messages") is not None:
         if data.get("prompt") is not None:
             raise _bad("prompt", "give either 'prompt' or 'messages', not both.")
-        r = parse_request({k: data.get(k) for k in ("messages", "chat_template_kwargs", "tools")}, "chat",
-                          context_length=1)
+        r = parse_request({k: data.get(k) for k in ("messages", "chat_template_kwargs", "tools",
+                                                    "add_generation_prompt", "continue_final_message")},
+                          "chat", context_length=1)
         return dict(messages=r.messages, enable_thinking=r.enable_thinking, tools=r.tools,
-                    template_kwargs=r.template_kwargs,
-                    add_generation_prompt=_bool(data, "add_generation_prompt", True))
+                    template_kwargs=r.template_kwargs, add_generation_prompt=r.add_generation_prompt,
+                    continue_final_message=r.continue_final_message)
     return dict(prompt=_prompt(data.get("prompt")))
 
 
