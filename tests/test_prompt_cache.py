@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -205,6 +206,12 @@ def test_key_covers_the_python_code_not_the_build_id(tmp_path, monkeypatch):
     key.kernel_hash.cache_clear()
     (tmp_path / "config.json").write_text("{}")
     a = key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False)
+    # another make of device (a GPU of another architecture sharing a home over NFS): another key
+    info = dict(key.mx.device_info())
+    monkeypatch.setattr(key.mx, "device_info", lambda: dict(info, device_name="another"))
+    assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != a
+    monkeypatch.setattr(key.mx, "device_info", lambda: info)
+    assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) == a
     monkeypatch.setattr(key.mx, "default_device", lambda: key.mx.Device(key.mx.gpu, 0))
     assert key.cache_key(tmp_path, "bfloat16", "grid-16-mlx", kernels="k", whole=False) != a
 
@@ -457,13 +464,66 @@ def test_memory_store_lru_pinned_last():
     assert store.lookup("other", np.array([1] * 20), 16, 19)[1] == 0
 
 
-def test_disk_store_bounded_newest_kept(tmp_path):
-    store = DiskStore(tmp_path, max_bytes=1)
+def test_disk_store_bounded_newest_kept(tmp_path, caplog):
+    """The budget holds one of these snapshots: the newest is kept. A snapshot larger than the
+    whole budget is not written at all (`--snapshot-gib 0` had written every one: the newest was
+    always kept, whatever its size)."""
     kv = [(mx.ones((1, 2, 16, 8)), mx.ones((1, 2, 16, 8)))]
+    one = DiskStore(tmp_path / "one").save("k" * 32, [1] * 16, kv).stat().st_size
+    store = DiskStore(tmp_path / "a", max_bytes=one + 100)
     store.save("k" * 32, [1] * 16, kv)
     store.save("k" * 32, [2] * 16, kv)
     assert len(store.entries) == 1 and int(store.entries[0].tokens[0]) == 2
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    assert len(list((tmp_path / "a").glob("*.safetensors"))) == 1
+    for budget in (0, 1, one - 1):
+        small = DiskStore(tmp_path / f"b{budget}", max_bytes=budget)
+        with caplog.at_level(logging.INFO, logger="tensorfold"):
+            assert small.save("k" * 32, [1] * 16, kv) is None
+            small.save_async("k" * 32, [2] * 16, kv)
+            small.flush(timeout=30)
+        assert small.entries == [] and list((tmp_path / f"b{budget}").iterdir()) == []
+    assert "larger than the disk budget" in caplog.text
+
+
+def test_disk_writer_queue_is_bounded(tmp_path, caplog):
+    """Snapshots waiting for a slow disk are at most MAX_QUEUED (each a whole KV cache in host memory,
+    under neither budget: 30 had piled up, 200 MB): the oldest unpinned waiting one is dropped, a
+    pinned one (a system block) only where all waiting ones are pinned."""
+    import threading
+    store = DiskStore(tmp_path)
+    kv = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
+    gate, real = threading.Event(), store._write
+    store._write = lambda *a: (gate.wait(30), real(*a))[1]
+    store.save_async("k" * 32, [0] * 16, kv)                # taken by the writer, held at the gate
+    import time
+    t0 = time.monotonic()
+    while store._jobs and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    store.save_async("k" * 32, [1] * 16, kv, pinned=True)
+    for i in range(2, 12):
+        store.save_async("k" * 32, [i] * 16, kv)
+        assert len(store._jobs) <= DiskStore.MAX_QUEUED
+    gate.set()
+    store.flush(timeout=30)
+    assert sorted(int(e.tokens[0]) for e in store.entries) == [0, 1, 11]
+    assert "snapshot writer is behind" in caplog.text
+
+
+def test_a_store_keeps_the_file_another_store_pinned(tmp_path):
+    """Two servers on one directory: B pins tokens A had saved unpinned (the same file), then A saves
+    a longer snapshot of them: A's index still said unpinned and deleted B's system block. A's
+    unpinned save of tokens B pinned keeps the pin too."""
+    a, b = DiskStore(tmp_path), DiskStore(tmp_path)
+    kv16 = [(mx.ones((1, 1, 16, 8)), mx.ones((1, 1, 16, 8)))]
+    kv32 = [(mx.ones((1, 1, 32, 8)), mx.ones((1, 1, 32, 8)))]
+    toks = list(range(32))
+    short = a.save("k" * 32, toks[:16], kv16)
+    assert b.save("k" * 32, toks[:16], kv16, pinned=True) == short
+    a.candidates("k" * 32)
+    a.save("k" * 32, toks, kv32)
+    assert short.exists() and [e.pinned for e in DiskStore(tmp_path).entries if len(e.tokens) == 16] == [True]
+    a.save("k" * 32, toks[:16], kv16)                      # unpinned, over B's pinned file
+    assert [e.pinned for e in DiskStore(tmp_path).entries if len(e.tokens) == 16] == [True]
 
 
 def test_disk_store_remakes_a_removed_directory_and_skips_bad_times(tmp_path, caplog):

@@ -328,7 +328,9 @@ def cmd_serve(a) -> int:
         port = sockets[0].getsockname()[1]
     log.info("model %s: context %d tokens, drafting %s, prompt snapshots on disk: %s; OpenAI API at "
              "http://%s:%d/v1%s", app.state.model_name, eng.context_length,
-             "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off", kwargs["snapshot_dir"] or "off",
+             "on" if getattr(eng, "drafts_enabled", not a.no_drafts) else "off",
+             # the engine's store: a directory it found unusable is "off" (it had been named here)
+             getattr(getattr(eng, "disk", None), "dir", None) or "off",
              f"[{a.host}]" if ":" in a.host else a.host, port, " (API key required)" if api_key else "")
 
     class Server(uvicorn.Server):

@@ -9,6 +9,7 @@ tampered, foreign or other-format file is ignored with a warning."""
 from __future__ import annotations
 
 import atexit
+import collections
 import base64
 import fcntl
 import hashlib
@@ -16,7 +17,6 @@ import json
 import logging
 import math
 import os
-import queue
 import stat
 import struct
 import threading
@@ -178,7 +178,8 @@ class DiskStore:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self._writer = None
-        self._queue = None
+        self._jobs: collections.deque = collections.deque()     # snapshots copied out, not yet written
+        self._too_big_said = False
         self.entries: list[DiskEntry] = []
         self._seen = None       # the directory's mtime at the last look (refresh)
         self.scan()
@@ -281,25 +282,61 @@ class DiskStore:
                 flat.append(np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a))
         return key, toks, flat, pinned, ("BF16" if kv and kv[0][0].dtype == mx.bfloat16 else None)
 
-    def save(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> Path:
-        """Write a snapshot now (atomically); returns its path."""
+    # snapshots copied out of MLX and waiting for the writer, at most (each a whole KV cache in host
+    # memory, counted by neither budget: a slow disk had let them pile up without bound)
+    MAX_QUEUED = 2
+
+    def _fits(self, tokens, kv) -> bool:
+        """A snapshot larger than the whole budget is not written (the newest file is always kept,
+        so --snapshot-gib 0 had still written every snapshot). The arrays' bytes here, before
+        they are copied out; the file's exact size (with its header) in _write."""
+        return self._say_fits(len(tokens), sum(a.nbytes for pair in kv for a in pair))
+
+    def _say_fits(self, tokens: int, size: int) -> bool:
+        if size <= self.max_bytes:
+            return True
+        if not self._too_big_said:
+            self._too_big_said = True
+            log.info("a prompt snapshot of %d tokens (%.3g GB) is larger than the disk budget (%.3g GB): "
+                     "not written (said once)", tokens, size / 1e9, self.max_bytes / 1e9)
+        return False
+
+    def save(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> Path | None:
+        """Write a snapshot now (atomically); returns its path (None: larger than the budget)."""
+        if not self._fits(tokens, kv):
+            return None
         return self._write(*self._job(key, tokens, kv, pinned))
 
     def save_async(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> None:
-        """Copy the arrays out of MLX here, write the file in the background writer."""
+        """Copy the arrays out of MLX here, write the file in the background writer. Where
+        MAX_QUEUED snapshots already wait, the oldest unpinned one waiting is dropped (a cache:
+        nothing saved is lost), or this one where all of them are pinned and it is not."""
+        if not self._fits(tokens, kv):
+            return
+        with self._lock:
+            if len(self._jobs) >= self.MAX_QUEUED:
+                at = next((i for i, j in enumerate(self._jobs) if not j[3]), None)    # j[3]: pinned
+                if at is None and not pinned:
+                    log.warning("the snapshot writer is behind (a slow disk?): a snapshot was not written")
+                    return
+                del self._jobs[at or 0]
+                self._pending -= 1
+                log.warning("the snapshot writer is behind (a slow disk?): a queued snapshot was dropped")
         job = self._job(key, tokens, kv, pinned)
         with self._lock:
             if self._writer is None or not self._writer.is_alive():
-                self._queue = queue.Queue()
                 self._writer = threading.Thread(target=self._drain, name="tensorfold-snapshot-writer",
                                                 daemon=True)
                 self._writer.start()
             self._pending += 1
-        self._queue.put(job)
+            self._jobs.append(job)
+            self._idle.notify_all()
 
     def _drain(self) -> None:
         while True:
-            job = self._queue.get()
+            with self._lock:
+                self._idle.wait_for(lambda: self._jobs)
+                job = self._jobs.popleft()
             try:
                 self._write(*job)
             except Exception as e:  # noqa: BLE001 - the writer lives on; the next snapshot is written
@@ -314,7 +351,7 @@ class DiskStore:
         with self._lock:
             self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def _write(self, key: str, toks: np.ndarray, flat: list[np.ndarray], pinned: bool, bf16) -> Path:
+    def _write(self, key: str, toks: np.ndarray, flat: list[np.ndarray], pinned: bool, bf16) -> Path | None:
         th = hashlib.sha256(toks.tobytes()).hexdigest()
         meta = {"format": FORMAT, "key": key, "tokens": str(len(toks)), "token_hash": th,
                 "token_ids": base64.b64encode(toks.tobytes()).decode(), "created": repr(time.time()),
@@ -329,6 +366,12 @@ class DiskStore:
         head += b" " * (-len(head) % 8)
         name = f"{key[:12]}-{th[:16]}-{len(toks)}.safetensors"
         final = self.dir / name
+        if not pinned and self._pinned_on_disk(final):
+            meta["pinned"] = "1"        # another process sharing the directory pinned these tokens
+            head = json.dumps(header, separators=(",", ":")).encode()
+            head += b" " * (-len(head) % 8)
+        if not self._say_fits(len(toks), 8 + len(head) + off):
+            return None
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
         # a directory removed while the server runs is made again (every save after had failed
         # until a restart)
@@ -353,9 +396,11 @@ class DiskStore:
             os.close(dfd)
         entry = self._entry(final)
         with self._lock:
-            # an unpinned snapshot whose tokens are a prefix of this one is superseded
+            # an unpinned snapshot whose tokens are a prefix of this one is superseded (unless another
+            # process sharing the directory has since pinned that file: its header says so)
             stale = [e for e in self.entries if e.path != final and e.key == key and not e.pinned
-                     and len(e.tokens) <= len(toks) and np.array_equal(e.tokens, toks[: len(e.tokens)])]
+                     and len(e.tokens) <= len(toks) and np.array_equal(e.tokens, toks[: len(e.tokens)])
+                     and not self._pinned_on_disk(e.path)]
             for e in stale:
                 try:
                     e.path.unlink()
@@ -365,6 +410,17 @@ class DiskStore:
             self.entries = [e for e in self.entries if e.path not in gone] + [entry]
         self._evict()
         return final
+
+    @staticmethod
+    def _pinned_on_disk(f: Path) -> bool:
+        """The file's header says pinned (read now: another process may have replaced it)."""
+        if not _regular(f):         # absent, or a FIFO another process left there (open would block)
+            return False
+        try:
+            header, _ = _read_header(f)
+            return (header.get("__metadata__") or {}).get("pinned") == "1"
+        except Exception:  # noqa: BLE001 - absent or damaged: not pinned
+            return False
 
     def _evict(self) -> None:
         """Bound total bytes: oldest unpinned first, pinned last; the newest is kept."""

@@ -1,6 +1,7 @@
 """The prompt-cache key: a hash of everything that changes the bits of a snapshot.
 
-Model identity (config.json and the weight files' contents), MLX version, the backend, TensorFold's
+Model identity (config.json and the weight files' contents), MLX version, the backend and the device's
+make (a GPU's name and compute capability, a CPU's architecture and name), TensorFold's
 code (its Python sources, the kernel sources and the compiled extension), the activation dtype, the
 prefill mode, the GPU backend and the environment variables that choose an arithmetic path
 (BITS_ENV). A snapshot saved under another key is never reused.
@@ -203,6 +204,18 @@ NOT_BITS_ENV = ("TENSORFOLD_API_KEY", "TENSORFOLD_CACHE_DIR", "TENSORFOLD_SNAPSH
                 "TENSORFOLD_METAL_SOURCES")
 
 
+def _hardware() -> dict:
+    """The device's make (mx.device_info: a GPU's name and compute capability, a CPU's architecture
+    and name): MLX's GPU kernels are chosen per architecture, and BLAS per CPU, so a snapshot
+    directory shared between machines (a home over NFS) must not hand one's KV to another."""
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001 - an MLX without it: the device string alone
+        return {}
+    keys = ("architecture", "device_name", "compute_capability_major", "compute_capability_minor")
+    return {k: str(info[k]) for k in keys if k in info}
+
+
 def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = None,
               whole: bool = True) -> str:
     """whole: hash the weight files' bytes (keys of snapshots kept on disk); False samples them
@@ -213,7 +226,7 @@ def cache_key(model_path, dtype: str, mode_key: str, *, kernels: str | None = No
     _weights_identity(h, path, whole)
     parts = {"mlx": mx.__version__, "tensorfold": __version__, "device": str(mx.default_device()),
              "kernels": kernels if kernels is not None else kernel_hash(),
-             "dtype": dtype, "prefill": mode_key, "gpu_backend": _gpu_backend(),
+             "dtype": dtype, "prefill": mode_key, "gpu_backend": _gpu_backend(), "hardware": _hardware(),
              "env": {k: os.environ.get(k, "") for k in BITS_ENV}}
     h.update(json.dumps(parts, sort_keys=True).encode())
     return h.hexdigest()[:32]
