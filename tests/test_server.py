@@ -1129,6 +1129,37 @@ def test_shutdown_while_a_body_arrives_answers_503():
         assert time.monotonic() - t0 < 2.0
 
 
+def test_shutdown_while_tokenizing_answers_503():
+    """A drain while /tokenize or /detokenize is still at work on its thread (a 12 MB prompt takes
+    seconds): the JSON 503, at once (they awaited the thread without watching: uvicorn's grace
+    period cancelled them, a text/plain 500 and a traceback)."""
+    import threading
+    eng = ScriptedEngine(["x"])
+    gate = threading.Event()
+    eng.tokenize = lambda **kw: (gate.wait(30), [1])[1]
+    eng.tokenizer.vocab_size = 10
+    eng.tokenizer.decode = lambda ids: (gate.wait(30), "x")[1]
+    with scripted_server(eng, api_key=KEY) as s:
+        h = {"Authorization": f"Bearer {KEY}"}
+        got = {}
+
+        def ask(path, body):
+            got[path] = httpx.post(s.base + path, json=body, headers=h, timeout=30)
+        threads = [threading.Thread(target=ask, args=a) for a in (("/tokenize", {"prompt": "slow"}),
+                                                                   ("/detokenize", {"tokens": [1, 2]}))]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.worker.drain()
+        for t in threads:
+            t.join(10)
+        gate.set()
+        assert time.monotonic() - t0 < 2.0
+        for path in ("/tokenize", "/detokenize"):
+            _check_error(got[path], 503, code="server_shutting_down")
+
+
 EXIT_SCRIPT = """
 import asyncio
 from tensorfold.server.worker import EngineWorker

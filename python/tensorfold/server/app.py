@@ -43,6 +43,24 @@ def max_body_default(context_length: int) -> int:
     return min(max(16 << 20, 256 * int(context_length)), 1 << 30)
 
 
+class _CutAtShutdown:
+    """A reply still being sent when uvicorn's shutdown grace ran out (a stream whose client reads
+    slowly, after the engine finished it) is cancelled by uvicorn: logged here in one line, where
+    the cancellation had reached uvicorn as "Exception in ASGI application" with a traceback."""
+
+    def __init__(self, app, worker):
+        self.app, self.worker = app, worker
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope.get("type") != "http" or not self.worker.closing:
+                raise
+            log.warning("shutdown: a reply to %s still being sent was cut off (its client had not read it "
+                        "within the grace period)", scope.get("path"))
+
+
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
                defaults: dict | None = None, aliases=(), max_body: int | None = None,
                body_timeout: float = 60.0) -> FastAPI:
@@ -79,6 +97,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                   openapi_url=None)
     app.state.worker = worker
     app.state.model_name = name
+    app.add_middleware(_CutAtShutdown, worker=worker)
 
     # -- errors: always {"error": {...}}, never FastAPI's shapes or a traceback ---------------------
     @app.exception_handler(RequestError)
@@ -176,6 +195,22 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             raise RequestError(f"The model '{model}' does not exist; this server serves '{name}'.",
                                param="model", code="model_not_found", status=404)
 
+    async def tokenized(request: Request, work, size: int):
+        """work() on a tokenizing thread, awaited while watching for a shutdown (a 503: /tokenize of a
+        12 MB prompt had been cancelled by uvicorn's grace period, a text/plain 500 and a traceback)
+        and for the client leaving."""
+        fut = tokenize.submit(work, (), size)
+        try:
+            while not (await asyncio.wait({fut}, timeout=0.1))[0]:
+                if worker.closing:
+                    raise RequestError("The server is shutting down.", type="server_error",
+                                       code="server_shutting_down", status=503)
+                if await request.is_disconnected():
+                    raise _Gone
+        finally:
+            fut.cancel()            # a no-op once done; else its tokenization is skipped
+        return fut.result()
+
     async def watch(request: Request, job: Job) -> None:
         """Cancel the job (and wake its handler) when the client goes away."""
         try:
@@ -221,7 +256,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         check_model(data.get("model"))
         kw = parse_tokenize(data)
         check_tools(kw.get("tools"))    # as the request with these messages would be
-        ids = await tokenize.submit(lambda: worker.engine.tokenize(**kw), (), len(body))
+        ids = await tokenized(request, lambda: worker.engine.tokenize(**kw), len(body))
         return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 
     @app.post("/detokenize")
@@ -237,7 +272,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if ids and max(ids) >= tok.vocab_size:
                 raise RequestError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
             return tok.decode(ids)
-        return {"prompt": await tokenize.submit(decode, (), len(body))}
+        return {"prompt": await tokenized(request, decode, len(body))}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -287,17 +322,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 extra["continue_final_message"] = True
             if req.echo and req.logprobs is not None and kwargs["max_tokens"] == 0:
                 extra["room"] = 0       # a prompt scored, nothing generated: it may fill the context
-            fut = tokenize.submit(lambda: prepare(*args, **extra), (), body_size)
-            try:
-                while not (await asyncio.wait({fut}, timeout=0.1))[0]:
-                    if worker.closing:
-                        raise RequestError("The server is shutting down.", type="server_error",
-                                           code="server_shutting_down", status=503)
-                    if await request.is_disconnected():
-                        raise _Gone
-            finally:
-                fut.cancel()            # a no-op once done; else its tokenization is skipped
-            kwargs["prepared"] = fut.result()
+            kwargs["prepared"] = await tokenized(request, lambda: prepare(*args, **extra), body_size)
             if await request.is_disconnected():
                 raise _Gone             # the client left while its prompt was tokenized
         elif kind == "chat" and req.template_kwargs:
