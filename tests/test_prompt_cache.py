@@ -524,6 +524,15 @@ def test_a_store_keeps_the_file_another_store_pinned(tmp_path):
     assert short.exists() and [e.pinned for e in DiskStore(tmp_path).entries if len(e.tokens) == 16] == [True]
     a.save("k" * 32, toks[:16], kv16)                      # unpinned, over B's pinned file
     assert [e.pinned for e in DiskStore(tmp_path).entries if len(e.tokens) == 16] == [True]
+    # nor evicted first as unpinned, by a store whose index still says unpinned
+    d = tmp_path / "evict"
+    one = DiskStore(tmp_path / "probe").save("k" * 32, [9] * 16, kv16).stat().st_size
+    a, b = DiskStore(d, max_bytes=int(one * 2.5)), DiskStore(d, max_bytes=int(one * 2.5))
+    pa = a.save("k" * 32, [1] * 16, kv16)
+    b.save("k" * 32, [1] * 16, kv16, pinned=True)
+    a.save("k" * 32, [2] * 16, kv16)
+    a.save("k" * 32, [3] * 16, kv16)                      # over the budget: [2] goes, not B's pinned [1]
+    assert pa.exists() and sorted(int(e.tokens[0]) for e in DiskStore(d, max_bytes=10**9).entries) == [1, 3]
 
 
 def test_disk_store_remakes_a_removed_directory_and_skips_bad_times(tmp_path, caplog):

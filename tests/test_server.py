@@ -268,6 +268,20 @@ def test_continue_final_message_continues_the_last_message(srv):
     opened = srv.post("/tokenize", dict(messages=msgs[:1])).json()["count"]
     assert closed < opened
     assert srv.chat(msgs[:1], max_tokens=2, extra_body={"add_generation_prompt": False}).usage.prompt_tokens == closed
+    # the content's last characters again in the template's closing tag ("<|im_end|>" holds "end"): the
+    # text is cut after the content, not inside the tag; nor at an earlier turn holding the same text
+    for last in ("end", "im", "Show"):
+        m = [msgs[0], {"role": "assistant", "content": last}]
+        ids = srv.post("/tokenize", dict(messages=m, add_generation_prompt=False, continue_final_message=True)).json()
+        assert srv.engine.tokenizer.decode(ids["tokens"]).endswith("assistant\n" + last), last
+    # a prefilled reply still thinking: the reply's text is reasoning (it had come out as content, with
+    # the literal closing tag)
+    tok = srv.engine.tokenizer
+    if tok.think_tags:
+        m = [msgs[0], {"role": "assistant", "content": "<think>\nLet me add"}]
+        p = srv.engine.prepare(m, add_generation_prompt=False, continue_final_message=True)
+        assert p.text.endswith("<think>\nLet me add") and p.final_at == p.text.rindex("<think>")
+        assert srv.worker._opens_think({"prepared": p})
     for path in ("/v1/chat/completions", "/tokenize"):
         _check_error(srv.post(path, _msg(continue_final_message=True)), 400, "continue_final_message")
         _check_error(srv.post(path, _msg(add_generation_prompt=False, continue_final_message="yes")), 400,
@@ -864,6 +878,14 @@ def test_reasoning_splitter_units():
     assert prompt_opens_think("<|im_start|>assistant\n<think>\n", tags)
     assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n", tags)
     assert not prompt_opens_think("<|im_start|>assistant\n", tags)
+    # a continued final message (continue_final_message; its text starts at final_at) still thinking
+    cont = "<|im_start|>assistant\n<think>\nLet me add"
+    assert prompt_opens_think(cont, tags, cont.index("<think>"))                   # the open tag in its text
+    assert prompt_opens_think(cont, tags, cont.index("Let"))                       # or the template's, just before
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\nSure"
+    assert not prompt_opens_think(closed, tags, closed.index("Sure"))
+    earlier = "<|im_start|>user\nwhat is <think>?<|im_end|>\n<|im_start|>assistant\nSure"
+    assert not prompt_opens_think(earlier, tags, earlier.index("Sure"))           # a tag in another turn
 
 
 def test_server_defaults_and_name(ckpt):

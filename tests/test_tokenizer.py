@@ -764,6 +764,11 @@ def test_continue_final_message_cuts_after_the_last_content(tinycode_path):
     with pytest.raises(ValueError, match="no text to continue"):
         t.apply_chat_template([msgs[0], {"role": "assistant", "content": " "}], add_generation_prompt=False,
                               continue_final_message=True)
+    # the content's text again in the template's closing tag, or in an earlier turn: cut after the content
+    for last in ("end", "im", "hi"):
+        m = [msgs[0], {"role": "assistant", "content": last}]
+        assert t.apply_chat_template(m, add_generation_prompt=False, continue_final_message=True).endswith(
+            "<|im_start|>assistant\n" + last), last
     t.chat_template = "{% for m in messages %}[{{ m['content'] | upper }}]{% endfor %}"
     with pytest.raises(ValueError, match="cannot be continued"):
         t.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)

@@ -204,6 +204,9 @@ def _normalized(m: dict) -> dict:
 
 # the chat template's variables this tokenizer sets itself (apply_chat_template's context and the
 # environment's functions): a request's chat_template_kwargs may not set them (server/protocol.py)
+# marks where a continued final message's content ends in a rendering (private-use characters)
+_CONTINUE_MARK = "\ue000tensorfold-continue\ue001"
+
 TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
                           "pad_token", "unk_token", "raise_exception", "strftime_now"})
 
@@ -612,18 +615,33 @@ class Tokenizer:
         if add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false (the final message "
                              "is continued, no new turn opened)")
-        raw = validate_messages(messages)[-1].get("content")
-        raw = raw.lstrip() if isinstance(raw, str) else ""
-        final = raw.rstrip()
+        msgs = validate_messages(messages)
+        raw = self.final_text(msgs)
+        final = raw.strip()
         if not final:
             raise ValueError("continue_final_message: the final message has no text to continue")
-        text = self._render(messages, False, enable_thinking, tools, **kwargs)
+        # where the content ends, marked: the template's text after it (a closing "<|im_end|>") may hold
+        # the content's last characters again ("end", "im"), where a search for the content cut inside it
+        marked = self._render(msgs[:-1] + [dict(msgs[-1], content=raw + _CONTINUE_MARK)], False,
+                              enable_thinking, tools, **kwargs)
+        at = marked.find(_CONTINUE_MARK)
+        if at >= 0 and marked.count(_CONTINUE_MARK) == 1 and marked[:at].rstrip().endswith(final):
+            return marked[:at]
+        # a template that changes the content as it writes it: transformers' rule, the last place the
+        # content stands in the text, its trailing whitespace kept where the template wrote it
+        text = self._render(msgs, False, enable_thinking, tools, **kwargs)
         at = text.rfind(final)
         if at < 0:
             raise ValueError("continue_final_message: the chat template does not write the final message's "
                              "text as given, so it cannot be continued")
-        # its trailing whitespace kept where the template wrote it (transformers' rule)
+        raw = raw.lstrip()
         return text[:at + (len(raw) if text.startswith(raw, at) else len(final))]
+
+    @staticmethod
+    def final_text(messages: list[dict]) -> str:
+        """The last message's text (its text parts joined), as the template gets it."""
+        c = validate_messages(messages)[-1].get("content")
+        return c if isinstance(c, str) else ""
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool | None,
                 tools: list[dict] | None, **kwargs: Any) -> str:

@@ -431,6 +431,9 @@ class DiskStore:
                     if total <= self.max_bytes:
                         return
                     if e.pinned == pinned:
+                        if not pinned and self._pinned_on_disk(e.path):
+                            e.pinned = True     # another store sharing the directory pinned it since
+                            continue
                         try:
                             e.path.unlink()
                         except OSError:

@@ -206,7 +206,8 @@ class Engine:
                                               limit=True, continue_final_message=continue_final_message)
             self._check_prompt(ids, True, room)
             pin_at = self.system_prefix_len(messages, ids, think, tools, tkw) // self.mode.grid * self.mode.grid
-            return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text)
+            final_at = text.rfind(self.tokenizer.final_text(messages).strip()) if continue_final_message else None
+            return Prompt(ids=ids, chat=True, pin_at=pin_at, text=text, final_at=final_at)
         if isinstance(prompt, str):
             self._far_past(prompt, False)
         ids = self.tokenize(prompt=prompt, tools=tools)     # its ids checked against the vocabulary there

@@ -27,6 +27,7 @@ class Prompt:
     chat: bool                    # from messages (else a completions prompt)
     pin_at: int = 0               # grid point ending the system block (its snapshot is pinned)
     text: str | None = None       # the rendered chat template (chat only)
+    final_at: int | None = None   # continue_final_message: where the continued message's text starts in text
 
 
 @dataclass

@@ -63,10 +63,18 @@ class ReasoningSplitter:
         return reasoning, content
 
 
-def prompt_opens_think(prompt_text: str, tags: tuple[str, str] | None) -> bool:
-    """True when the rendered prompt ends inside an unclosed think block."""
+def prompt_opens_think(prompt_text: str, tags: tuple[str, str] | None, final_at: int | None = None) -> bool:
+    """True when the rendered prompt ends inside an unclosed think block: its last open tag with
+    nothing but whitespace after it (a generation prompt's), or, for a continued final message
+    (continue_final_message: its text starts at final_at), an open tag in that message's text, or
+    just before it, left unclosed (a prefilled reply still thinking: "<think>\nLet me add")."""
     if tags is None or not prompt_text:
         return False
     start, end = tags
     i = prompt_text.rfind(start)
-    return i >= 0 and prompt_text.find(end, i) < 0 and not prompt_text[i + len(start):].strip()
+    if i < 0 or prompt_text.find(end, i) >= 0:
+        return False
+    after = prompt_text[i + len(start):]
+    if final_at is None:
+        return not after.strip()
+    return i >= final_at or not prompt_text[i + len(start):final_at].strip()
