@@ -1354,10 +1354,10 @@ launch__shared_mem_config_size,smsp__issue_active.avg.pct_of_peak_sustained_acti
     ;;
   s60)      # session 60: the kernel refusal test as fixed (its float64 operand made on the CPU stream), the prompt
             # cache suite (the key now holds the device's make: mx.device_info on CUDA; the disk budget and writer
-            # queue); then 8B-shaped decode vs mlx-lm at 2k (the README's claim, on today's code)
+            # queue); with DECODE=1 then 8B-shaped decode vs mlx-lm at 2k (the README's claim, on today's code)
     { collect tests/test_kernels.py -k "refuse"; collect tests/test_prompt_cache.py; } > "$out/s60.ids"
     IDS="$out/s60.ids" PROCS=${PROCS:-8} LIMIT=${LIMIT:-240} bash "$0" suite
-    PROMPTS=2048 OTHER_STEP= SERIAL_ONLY=1 LIMIT=${DECODE_LIMIT:-240} bash "$0" decode
+    [ -z "${DECODE:-}" ] || PROMPTS=2048 OTHER_STEP= SERIAL_ONLY=1 LIMIT=${DECODE_LIMIT:-240} bash "$0" decode
     ;;
   s59)      # prepared in session 59 (no machine was lent): row_check's new form (every window size up to the draft
             # width + 1, straddling key 128, the prompt through the exact kernels) on the CUDA face, where MLX's own
