@@ -310,7 +310,8 @@ class DiskStore:
     def save_async(self, key: str, tokens, kv: list[tuple[mx.array, mx.array]], *, pinned: bool = False) -> None:
         """Copy the arrays out of MLX here, write the file in the background writer. Where
         MAX_QUEUED snapshots already wait, the oldest unpinned one waiting is dropped (a cache:
-        nothing saved is lost), or this one where all of them are pinned and it is not."""
+        nothing saved is lost); where all of them are pinned, this one if it is not, else the
+        oldest of them."""
         if not self._fits(tokens, kv):
             return
         with self._lock:
