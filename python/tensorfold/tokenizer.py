@@ -202,11 +202,11 @@ def _normalized(m: dict) -> dict:
     return m
 
 
-# the chat template's variables this tokenizer sets itself (apply_chat_template's context and the
-# environment's functions): a request's chat_template_kwargs may not set them (server/protocol.py)
 # marks where a continued final message's content ends in a rendering (private-use characters)
 _CONTINUE_MARK = "\ue000tensorfold-continue\ue001"
 
+# the chat template's variables this tokenizer sets itself (apply_chat_template's context and the
+# environment's functions): a request's chat_template_kwargs may not set them (server/protocol.py)
 TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
                           "pad_token", "unk_token", "raise_exception", "strftime_now"})
 
@@ -639,8 +639,9 @@ class Tokenizer:
 
     @staticmethod
     def final_text(messages: list[dict]) -> str:
-        """The last message's text (its text parts joined), as the template gets it."""
-        c = validate_messages(messages)[-1].get("content")
+        """The last message's text (its text parts joined), as the template gets it; the messages
+        already validated (apply_chat_template did)."""
+        c = _normalized(messages[-1]).get("content")
         return c if isinstance(c, str) else ""
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool | None,

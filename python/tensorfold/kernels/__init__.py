@@ -133,6 +133,9 @@ def as_index(v, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {v!r}") from None
 
 
+FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
 def promoted(x: mx.array, *others) -> mx.array:
     """x cast to the float type MLX's own op would return for these operands (its promotion: one
     dtype stays; bf16 with fp16, or anything with fp32, is fp32), so that the kernels' output
@@ -146,9 +149,6 @@ def promoted(x: mx.array, *others) -> mx.array:
                              + (f"{a.dtype}" if isinstance(a, mx.array) else type(a).__name__))
     types = {x.dtype, *(o.dtype for o in others if o is not None)}
     return x if len(types) == 1 or x.dtype == mx.float32 else x.astype(mx.float32)
-
-
-FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def check_scale(scale, what: str) -> float:

@@ -74,7 +74,6 @@ def prompt_opens_think(prompt_text: str, tags: tuple[str, str] | None, final_at:
     i = prompt_text.rfind(start)
     if i < 0 or prompt_text.find(end, i) >= 0:
         return False
-    after = prompt_text[i + len(start):]
     if final_at is None:
-        return not after.strip()
+        return not prompt_text[i + len(start):].strip()
     return i >= final_at or not prompt_text[i + len(start):final_at].strip()

@@ -206,8 +206,8 @@ class EngineWorker:
         tags = getattr(tok, "think_tags", None)
         prepared = kwargs.get("prepared")
         if tags and prepared is not None:       # rendered by Engine.prepare
-            return bool(prepared.chat and prepared.text) and prompt_opens_think(
-                prepared.text, tags, getattr(prepared, "final_at", None))
+            return bool(prepared.chat and prepared.text) and prompt_opens_think(prepared.text, tags,
+                                                                                prepared.final_at)
         if not tags or not kwargs.get("messages"):
             return False
         think = kwargs.get("enable_thinking")
